@@ -1,0 +1,1 @@
+"""Ember core: loss heads, RL algorithms, sample packing, config and plugin hooks."""

@@ -1,0 +1,309 @@
+"""Config sections owned by the core, and the typed dict -> dataclass parsing every section uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Convert `value` to the type `hint` names, raising ValueError that names `key`."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, key)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0] if errors else f"{key}: {value!r} is not allowed")
+    if origin is Literal:
+        for option in args:
+            if value == option or (isinstance(value, str) and str(option) == value):
+                return option
+        allowed = ", ".join(repr(a) for a in args)
+        raise ValueError(f"{key}: {value!r} is not one of {allowed}")
+    if origin in (list, tuple):
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(value, str) and not value.strip():
+            items = []
+        if not isinstance(items, list | tuple):
+            raise ValueError(f"{key}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        converted = [_coerce(v.strip() if isinstance(v, str) else v, inner, key) for v in items]
+        return converted if origin is list else tuple(converted)
+    if origin is dict or hint is dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key}: expected a section (mapping), got {value!r}")
+        return from_dict(hint, value, prefix=key)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ValueError(f"{key}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{key}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected a number, got {value!r}") from None
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"{key}: expected a string, got {value!r}")
+    if isinstance(hint, type) and isinstance(value, hint):
+        return value
+    raise ValueError(f"{key}: cannot read {value!r} as {hint}")
+
+
+def from_dict(cls: type, data: Mapping[str, Any], *, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, converting values to the annotated field types.
+
+    Strings are accepted for every scalar type, so `--set a.b=value` overrides work unchanged.
+
+    Args:
+        cls: A dataclass type whose fields may themselves be dataclasses (nested sections).
+        data: Field values by name; missing fields keep their defaults.
+        prefix: Dotted path of this section, used in error messages.
+
+    Raises:
+        ValueError: An unknown key (the known ones are listed) or a value of the wrong type; the
+            message names the full dotted key.
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{prefix or 'config'}: expected a section (mapping), got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ValueError(f"{dotted}: unknown key; known keys here: {known}")
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        if prefix and not str(exc).startswith(prefix):
+            raise ValueError(f"{prefix}.{exc}") from None
+        raise
+
+
+def to_dict(section: Any) -> dict[str, Any]:
+    """The plain-data form of a (nested) dataclass section, for writing resolved configs."""
+    return dataclasses.asdict(section)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's one-line docstring (the string literal right under it), by field name."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _check(condition: bool, key: str, value: Any, expected: str) -> None:
+    if not condition:
+        raise ValueError(f"{key}={value!r}: expected {expected}")
+
+
+# --------------------------------------------------------------------------------------------
+# Sections the core owns
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingConfig:
+    """How rollouts are sampled (the `rollout` section's sampling keys)."""
+
+    rollout_batch_size: int = 8
+    """Prompts per rollout."""
+    n_samples_per_prompt: int = 4
+    """Responses sampled for each prompt (the group size of GRPO-style estimators)."""
+    temperature: float = 1.0
+    """Sampling temperature; training divides policy logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 keeps all."""
+    max_response_len: int = 64
+    """Most tokens generated per response."""
+    seed: int = 1234
+    """Seed of the rollout sampler."""
+
+    def __post_init__(self) -> None:
+        _check(self.rollout_batch_size >= 1, "rollout_batch_size", self.rollout_batch_size, ">= 1")
+        _check(
+            self.n_samples_per_prompt >= 1, "n_samples_per_prompt", self.n_samples_per_prompt, ">= 1"
+        )
+        _check(
+            math.isfinite(self.temperature) and self.temperature > 0,
+            "temperature",
+            self.temperature,
+            "a finite number > 0",
+        )
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "0 < top_p <= 1")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1")
+        _check(self.max_response_len >= 1, "max_response_len", self.max_response_len, ">= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """The RL objective: advantage estimator, policy/value losses and their regularisers."""
+
+    advantage_estimator: str = "grpo"
+    """Registered estimator: grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline, ppo."""
+    normalize_group_std: bool = True
+    """GRPO/GSPO: divide group-centred rewards by the group std (+1e-6)."""
+    whiten_advantages: bool = False
+    """Whiten advantages over all unmasked tokens of the batch after estimation."""
+    gamma: float = 1.0
+    """Discount for token-level returns (PPO GAE, REINFORCE++)."""
+    lambd: float = 1.0
+    """GAE lambda (PPO)."""
+    eps_clip: float = 0.2
+    """PPO clip range below 1 (and above, unless eps_clip_high is set)."""
+    eps_clip_high: float | None = None
+    """PPO clip range above 1; None uses eps_clip."""
+    eps_clip_c: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * KL(actor || ref) to the loss."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss: k1, k2, k3 or low_var_kl."""
+    kl_coef: float = 0.0
+    """Weight of the per-token KL penalty folded into rewards (REINFORCE++, PPO)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    loss_reduction: Literal["sample", "token"] = "sample"
+    """sample: mean over each sample's tokens, then over samples; token: mean over all tokens."""
+    use_tis: bool = False
+    """Truncated importance sampling: weight the policy loss by clamp(exp(lp_train - lp_rollout))."""
+    tis_clip: float = 2.0
+    """Upper clamp of the TIS weight."""
+    tis_clip_low: float = 0.0
+    """Lower clamp of the TIS weight."""
+    value_clip: float = 0.2
+    """Clip range of value predictions around the old values (PPO critic)."""
+
+    def __post_init__(self) -> None:
+        from ember_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            known = ", ".join(ADVANTAGE_ESTIMATORS.names())
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r}: expected one of {known}"
+            )
+        if self.kl_loss_type not in KL_ESTIMATORS:
+            known = ", ".join(KL_ESTIMATORS.names())
+            raise ValueError(f"kl_loss_type={self.kl_loss_type!r}: expected one of {known}")
+        _check(0 < self.gamma <= 1, "gamma", self.gamma, "0 < gamma <= 1")
+        _check(0 <= self.lambd <= 1, "lambd", self.lambd, "0 <= lambd <= 1")
+        _check(0 < self.eps_clip < 1, "eps_clip", self.eps_clip, "0 < eps_clip < 1")
+        _check(
+            self.eps_clip_high is None or self.eps_clip_high > 0,
+            "eps_clip_high",
+            self.eps_clip_high,
+            "> 0 or null",
+        )
+        _check(
+            self.eps_clip_c is None or self.eps_clip_c > 1,
+            "eps_clip_c",
+            self.eps_clip_c,
+            "> 1 or null (dual clip needs c > 1)",
+        )
+        for key in ("kl_loss_coef", "kl_coef", "entropy_coef"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and value >= 0, key, value, "a finite number >= 0")
+        _check(self.tis_clip > 0, "tis_clip", self.tis_clip, "> 0")
+        _check(
+            0 <= self.tis_clip_low < self.tis_clip,
+            "tis_clip_low",
+            self.tis_clip_low,
+            f"0 <= tis_clip_low < tis_clip={self.tis_clip}",
+        )
+        _check(self.value_clip > 0, "value_clip", self.value_clip, "> 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class CIConfig:
+    """CI-only invariants."""
+
+    test: bool = False
+    """Turn on CI-mode assertions (for example the exact on-policy checks of ci_kl_checker)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CoreConfig:
+    """The sections the core owns, as they appear at the top level of a run config."""
+
+    rollout: SamplingConfig = field(default_factory=SamplingConfig)
+    """Rollout sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL objective."""
+    plugins: list[str] = field(default_factory=list)
+    """Plugins to enable, by entry-point name (installed plugins stay off unless listed)."""
+    ci: CIConfig = field(default_factory=CIConfig)
+    """CI switches."""
+
+    def __post_init__(self) -> None:
+        for name in self.plugins:
+            _check(bool(name) and name.isidentifier(), "plugins", name, "plugin names")

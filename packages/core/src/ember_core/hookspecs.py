@@ -1,0 +1,198 @@
+"""The hooks an Ember plugin can implement, grouped by the stage of a run that calls them.
+
+A plugin is a module (found through the `ember` entry-point group) whose functions are marked
+with `ember_core.hookimpl` and named like the specs below. Every hook is called through the
+typed facade in `ember_core.plugins`, never through `pm.hook` directly. A hookimpl may declare
+any subset of a spec's arguments.
+"""
+
+from __future__ import annotations
+
+import enum
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+NAME = "ember"
+"""The plugin system's name: PluginManager project name, hook markers, entry-point group."""
+
+hookspec = pluggy.HookspecMarker(NAME)
+hookimpl = pluggy.HookimplMarker(NAME)
+
+
+class Role(enum.StrEnum):
+    """Which model a forward pass runs."""
+
+    ACTOR = "actor"
+    REF = "ref"
+    CRITIC = "critic"
+
+
+class Phase(enum.StrEnum):
+    """Why a forward pass runs."""
+
+    LOG_PROB = "log_prob"
+    """Forward-only scoring of a rollout batch (old/ref log-probs, old values)."""
+    TRAIN = "train"
+    """The forward of a training step, whose graph backward will use."""
+    BACKWARD = "backward"
+    """The backward of a training step, including any activation recompute it triggers."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigSection:
+    """A plugin's own config section: top-level key `name`, parsed into dataclass `cls`."""
+
+    name: str
+    cls: type
+
+
+@dataclass(frozen=True, slots=True)
+class KLExemption:
+    """A plugin's statement that the initial actor/reference KL is not expected to be zero."""
+
+    plugin: str
+    reason: str
+
+
+# --------------------------------------------------------------------------------------------
+# Setup
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def ember_config_section() -> ConfigSection | None:
+    """Declare the plugin's config section.
+
+    Returns:
+        The section name (conventionally the plugin's name) and the dataclass it parses into.
+        Its fields become settable as `name.field` in run configs and with `--set`.
+    """
+
+
+@hookspec
+def ember_configure(config: Any, sections: dict[str, Any]) -> None:
+    """Receive the resolved run config once, before any model or engine is built.
+
+    Args:
+        config: The whole run config (read-only by convention).
+        sections: Every enabled plugin's parsed and validated section, by section name; a plugin
+            reads its own (`sections["r3_routing"]`).
+    """
+
+
+@hookspec
+def ember_model_config(role: Role, model_config: Any) -> None:
+    """Adjust a backend's model config before the model for `role` is built.
+
+    Args:
+        role: The model being built.
+        model_config: The backend's config object (for the Megatron backend, the
+            `TransformerConfig`), to be modified in place.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def ember_rollout_request_fields(engine: str) -> dict[str, Any] | None:
+    """Extra top-level fields for every generate request.
+
+    Args:
+        engine: The engine kind ("hf", "sglang", ...).
+
+    Returns:
+        Fields to merge into the request (for SGLang, the /generate JSON body). Two plugins
+        setting one field to different values is an error.
+    """
+
+
+@hookspec
+def ember_rollout_server_args(engine: str) -> list[str] | None:
+    """Extra command-line arguments for inference servers that the engine launches.
+
+    Returns:
+        Arguments appended to the server command line, e.g. ["--some-flag"].
+    """
+
+
+@hookspec
+def ember_process_sample(sample: Any, meta_info: dict[str, Any], engine: str) -> None:
+    """Process one finished sample together with the engine's raw response metadata.
+
+    Called for every sample, in order, after the engine's own parsing. Implementations decode
+    what they asked for (for example routed experts) into the sample and raise ValueError naming
+    the sample when the engine's data is malformed.
+
+    Args:
+        sample: The `ember_core.types.Sample`, modified in place.
+        meta_info: The engine's metadata for this sample (SGLang's `meta_info` layout).
+        engine: The engine kind.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def ember_forward_context(
+    role: Role, phase: Phase, batch: Any
+) -> AbstractContextManager[None] | None:
+    """Wrap one model forward (or backward) pass.
+
+    The facade enters every returned context manager, in registration order, around the pass.
+
+    Args:
+        role: The model running.
+        phase: Log-prob scoring, training forward, or training backward (with recompute).
+        batch: The micro-batch being processed (backend-specific; carries its samples).
+
+    Returns:
+        A context manager to hold during the pass, or None.
+    """
+
+
+@hookspec
+def ember_kl_check_exemptions() -> KLExemption | None:
+    """Say why the initial actor/reference KL is not expected to be exactly zero.
+
+    Returns:
+        An exemption naming the plugin and the reason, or None when this plugin does not change
+        the actor's forward relative to the reference's.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Logging
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def ember_after_train_step(
+    rollout_id: int, step_id: int, accumulated_step_id: int, metrics: dict[str, float]
+) -> None:
+    """Observe one optimizer step's reduced metrics.
+
+    Args:
+        rollout_id: The rollout whose data was trained on.
+        step_id: The step within this rollout, from 0.
+        accumulated_step_id: The step within the whole run, from 0 (survives resume).
+        metrics: Flat `train/*` metrics, already reduced across data-parallel ranks.
+    """
+
+
+@hookspec
+def ember_after_log_rollout_data(rollout_id: int, metrics: dict[str, float]) -> None:
+    """Observe a rollout batch's reduced metrics before training on it.
+
+    Args:
+        rollout_id: The rollout.
+        metrics: Flat `rollout/*` metrics, already reduced across data-parallel ranks.
+    """

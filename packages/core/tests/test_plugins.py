@@ -1,0 +1,313 @@
+"""Plugin discovery through real entry-point metadata, and every hook through the facade."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+
+import pluggy
+import pytest
+
+from ember_core import hookspecs
+from ember_core.hookspecs import ConfigSection, KLExemption, Phase, Role, hookimpl
+from ember_core.plugins import EmberPlugins, installed_plugins
+from ember_core.types import Sample
+
+
+def make_distribution(root: Path, dist: str, plugins: dict[str, str], version: str = "0.3.1") -> None:
+    """Write an installed distribution (module files + dist-info with entry points) under root."""
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = ["[ember]"] + [f"{name} = {name}_module" for name in plugins]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for name, source in plugins.items():
+        (root / f"{name}_module.py").write_text(textwrap.dedent(source))
+
+
+GOOD_PLUGIN = """
+    from ember_core.hookspecs import hookimpl
+
+    @hookimpl
+    def ember_rollout_request_fields(engine):
+        return {"return_routed_experts": True, "asked_by": engine}
+"""
+
+MISSPELT_PLUGIN = """
+    from ember_core.hookspecs import hookimpl
+
+    @hookimpl
+    def ember_rollout_request_feilds(engine):
+        return {"x": 1}
+"""
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A directory on sys.path holding two test distributions with `ember` entry points."""
+    make_distribution(tmp_path, "ember-testplug", {"testplug": GOOD_PLUGIN})
+    make_distribution(tmp_path, "ember-misspelt", {"misspelt": MISSPELT_PLUGIN})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for module in ("testplug_module", "misspelt_module"):
+        sys.modules.pop(module, None)
+
+
+def test_installed_plugins_are_discovered_from_entry_points(site):
+    found = installed_plugins()
+    assert found["testplug"].distribution == "ember-testplug"
+    assert found["testplug"].version == "0.3.1"
+    assert found["testplug"].value == "testplug_module"
+    assert "misspelt" in found
+
+
+def test_enabled_plugin_is_loaded_and_called(site):
+    plugins = EmberPlugins.load(["testplug"])
+    assert plugins.enabled == ["testplug"]
+    assert plugins.rollout_request_fields("sglang") == {
+        "return_routed_experts": True,
+        "asked_by": "sglang",
+    }
+
+
+def test_installed_but_not_enabled_plugin_changes_nothing(site):
+    plugins = EmberPlugins.load([])
+    assert plugins.enabled == []
+    assert plugins.rollout_request_fields("sglang") == {}
+    assert "testplug_module" not in sys.modules
+
+
+def test_unknown_plugin_lists_installed_ones(site):
+    with pytest.raises(ValueError, match=r"'nope' not installed; installed plugins: .*testplug"):
+        EmberPlugins.load(["testplug", "nope"])
+
+
+def test_misspelt_hookimpl_fails_check_pending(site):
+    with pytest.raises(pluggy.PluginValidationError, match="ember_rollout_request_feilds"):
+        EmberPlugins.load(["misspelt"])
+
+
+def test_trace_env_writes_hook_calls(site, monkeypatch, capsys):
+    monkeypatch.setenv("EMBER_TRACE_HOOKS", "1")
+    plugins = EmberPlugins.load(["testplug"])
+    plugins.rollout_request_fields("hf")
+    assert "ember_rollout_request_fields" in capsys.readouterr().err
+
+
+# -- one test per hook, through the facade, with explicitly registered plugins ------------------
+
+
+@pytest.fixture
+def plugins():
+    host = EmberPlugins()
+    registered: list[str] = []
+
+    def register(obj: object, name: str) -> None:
+        host.register(obj, name)
+        registered.append(name)
+
+    host.add = register  # type: ignore[attr-defined]
+    try:
+        yield host
+    finally:
+        for name in registered:
+            host.unregister(name)
+
+
+class SectionPlugin:
+    def __init__(self, name: str):
+        self.name = name
+        self.seen: dict = {}
+
+    @hookimpl
+    def ember_config_section(self):
+        return ConfigSection(self.name, dict)
+
+    @hookimpl
+    def ember_configure(self, config, sections):
+        self.seen = {"config": config, "mine": sections.get(self.name)}
+
+
+def test_hook_ember_config_section(plugins):
+    plugins.add(SectionPlugin("alpha"), "alpha")
+    plugins.add(SectionPlugin("beta"), "beta")
+    assert plugins.config_sections() == {"alpha": dict, "beta": dict}
+    plugins.add(SectionPlugin("alpha"), "alpha2")
+    with pytest.raises(ValueError, match="'alpha' is declared by two plugins"):
+        plugins.config_sections()
+
+
+def test_hook_ember_configure(plugins):
+    alpha, beta = SectionPlugin("alpha"), SectionPlugin("beta")
+    plugins.add(alpha, "alpha")
+    plugins.add(beta, "beta")
+    plugins.configure(config="run", sections={"alpha": 1, "beta": 2})
+    assert alpha.seen == {"config": "run", "mine": 1}
+    assert beta.seen == {"config": "run", "mine": 2}
+
+
+def test_hook_ember_model_config(plugins):
+    class Replay:
+        @hookimpl
+        def ember_model_config(self, role, model_config):
+            if role == Role.ACTOR:
+                model_config["replay"] = True
+
+    plugins.add(Replay(), "replay")
+    actor, ref = {}, {}
+    plugins.model_config("actor", actor)
+    plugins.model_config(Role.REF, ref)
+    assert actor == {"replay": True} and ref == {}
+
+
+def test_hook_ember_rollout_request_fields(plugins):
+    class A:
+        @hookimpl
+        def ember_rollout_request_fields(self, engine):
+            return {"return_routed_experts": True}
+
+    class B:
+        @hookimpl
+        def ember_rollout_request_fields(self, engine):
+            return {"return_routed_experts": False} if engine == "sglang" else {"extra": engine}
+
+    plugins.add(A(), "a")
+    plugins.add(B(), "b")
+    assert plugins.rollout_request_fields("hf") == {"return_routed_experts": True, "extra": "hf"}
+    with pytest.raises(ValueError, match="'return_routed_experts' set to both"):
+        plugins.rollout_request_fields("sglang")
+
+
+def test_hook_ember_rollout_server_args(plugins):
+    class A:
+        @hookimpl
+        def ember_rollout_server_args(self, engine):
+            return ["--enable-return-routed-experts"] if engine == "sglang" else None
+
+    class B:
+        @hookimpl
+        def ember_rollout_server_args(self):
+            return ["--b"]
+
+    plugins.add(A(), "a")
+    plugins.add(B(), "b")
+    assert plugins.rollout_server_args("sglang") == ["--enable-return-routed-experts", "--b"]
+    assert plugins.rollout_server_args("hf") == ["--b"]
+
+
+def test_hook_ember_process_sample(plugins):
+    class Decoder:
+        @hookimpl
+        def ember_process_sample(self, sample, meta_info, engine):
+            sample.metadata["decoded"] = (meta_info["routed_experts"], engine)
+
+    plugins.add(Decoder(), "decoder")
+    sample = Sample(tokens=[1, 2, 3], response_length=1)
+    plugins.process_sample(sample, {"routed_experts": "AAAA"}, "sglang")
+    assert sample.metadata["decoded"] == ("AAAA", "sglang")
+
+
+def test_hook_ember_forward_context(plugins):
+    events: list[str] = []
+
+    def tracker(tag: str):
+        class Tracker:
+            @hookimpl
+            def ember_forward_context(self, role, phase, batch):
+                if role != Role.ACTOR:
+                    return None
+
+                @contextlib.contextmanager
+                def hold():
+                    events.append(f"enter {tag} {phase} {batch}")
+                    yield
+                    events.append(f"exit {tag}")
+
+                return hold()
+
+        return Tracker()
+
+    plugins.add(tracker("first"), "first")
+    plugins.add(tracker("second"), "second")
+    with plugins.forward_context("actor", Phase.BACKWARD, batch=7):
+        events.append("pass")
+    with plugins.forward_context(Role.REF, "log_prob"):
+        events.append("ref pass")
+    assert events == [
+        "enter first backward 7",
+        "enter second backward 7",
+        "pass",
+        "exit second",
+        "exit first",
+        "ref pass",
+    ]
+    with pytest.raises(ValueError):
+        with plugins.forward_context("teacher", "train"):
+            pass
+
+
+def test_hook_ember_kl_check_exemptions(plugins):
+    class Exempt:
+        @hookimpl
+        def ember_kl_check_exemptions(self):
+            return KLExemption("r3_routing", "actor replays rollout routing")
+
+    class Quiet:
+        @hookimpl
+        def ember_kl_check_exemptions(self):
+            return None
+
+    assert plugins.kl_check_exemptions() == []
+    plugins.add(Quiet(), "quiet")
+    assert plugins.kl_check_exemptions() == []
+    plugins.add(Exempt(), "exempt")
+    assert plugins.kl_check_exemptions() == [
+        KLExemption("r3_routing", "actor replays rollout routing")
+    ]
+
+
+def test_hook_ember_after_train_step(plugins):
+    seen = []
+
+    class Watcher:
+        @hookimpl
+        def ember_after_train_step(self, rollout_id, step_id, accumulated_step_id, metrics):
+            seen.append((rollout_id, step_id, accumulated_step_id, metrics["train/ppo_kl"]))
+
+    plugins.add(Watcher(), "watcher")
+    plugins.after_train_step(3, 1, 7, {"train/ppo_kl": 0.5})
+    assert seen == [(3, 1, 7, 0.5)]
+
+
+def test_hook_ember_after_log_rollout_data(plugins):
+    seen = []
+
+    class Watcher:
+        @hookimpl
+        def ember_after_log_rollout_data(self, rollout_id, metrics):
+            seen.append((rollout_id, dict(metrics)))
+
+    plugins.add(Watcher(), "watcher")
+    plugins.after_log_rollout_data(0, {"rollout/log_probs": -1.0})
+    assert seen == [(0, {"rollout/log_probs": -1.0})]
+
+
+def test_every_hookspec_has_a_test():
+    specs = {
+        name
+        for name, obj in vars(hookspecs).items()
+        if name.startswith("ember_") and inspect.isfunction(obj)
+    }
+    tests = {name.removeprefix("test_hook_") for name in globals() if name.startswith("test_hook_")}
+    assert specs, "no hookspecs found"
+    assert specs == tests, f"hookspecs without a test: {sorted(specs - tests)}"
+
+
+def test_facade_has_a_method_for_every_hookspec():
+    specs = [n for n in vars(hookspecs) if n.startswith("ember_")]
+    names = [n.removeprefix("ember_") for n in specs]
+    missing = [n for n in names if not (hasattr(EmberPlugins, n) or hasattr(EmberPlugins, n + "s"))]
+    assert not missing
