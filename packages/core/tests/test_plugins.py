@@ -17,7 +17,9 @@ from ember_core.plugins import EmberPlugins, installed_plugins
 from ember_core.types import Sample
 
 
-def make_distribution(root: Path, dist: str, plugins: dict[str, str], version: str = "0.3.1") -> None:
+def make_distribution(
+    root: Path, dist: str, plugins: dict[str, str], version: str = "0.3.1"
+) -> None:
     """Write an installed distribution (module files + dist-info with entry points) under root."""
     info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)

@@ -190,7 +190,10 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         _check(self.rollout_batch_size >= 1, "rollout_batch_size", self.rollout_batch_size, ">= 1")
         _check(
-            self.n_samples_per_prompt >= 1, "n_samples_per_prompt", self.n_samples_per_prompt, ">= 1"
+            self.n_samples_per_prompt >= 1,
+            "n_samples_per_prompt",
+            self.n_samples_per_prompt,
+            ">= 1",
         )
         _check(
             math.isfinite(self.temperature) and self.temperature > 0,
@@ -236,7 +239,7 @@ class AlgorithmConfig:
     loss_reduction: Literal["sample", "token"] = "sample"
     """sample: mean over each sample's tokens, then over samples; token: mean over all tokens."""
     use_tis: bool = False
-    """Truncated importance sampling: weight the policy loss by clamp(exp(lp_train - lp_rollout))."""
+    """Truncated importance sampling: scale the policy loss by clamp(exp(lp_train - lp_rollout))."""
     tis_clip: float = 2.0
     """Upper clamp of the TIS weight."""
     tis_clip_low: float = 0.0

@@ -1,4 +1,4 @@
-"""Plugin discovery (entry-point group `ember`) and the typed facade every hook call goes through."""
+"""Plugin discovery (entry-point group `ember`) and the typed facade all hook calls go through."""
 
 from __future__ import annotations
 

@@ -92,7 +92,10 @@ class Sample:
                 )
             if any(m not in (0, 1) for m in self.loss_mask):
                 raise ValueError(f"{where}: loss_mask entries must be 0 or 1")
-        if self.rollout_log_probs is not None and len(self.rollout_log_probs) != self.response_length:
+        if (
+            self.rollout_log_probs is not None
+            and len(self.rollout_log_probs) != self.response_length
+        ):
             raise ValueError(
                 f"{where}: rollout_log_probs has {len(self.rollout_log_probs)} entries, expected "
                 f"response_length={self.response_length}"
@@ -145,7 +148,9 @@ class PackedBatch:
         return int(self.tokens.numel())
 
 
-def pack_samples(samples: Sequence[Sample], *, pad_multiple: int = 1, pad_token_id: int = 0) -> PackedBatch:
+def pack_samples(
+    samples: Sequence[Sample], *, pad_multiple: int = 1, pad_token_id: int = 0
+) -> PackedBatch:
     """Pack samples into one token stream, padding its end to a multiple of `pad_multiple`.
 
     Args:
@@ -176,7 +181,10 @@ def pack_samples(samples: Sequence[Sample], *, pad_multiple: int = 1, pad_token_
         bounds.append(padded)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
     position_ids = torch.cat(
-        [torch.arange(b - a, dtype=torch.long) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        [
+            torch.arange(b - a, dtype=torch.long)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
     )
     return PackedBatch(
         tokens=tokens,
