@@ -129,8 +129,8 @@ class SectionPlugin:
         return ConfigSection(self.name, dict)
 
     @hookimpl
-    def ember_configure(self, config, sections):
-        self.seen = {"config": config, "mine": sections.get(self.name)}
+    def ember_configure(self, config, sections, plugins):
+        self.seen = {"config": config, "mine": sections.get(self.name), "plugins": plugins}
 
 
 def test_hook_ember_config_section(plugins):
@@ -147,8 +147,29 @@ def test_hook_ember_configure(plugins):
     plugins.add(alpha, "alpha")
     plugins.add(beta, "beta")
     plugins.configure(config="run", sections={"alpha": 1, "beta": 2})
-    assert alpha.seen == {"config": "run", "mine": 1}
-    assert beta.seen == {"config": "run", "mine": 2}
+    assert alpha.seen == {"config": "run", "mine": 1, "plugins": plugins}
+    assert beta.seen == {"config": "run", "mine": 2, "plugins": plugins}
+
+
+def test_configure_hookimpls_may_take_a_subset_of_arguments(plugins):
+    seen: dict = {}
+
+    class ConfigOnly:
+        @hookimpl
+        def ember_configure(self, config):
+            seen["config"] = config
+
+    class Querying:
+        @hookimpl
+        def ember_configure(self, plugins):
+            # What other plugins report is asked later, once every plugin is configured.
+            seen["exemptions"] = plugins.kl_check_exemptions
+
+    plugins.add(ConfigOnly(), "config_only")
+    plugins.add(Querying(), "querying")
+    plugins.configure(config="run", sections={})
+    assert seen["config"] == "run"
+    assert seen["exemptions"]() == []
 
 
 def test_hook_ember_model_config(plugins):

@@ -11,9 +11,12 @@ from __future__ import annotations
 import enum
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:
+    from ember_core.plugins import EmberPlugins
 
 NAME = "ember"
 """The plugin system's name: PluginManager project name, hook markers, entry-point group."""
@@ -73,13 +76,16 @@ def ember_config_section() -> ConfigSection | None:
 
 
 @hookspec
-def ember_configure(config: Any, sections: dict[str, Any]) -> None:
+def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins) -> None:
     """Receive the resolved run config once, before any model or engine is built.
 
     Args:
         config: The whole run config (read-only by convention).
         sections: Every enabled plugin's parsed and validated section, by section name; a plugin
             reads its own (`sections["r3_routing"]`).
+        plugins: The run's plugin facade, for a plugin that acts on what other plugins report
+            (the KL checker asks `plugins.kl_check_exemptions()`). Call its query methods only,
+            and not before every plugin is configured (that is, not inside this hook).
     """
 
 

@@ -129,7 +129,8 @@ class EmberPlugins:
         return sections
 
     def configure(self, config: Any, sections: dict[str, Any]) -> None:
-        self.pm.hook.ember_configure(config=config, sections=sections)
+        """Hand every plugin the run config, its section and this facade (to query later)."""
+        self.pm.hook.ember_configure(config=config, sections=sections, plugins=self)
 
     def model_config(self, role: Role, model_config: Any) -> None:
         self.pm.hook.ember_model_config(role=Role(role), model_config=model_config)

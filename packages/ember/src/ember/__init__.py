@@ -1,0 +1,1 @@
+"""Ember: the CLI and the Ray driver of the RL post-training framework."""

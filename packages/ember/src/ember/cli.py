@@ -1,0 +1,129 @@
+"""The `ember` command: train, plugins, plot, convert."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+
+USAGE_ERROR = 2
+
+
+def _split_plugins(value: str) -> list[str]:
+    return [p.strip() for p in value.split(",") if p.strip()]
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ember.config import load_config
+    from ember.driver import Driver
+
+    run_dir = None
+    config_source: str | dict | None = args.config
+    if args.resume:
+        run_dir = Path(args.resume)
+        resolved = run_dir / "config.yaml"
+        if not resolved.is_file():
+            raise ValueError(f"--resume {run_dir}: no config.yaml there (not an Ember run directory)")
+        if args.config:
+            raise ValueError("--resume continues a run with its own config; drop the CONFIG argument")
+        config_source = yaml.safe_load(resolved.read_text())
+    config, _ = load_config(config_source, overrides=args.set, plugins=args.plugins)
+    driver = Driver(config, run_dir)
+    try:
+        out = driver.run(resume=bool(args.resume))
+    finally:
+        driver.shutdown()
+    print(f"run directory: {out}")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from ember.config import load_config
+    from ember_core.plugins import installed_plugins
+
+    enabled: list[str] = []
+    if args.config or args.plugins is not None:
+        config, _ = load_config(args.config, plugins=args.plugins)
+        enabled = config.plugins
+    installed = installed_plugins()
+    if not installed:
+        print("no plugins installed")
+        return 0
+    width = max(len(n) for n in installed)
+    for name, info in installed.items():
+        state = "enabled" if name in enabled else "disabled"
+        dist = f"{info.distribution} {info.version}" if info.distribution else info.value
+        print(f"{name:<{width}}  {state:<8}  {dist}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from ember.plot import plot_run
+
+    for path in plot_run(Path(args.run_dir), Path(args.out) if args.out else None):
+        print(path)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ember.convert import convert
+
+    print(convert(args.direction, Path(args.src), Path(args.dst), preset=args.model))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run RL training (default: the CPU example)")
+    train.add_argument("config", nargs="?", help="YAML run config or example name (default: default)")
+    train.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    train.add_argument(
+        "--plugins", type=_split_plugins, default=None, metavar="A,B", help="plugins to enable"
+    )
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
+    train.set_defaults(func=cmd_train)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins and whether a config enables them")
+    plugins.add_argument("config", nargs="?", help="run config to read the enabled list from")
+    plugins.add_argument("--plugins", type=_split_plugins, default=None, metavar="A,B")
+    plugins.set_defaults(func=cmd_plugins)
+
+    plot = sub.add_parser("plot", help="write PNG curves of a run")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="output directory (default RUN_DIR/plots)")
+    plot.set_defaults(func=cmd_plot)
+
+    convert = sub.add_parser("convert", help="convert checkpoints between HF and Megatron layouts")
+    convert.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
+    convert.add_argument("src")
+    convert.add_argument("dst")
+    convert.add_argument("--model", default=None, help="model preset for megatron-to-hf")
+    convert.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        if args.verbose:
+            raise
+        print(f"ember {args.command}: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The run config: every package's sections, plugin sections, YAML files and `--set` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig, from_dict, to_dict
+from ember_core.plugins import EmberPlugins, installed_plugins
+from ember_megatron_backend.config import BackendConfig
+from ember_rollout.config import DataConfig, EngineConfig, GroupSamplingConfig, RewardConfig
+
+logger = logging.getLogger(__name__)
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[4] / "examples"
+DEFAULT_CONFIG = "default"
+"""The example `ember train` runs with no config argument (examples/default.yaml)."""
+
+
+def _check(condition: bool, key: str, value: Any, expected: str) -> None:
+    if not condition:
+        raise ValueError(f"{key}={value!r}: expected {expected}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSection:
+    """The run as a whole: length, output directory, checkpoints and logging."""
+
+    name: str = "ember"
+    """Run name; the default directory is runs/<name>-<timestamp>."""
+    dir: str | None = None
+    """Output directory (config, metrics.jsonl, TensorBoard, checkpoints, plots)."""
+    num_rollouts: int = 30
+    """Rollouts (RL iterations) to run."""
+    save_interval: int = 10
+    """Save a checkpoint every this many rollouts (and after the last one); 0 disables."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk; older complete ones are deleted after a save."""
+    eval_interval: int = 0
+    """Evaluate greedy-ish (temperature eval_temperature) rewards every this many rollouts; 0 off."""
+    eval_prompts: int = 32
+    """Prompts per evaluation."""
+    eval_temperature: float = 0.01
+    """Sampling temperature of evaluations."""
+    dump_rollouts: bool = False
+    """Write every rollout's samples to rollouts/<id>.jsonl in the run directory."""
+    tensorboard: bool = True
+    """Write TensorBoard events to <dir>/tensorboard."""
+    wandb_project: str | None = None
+    """Log to this wandb project too (needs `pip install wandb`)."""
+    plot: bool = True
+    """Write PNG curves to <dir>/plots at the end of the run."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_rollouts >= 1, "num_rollouts", self.num_rollouts, ">= 1")
+        _check(self.save_interval >= 0, "save_interval", self.save_interval, ">= 0")
+        _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, ">= 1")
+        _check(self.eval_interval >= 0, "eval_interval", self.eval_interval, ">= 0")
+        _check(self.eval_prompts >= 1, "eval_prompts", self.eval_prompts, ">= 1")
+        _check(self.eval_temperature > 0, "eval_temperature", self.eval_temperature, "> 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class RaySection:
+    """Where the pieces run."""
+
+    address: str | None = None
+    """Ray cluster to join ("auto" or host:port); None starts a local Ray."""
+    num_cpus: int | None = None
+    """CPUs of a local Ray; None: all of this machine's."""
+    data_parallel: int = 1
+    """Training ranks (Ray actors, one torch.distributed process each)."""
+    gpus_per_rank: float = 0.0
+    """GPUs per training rank; 0 trains on CPU."""
+    colocate: bool = True
+    """Training and rollout share devices (the engine's memory is released while training)."""
+    num_engines: int = 1
+    """Rollout engine actors."""
+    gpus_per_engine: float = 0.0
+    """GPUs per rollout engine actor (disaggregated layouts)."""
+    threads_per_actor: int | None = None
+    """torch threads of each actor; None divides this machine's cores between them."""
+
+    def __post_init__(self) -> None:
+        _check(self.data_parallel >= 1, "data_parallel", self.data_parallel, ">= 1")
+        _check(self.gpus_per_rank >= 0, "gpus_per_rank", self.gpus_per_rank, ">= 0")
+        _check(self.num_engines >= 1, "num_engines", self.num_engines, ">= 1")
+        _check(self.gpus_per_engine >= 0, "gpus_per_engine", self.gpus_per_engine, ">= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """A whole run: the top level of a run config file."""
+
+    run: RunSection = field(default_factory=RunSection)
+    """The run as a whole."""
+    ray: RaySection = field(default_factory=RaySection)
+    """Placement."""
+    rollout: SamplingConfig = field(default_factory=SamplingConfig)
+    """Rollout sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL objective."""
+    train: BackendConfig = field(default_factory=BackendConfig)
+    """Megatron training: model, parallelism, optimizer, steps."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Inference engine."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function."""
+    group_sampling: GroupSamplingConfig = field(default_factory=GroupSamplingConfig)
+    """Dynamic filter and over-sampling."""
+    plugins: list[str] = field(default_factory=list)
+    """Plugins to enable by entry-point name; installed plugins stay off unless listed."""
+    ci: CIConfig = field(default_factory=CIConfig)
+    """CI-only invariants."""
+    plugin_sections: dict[str, Any] = field(default_factory=dict)
+    """Each enabled plugin's parsed section, by name (filled from top-level keys)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain-data form, with plugin sections back at the top level."""
+        data = {f.name: to_dict(getattr(self, f.name)) if dataclasses.is_dataclass(getattr(self, f.name))
+                else getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plugin_sections"}
+        for name, section in self.plugin_sections.items():
+            data[name] = to_dict(section) if dataclasses.is_dataclass(section) else section
+        return data
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for i, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {dotted}: {'.'.join(keys[: i + 1])} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: Sequence[str]) -> list[tuple[str, Any]]:
+    """Parse `a.b=value` strings; values are read as YAML scalars (`null`, `1e-3`, `[a, b]`)."""
+    parsed = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, for example rollout.temperature=0.7")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        parsed.append((key.strip(), value))
+    return parsed
+
+
+def resolve_config_path(config: str | None) -> Path:
+    """A config argument as a file: a path, or the name of a file under examples/."""
+    name = config or DEFAULT_CONFIG
+    path = Path(name)
+    if path.is_file():
+        return path
+    for candidate in (EXAMPLES_DIR / name, EXAMPLES_DIR / f"{name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in EXAMPLES_DIR.glob("*.yaml")) if EXAMPLES_DIR.is_dir() else []
+    raise ValueError(f"config {name!r}: no such file, and no example of that name ({', '.join(known)})")
+
+
+def load_config(
+    config: str | Path | Mapping[str, Any] | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    plugins: Sequence[str] | None = None,
+) -> tuple[RunConfig, EmberPlugins]:
+    """Read a run config, apply overrides, load the enabled plugins and parse their sections.
+
+    Args:
+        config: A YAML file, an example name, an already-read mapping, or None for the default.
+        overrides: `key=value` strings (`--set`), applied after the file.
+        plugins: Replaces the file's `plugins` list when given (`--plugins`).
+
+    Returns:
+        The validated config and the loaded plugins (already configured).
+
+    Raises:
+        ValueError: One line naming the bad key, its value and what is allowed.
+    """
+    if isinstance(config, Mapping):
+        data = dict(config)
+    else:
+        path = resolve_config_path(str(config) if config is not None else None)
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of sections at the top level")
+        data.setdefault("run", {}).setdefault("name", path.stem)
+    for key, value in parse_overrides(overrides):
+        _set_path(data, key, value)
+    if plugins is not None:
+        data["plugins"] = list(plugins)
+    if "ci_disable_kl_checker" in data:  # the global switch's other name
+        _set_path(data, "ci_kl_checker.disable", data.pop("ci_disable_kl_checker"))
+
+    enabled = data.get("plugins") or []
+    if isinstance(enabled, str):
+        enabled = [p.strip() for p in enabled.split(",") if p.strip()]
+    host = EmberPlugins.load(enabled)
+    section_types = host.config_sections()
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"plugin_sections"}
+    installed = installed_plugins()
+    core: dict[str, Any] = {}
+    sections: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in fields:
+            core[key] = value
+        elif key in section_types:
+            sections[key] = from_dict(section_types[key], value or {}, prefix=key)
+        elif key in installed:
+            logger.info("section %r ignored: plugin %r is not enabled", key, key)
+        else:
+            known = ", ".join(sorted(fields | set(section_types)))
+            raise ValueError(f"{key}: unknown top-level key; known: {known}")
+    for name, cls in section_types.items():
+        sections.setdefault(name, from_dict(cls, {}, prefix=name))
+    core["plugins"] = enabled
+    run_config = from_dict(RunConfig, core)
+    run_config.plugin_sections = sections
+    host.configure(run_config, sections)
+    return run_config, host
+
+
+def default_run_dir(config: RunConfig) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{config.run.name}-{stamp}"
+
+
+def write_resolved(config: RunConfig, run_dir: Path) -> Path:
+    """Write the resolved config to `run_dir/config.yaml` (atomically) and return its path."""
+    path = Path(run_dir) / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,331 @@
+"""The RL loop on Ray: rollout -> score -> train -> push weights, with checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from tqdm import tqdm
+
+from ember.config import RunConfig, default_run_dir, write_resolved
+from ember.metrics import METRICS_FILE, MetricsLogger
+from ember_core.types import Sample
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+DRIVER_STATE = "driver.json"
+
+RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+"""Set before Ray starts: under `uv run`, workers must not re-resolve the environment."""
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints: <run>/checkpoints/rollout_000009/{train/, driver.json}, `latest` names the newest
+# --------------------------------------------------------------------------------------------
+
+
+def checkpoint_name(rollout_id: int) -> str:
+    return f"rollout_{rollout_id:06d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a directory is complete once it has its final name)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("rollout_*") if (p / DRIVER_STATE).is_file())
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Actors:
+    train: list[Any]
+    engines: list[Any]
+
+
+def split_by_rank(samples: list[Sample], n_per_prompt: int, ranks: int) -> list[list[Sample]]:
+    """Contiguous whole groups per data-parallel rank, so group baselines see the whole group."""
+    groups = [samples[i : i + n_per_prompt] for i in range(0, len(samples), n_per_prompt)]
+    if len(groups) % ranks:
+        raise ValueError(
+            f"ray.data_parallel={ranks}: the rollout has {len(groups)} prompt groups, which do not "
+            "split evenly across ranks; make rollout.rollout_batch_size a multiple of it"
+        )
+    per = len(groups) // ranks
+    return [[s for g in groups[r * per : (r + 1) * per] for s in g] for r in range(ranks)]
+
+
+def mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Rank 0's metrics: the backend already reduced them across data-parallel ranks."""
+    return dict(per_rank[0])
+
+
+class Driver:
+    """Owns the Ray actors of one run and drives the loop of DESIGN section 2."""
+
+    def __init__(self, config: RunConfig, run_dir: Path | None = None) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir or config.run.dir or default_run_dir(config))
+        self.config.run.dir = str(self.run_dir)
+        self.actors: Actors | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def start_ray(self) -> None:
+        os.environ.update(RAY_ENV)
+        if ray.is_initialized():
+            return
+        ray_cfg = self.config.ray
+        ray.init(
+            address=ray_cfg.address,
+            num_cpus=ray_cfg.num_cpus if ray_cfg.address is None else None,
+            include_dashboard=False,
+            log_to_driver=True,
+            runtime_env={"env_vars": dict(RAY_ENV)},
+            logging_level=logging.WARNING,
+        )
+
+    def build(self) -> None:
+        from ember.actors import RolloutEngine, TrainRank
+        from ember_megatron_backend.parallel import free_port
+
+        cfg = self.config
+        ray_cfg = cfg.ray
+        resolved = cfg.to_dict()
+        cores = os.cpu_count() or 1
+        threads = ray_cfg.threads_per_actor or max(1, cores // max(1, ray_cfg.data_parallel))
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # CPU actors reserve no Ray CPUs: training and rollout alternate (colocated), and the
+        # thread count above is what shares the cores.
+        train = [
+            TrainRank.options(num_cpus=0, num_gpus=ray_cfg.gpus_per_rank).remote(
+                resolved,
+                rank=rank,
+                world_size=ray_cfg.data_parallel,
+                init_method=init_method,
+                threads=threads,
+            )
+            for rank in range(ray_cfg.data_parallel)
+        ]
+        ray.get([t.ready.remote() for t in train])
+        model_dir = self.run_dir / "hf_init"
+        if not (model_dir / "config.json").is_file():
+            ray.get([t.export_hf.remote(str(model_dir)) for t in train])
+            self._save_tokenizer(model_dir)
+        engines = [
+            RolloutEngine.options(num_cpus=0, num_gpus=ray_cfg.gpus_per_engine).remote(
+                resolved, model_path=str(model_dir), threads=cores if ray_cfg.colocate else threads
+            )
+            for _ in range(ray_cfg.num_engines)
+        ]
+        self.actors = Actors(train=train, engines=engines)
+
+    def _save_tokenizer(self, model_dir: Path) -> None:
+        from ember_rollout.tokenizer import load_tokenizer
+
+        load_tokenizer(self.config.data.tokenizer_path).save_pretrained(model_dir)
+
+    # -- one iteration -----------------------------------------------------------------------
+
+    def push_weights(self, rollout_id: int) -> None:
+        assert self.actors is not None
+        weights = ray.get([t.hf_weights.remote() for t in self.actors.train])[0]
+        ref = ray.put(weights)
+        ray.get([e.update_weights.remote(ref, str(rollout_id)) for e in self.actors.engines])
+
+    def iteration(self, rollout_id: int) -> tuple[dict[str, float], list[dict[str, float]], dict]:
+        assert self.actors is not None
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        engine = self.actors.engines[rollout_id % len(self.actors.engines)]
+        batch = ray.get(engine.generate.remote(rollout_id))
+        timings["perf/rollout_time"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        shards = split_by_rank(
+            batch.samples, self.config.rollout.n_samples_per_prompt, len(self.actors.train)
+        )
+        rollout_metrics = mean_metrics(
+            ray.get([t.prepare.remote(rollout_id, s) for t, s in zip(self.actors.train, shards, strict=True)])
+        )
+        timings["perf/log_probs_time"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        step_metrics = ray.get([t.train.remote(rollout_id) for t in self.actors.train])[0]
+        timings["perf/train_time"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        self.push_weights(rollout_id)
+        timings["perf/weight_push_time"] = time.perf_counter() - t0
+
+        rollout_metrics = {**batch.metrics, **rollout_metrics, **timings}
+        if self.config.run.dump_rollouts:
+            self._dump(rollout_id, batch.samples)
+        return rollout_metrics, step_metrics, timings
+
+    def _dump(self, rollout_id: int, samples: list[Sample]) -> None:
+        out = self.run_dir / "rollouts"
+        out.mkdir(exist_ok=True)
+        with (out / f"{rollout_id:06d}.jsonl").open("w") as handle:
+            for s in samples:
+                handle.write(
+                    json.dumps(
+                        {
+                            "index": s.index,
+                            "group_index": s.group_index,
+                            "prompt": s.prompt,
+                            "response": s.response,
+                            "label": s.label,
+                            "reward": s.reward,
+                            "status": str(s.status),
+                            "tokens": s.tokens,
+                            "response_length": s.response_length,
+                            "rollout_log_probs": s.rollout_log_probs,
+                        }
+                    )
+                    + "\n"
+                )
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, rollout_id: int, accumulated_step: int) -> Path:
+        """Write a checkpoint atomically: everything into a hidden directory, then one rename."""
+        assert self.actors is not None
+        root = self.run_dir / CHECKPOINTS
+        final = root / checkpoint_name(rollout_id)
+        tmp = root / f".{checkpoint_name(rollout_id)}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        ray.get([t.save.remote(str(tmp / "train")) for t in self.actors.train])
+        state = {
+            "rollout_id": rollout_id,
+            "accumulated_step": accumulated_step,
+            "engines": ray.get([e.state_dict.remote() for e in self.actors.engines]),
+        }
+        (tmp / DRIVER_STATE).write_text(json.dumps(state))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in complete_checkpoints(self.run_dir)[: -self.config.run.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def restore(self, checkpoint: Path) -> tuple[int, int]:
+        """Load a checkpoint into the actors; returns (next rollout id, accumulated step)."""
+        assert self.actors is not None
+        state = json.loads((checkpoint / DRIVER_STATE).read_text())
+        ray.get([t.load.remote(str(checkpoint / "train")) for t in self.actors.train])
+        for engine, engine_state in zip(self.actors.engines, state["engines"], strict=False):
+            ray.get(engine.load_state_dict.remote(engine_state))
+        self.push_weights(state["rollout_id"])
+        _truncate_metrics(self.run_dir, state["rollout_id"])
+        return state["rollout_id"] + 1, state["accumulated_step"]
+
+    # -- run ---------------------------------------------------------------------------------
+
+    def run(self, *, resume: bool = False) -> Path:
+        """Run (or continue) the loop to `run.num_rollouts`; returns the run directory."""
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_resolved(cfg, self.run_dir)
+        self.start_ray()
+        self.build()
+        start, accumulated = 0, 0
+        checkpoint = latest_checkpoint(self.run_dir) if resume else None
+        if checkpoint is not None:
+            start, accumulated = self.restore(checkpoint)
+            logger.info("resumed from %s at rollout %d", checkpoint, start)
+        sink = MetricsLogger(
+            self.run_dir,
+            tensorboard=cfg.run.tensorboard,
+            wandb_project=cfg.run.wandb_project,
+            wandb_config=cfg.to_dict(),
+        )
+        total = cfg.run.num_rollouts
+        bar = tqdm(total=total, initial=start, desc="rollouts", unit="rollout", dynamic_ncols=True)
+        try:
+            for rollout_id in range(start, total):
+                rollout_metrics, steps, _ = self.iteration(rollout_id)
+                sink.log("rollout", rollout_id, rollout_id, rollout_metrics)
+                for step in steps:
+                    sink.log("train", rollout_id, accumulated, step)
+                    accumulated += 1
+                bar.update(1)
+                bar.write(summary_line(rollout_id, rollout_metrics, steps))
+                interval = cfg.run.save_interval
+                if interval and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == total):
+                    self.save(rollout_id, accumulated)
+        finally:
+            bar.close()
+            sink.close()
+        if cfg.run.plot:
+            from ember.plot import plot_run
+
+            plot_run(self.run_dir)
+        return self.run_dir
+
+    def shutdown(self) -> None:
+        if self.actors is not None:
+            try:
+                ray.get([e.shutdown.remote() for e in self.actors.engines])
+            finally:
+                self.actors = None
+
+
+def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[str, float]]) -> str:
+    """One line per rollout: reward, KL, train/inference mismatch, routing, throughput."""
+    last = steps[-1] if steps else {}
+    parts = [f"rollout {rollout_id:4d}", f"reward {rollout.get('rollout/rewards', float('nan')):.3f}"]
+    if "train/kl_loss" in last:
+        parts.append(f"kl {last['train/kl_loss']:.2e}")
+    if "rollout/train_rollout_logprob_abs_diff" in rollout:
+        parts.append(f"mismatch {rollout['rollout/train_rollout_logprob_abs_diff']:.2e}")
+    if "rollout/routing_agreement" in rollout:
+        parts.append(f"routing {rollout['rollout/routing_agreement']:.4f}")
+    if "perf/tokens_per_s" in rollout:
+        parts.append(f"{rollout['perf/tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+def _truncate_metrics(run_dir: Path, last_rollout: int) -> None:
+    """Drop records written after the checkpoint, so a resumed run does not log them twice."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["rollout_id"] <= last_rollout:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,164 @@
+"""One micro-batch's training forward and its losses, from the ember-core formulas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ember_core.algorithms import (
+    approx_kl,
+    compose_loss,
+    gspo_policy_loss,
+    policy_loss,
+    reduce_loss,
+    tis_weights,
+    value_loss,
+)
+from ember_core.config import AlgorithmConfig
+from ember_core.heads import HeadOutput, PolicyHead, ValueHead
+from ember_megatron_backend.batches import MicroBatch, RolloutBatch
+from ember_megatron_backend.forward import model_inputs
+
+__all__ = [
+    "actor_loss",
+    "actor_metric_keys",
+    "critic_loss",
+    "local_denominator",
+    "policy_forward",
+    "value_forward",
+]
+
+
+def _output_rows(model: Any, mb: MicroBatch) -> Tensor:
+    # Logits are vocabulary-sharded under TP; the heads need whole rows.
+    out = model(**model_inputs(mb.packed), runtime_gather_output=True)
+    return out[:, : mb.packed.num_tokens]
+
+
+def policy_forward(model: Any, mb: MicroBatch, temperature: float) -> HeadOutput:
+    """Training forward of a policy: response log-probs and entropy, differentiable."""
+    rows = _output_rows(model, mb)
+    packed = mb.packed
+    return PolicyHead(temperature).log_probs(
+        rows,
+        packed.tokens[: packed.num_tokens].to(rows.device),
+        packed.total_lengths,
+        packed.response_lengths,
+        with_entropy=True,
+    )
+
+
+def value_forward(model: Any, mb: MicroBatch) -> list[Tensor]:
+    """Training forward of the critic: values at the response rows, differentiable."""
+    rows = _output_rows(model, mb)
+    return ValueHead().values(rows, mb.packed.total_lengths, mb.packed.response_lengths)
+
+
+def _cat(tensors: list[Tensor], indices: list[int], device: torch.device) -> Tensor:
+    return torch.cat([tensors[i] for i in indices]).to(device)
+
+
+def local_denominator(batch: RolloutBatch, indices: list[int], reduction: str) -> float:
+    """What ember-core's reduction divides a micro-batch's sum by: its number of samples
+    ("sample"), or of counted tokens ("token")."""
+    if reduction == "token":
+        return float(sum(float(batch.loss_masks[i].sum()) for i in indices))
+    return float(len(indices))
+
+
+def actor_metric_keys(algorithm: AlgorithmConfig, batch: RolloutBatch) -> list[str]:
+    """The metric names `actor_loss` returns for this configuration, in a fixed order."""
+    keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss"]
+    if batch.ref_log_probs is not None:
+        keys.append("kl_loss")
+    if algorithm.eps_clip_c is not None:
+        keys.append("dual_clipfrac")
+    if batch.rollout_log_probs is not None:
+        keys.append("train_rollout_logprob_abs_diff")
+        if algorithm.use_tis:
+            keys += ["tis", "tis_clipfrac"]
+    return keys
+
+
+def actor_loss(
+    head: HeadOutput,
+    mb: MicroBatch,
+    batch: RolloutBatch,
+    algorithm: AlgorithmConfig,
+    *,
+    sequence_ratio: bool,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor's loss on one micro-batch, reduced as `algorithm.loss_reduction` says (mean
+    over the micro-batch), with detached metrics named as in `actor_metric_keys`.
+
+    Policy loss: PPO's clipped surrogate, or GSPO's sequence-level ratio when the estimator
+    asks for it; scaled per token by TIS weights when `use_tis`; then entropy bonus and KL
+    loss (to the reference, reported whenever a reference exists) by ``compose_loss``.
+    """
+    log_probs = torch.cat(head.log_probs)
+    device = log_probs.device
+    idx = mb.indices
+    old = _cat(batch.log_probs, idx, device)
+    advantages = _cat(batch.advantages, idx, device)
+    mask = _cat(batch.loss_masks, idx, device)
+    lengths = [batch.samples[i].response_length for i in idx]
+    clip = dict(
+        eps_clip=algorithm.eps_clip,
+        eps_clip_high=algorithm.eps_clip_high,
+        eps_clip_c=algorithm.eps_clip_c,
+    )
+    if sequence_ratio:
+        pg, per_token = gspo_policy_loss(log_probs, old, advantages, mask, lengths, **clip)
+    else:
+        pg, per_token = policy_loss(log_probs, old, advantages, **clip)
+    metrics = {"pg_clipfrac": per_token["pg_clipfrac"], "ppo_kl": per_token["ppo_kl"]}
+    if algorithm.eps_clip_c is not None:
+        metrics["dual_clipfrac"] = per_token["dual_clipfrac"]
+    if batch.rollout_log_probs is not None:
+        rollout = _cat(batch.rollout_log_probs, idx, device)
+        metrics["train_rollout_logprob_abs_diff"] = (old - rollout).abs()
+        if algorithm.use_tis:
+            weights, tis = tis_weights(
+                old, rollout, tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low
+            )
+            pg = pg * weights
+            metrics.update(tis)
+    kl = None
+    if batch.ref_log_probs is not None:
+        kl = approx_kl(log_probs, _cat(batch.ref_log_probs, idx, device), algorithm.kl_loss_type)
+    return compose_loss(
+        pg,
+        mask,
+        lengths,
+        pg_metrics=metrics,
+        entropy=torch.cat(head.entropy) if head.entropy is not None else None,
+        entropy_coef=algorithm.entropy_coef,
+        kl=kl,
+        kl_loss_coef=algorithm.kl_loss_coef,
+        use_kl_loss=algorithm.use_kl_loss,
+        reduction=algorithm.loss_reduction,
+    )
+
+
+def critic_loss(
+    values: list[Tensor], mb: MicroBatch, batch: RolloutBatch, algorithm: AlgorithmConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The clipped value loss on one micro-batch (mean over it), with "value_loss" and
+    "value_clipfrac"."""
+    assert batch.values is not None
+    current = torch.cat(values).float()
+    device = current.device
+    idx = mb.indices
+    mask = _cat(batch.loss_masks, idx, device)
+    lengths = [batch.samples[i].response_length for i in idx]
+    per_token, extra = value_loss(
+        current,
+        _cat(batch.values, idx, device),
+        _cat(batch.returns, idx, device),
+        value_clip=algorithm.value_clip,
+    )
+    loss = reduce_loss(per_token, mask, lengths, algorithm.loss_reduction)
+    clipfrac = reduce_loss(extra["value_clipfrac"], mask, lengths, algorithm.loss_reduction)
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": clipfrac.detach()}

@@ -1,0 +1,108 @@
+"""Metrics reduced across data-parallel ranks: per-sample means of a rollout, sums of a step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ember_megatron_backend.batches import RolloutBatch
+
+__all__ = ["ROLLOUT_KEYS", "SampleMeans", "reduce_sums", "rollout_metrics"]
+
+ROLLOUT_KEYS = (
+    "rollout/rewards",
+    "rollout/response_length",
+    "rollout/log_probs",
+    "rollout/ref_log_probs",
+    "rollout/rollout_log_probs",
+    "rollout/entropy",
+    "rollout/advantages",
+    "rollout/returns",
+    "rollout/values",
+    "rollout/train_rollout_logprob_abs_diff",
+    "rollout/routing_agreement",
+)
+"""Every rollout metric, in the fixed order ranks reduce them in."""
+
+
+class SampleMeans:
+    """Means over samples of per-sample values, summed and counted across ranks.
+
+    Every rank must use the same keys in the same order (the reduction is one all-reduce of a
+    [K, 2] tensor); a key no sample contributed to on any rank is left out of the result.
+    """
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = list(keys)
+        self._index = {k: i for i, k in enumerate(self.keys)}
+        self._acc = torch.zeros(len(self.keys), 2, dtype=torch.float64)
+
+    def add(self, key: str, values: Tensor | list[float]) -> None:
+        """Add per-sample values of `key` (one number per sample)."""
+        values = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+        row = self._acc[self._index[key]]
+        row[0] += values.sum()
+        row[1] += values.numel()
+
+    def reduce(self, group: Any = None) -> dict[str, float]:
+        """The means over all ranks of `group` (None: this rank only)."""
+        acc = self._acc.clone()
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(acc, group=group)
+        return {
+            key: float(acc[i, 0] / acc[i, 1]) for i, key in enumerate(self.keys) if acc[i, 1] > 0
+        }
+
+
+def reduce_sums(values: dict[str, Tensor | float], group: Any = None) -> dict[str, float]:
+    """Sum each value over the ranks of `group`; every rank passes the same keys in order."""
+    keys = list(values)
+    acc = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(acc, group=group)
+    return {k: float(v) for k, v in zip(keys, acc, strict=True)}
+
+
+def _masked_means(per_token: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Per-sample means over counted tokens, and which samples have any counted token."""
+    sums = torch.stack([(t.double() * m.double()).sum() for t, m in zip(per_token, masks)])
+    counts = torch.stack([m.double().sum() for m in masks])
+    has = counts > 0
+    return sums[has] / counts[has], has
+
+
+def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
+    """The rollout/* metrics of DESIGN section 3 as means over the samples of all ranks.
+
+    Token quantities are first averaged over each sample's counted (loss-mask) response tokens;
+    samples without a counted token do not enter those means. rollout/routing_agreement is the
+    mean over samples of each sample's fraction of agreeing (position, MoE layer) routings.
+    """
+    means = SampleMeans(ROLLOUT_KEYS)
+    masks = batch.loss_masks
+    means.add("rollout/rewards", [float(s.reward) for s in batch.samples])
+    means.add("rollout/response_length", batch.response_lengths)
+    per_token = {
+        "rollout/log_probs": batch.log_probs,
+        "rollout/ref_log_probs": batch.ref_log_probs,
+        "rollout/rollout_log_probs": batch.rollout_log_probs,
+        "rollout/entropy": batch.entropy,
+        "rollout/advantages": batch.advantages,
+        "rollout/returns": batch.returns,
+        "rollout/values": batch.values,
+    }
+    if batch.rollout_log_probs is not None:
+        per_token["rollout/train_rollout_logprob_abs_diff"] = [
+            (a - b).abs() for a, b in zip(batch.log_probs, batch.rollout_log_probs, strict=True)
+        ]
+    for key, tensors in per_token.items():
+        if tensors is not None and tensors:
+            means.add(key, _masked_means(tensors, masks)[0])
+    if batch.routing is not None:
+        compared = batch.routing[:, 1] > 0
+        means.add("rollout/routing_agreement", batch.routing[compared, 0] / batch.routing[compared, 1])
+    return means.reduce(group)

@@ -1,0 +1,363 @@
+"""Model provider: megatron-core GPTModel shaped as Qwen3-MoE or Qwen3 dense, actor or critic."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ember_megatron_backend.parallel import uses_gpu
+
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "ValueOutputLayer",
+    "build_model",
+    "layer_spec",
+    "packed_causal_mask",
+    "transformer_config",
+    "uses_te_spec",
+]
+
+
+def _check_int(key: str, value: Any, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"model.{key} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Shape of a Qwen3-MoE (num_experts > 0) or Qwen3 dense (num_experts == 0) decoder."""
+
+    num_layers: int
+    """Number of decoder layers."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (GQA groups); divides num_attention_heads."""
+    head_dim: int
+    """Width of one attention head (megatron-core's kv_channels); Qwen3 does not tie it to
+    hidden_size / num_attention_heads."""
+    vocab_size: int
+    """Vocabulary size, unpadded: logits have exactly this many columns."""
+    ffn_hidden_size: int = 0
+    """Intermediate width of the dense SwiGLU MLP (dense models; HF intermediate_size)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 builds a dense model."""
+    moe_ffn_hidden_size: int = 0
+    """Intermediate width of one SwiGLU expert (HF moe_intermediate_size)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE checkpoints do)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient; 0 disables the loss."""
+    moe_router_dtype: str | None = "fp32"
+    """Dtype of the router logits and softmax: "fp32", "fp64" or None (the activation dtype)."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon (all norms, QK-norm included)."""
+    max_position_embeddings: int = 32768
+    """Longest sequence the model is configured for."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    init_method_std: float = 0.02
+    """Std of the normal initialisation of freshly built weights."""
+
+    def __post_init__(self) -> None:
+        positive = (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+        )
+        for key in positive:
+            _check_int(key, getattr(self, key), minimum=1)
+        for key in ("ffn_hidden_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+            _check_int(key, getattr(self, key), minimum=0)
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_query_groups={self.num_query_groups} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_experts:
+            if self.moe_ffn_hidden_size < 1:
+                raise ValueError(
+                    f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} must be >= 1 for an "
+                    f"MoE model (num_experts={self.num_experts})"
+                )
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(
+                    f"model.moe_router_topk={self.moe_router_topk} must lie in "
+                    f"[1, num_experts={self.num_experts}]"
+                )
+        elif self.ffn_hidden_size < 1:
+            raise ValueError(
+                f"model.ffn_hidden_size={self.ffn_hidden_size} must be >= 1 for a dense model "
+                "(num_experts=0)"
+            )
+        for key in ("rope_theta", "norm_epsilon", "init_method_std"):
+            value = getattr(self, key)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"model.{key} must be a number > 0, got {value!r}")
+        if not isinstance(self.moe_aux_loss_coeff, int | float) or self.moe_aux_loss_coeff < 0:
+            raise ValueError(
+                f"model.moe_aux_loss_coeff must be a number >= 0, got {self.moe_aux_loss_coeff!r}"
+            )
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(
+                f"model.moe_router_dtype must be None, 'fp32' or 'fp64', got "
+                f"{self.moe_router_dtype!r}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are routed experts."""
+        return self.num_experts > 0
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        """One of the named configurations in ``PRESETS``."""
+        try:
+            return dataclasses.replace(PRESETS[name])
+        except KeyError:
+            raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Small enough for a CPU forward+backward in well under a second.
+    "tiny-moe": ModelConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        vocab_size=256,
+        ffn_hidden_size=128,
+        num_experts=8,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        max_position_embeddings=512,
+    ),
+    "tiny-dense": ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        vocab_size=256,
+        ffn_hidden_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def uses_te_spec() -> bool:
+    """Whether models are built from Transformer Engine modules (GPU with TE installed)."""
+    return uses_gpu() and _have_te()
+
+
+def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> Any:
+    """The megatron-core TransformerConfig for `cfg` under the current parallel state.
+
+    Args:
+        cfg: Model shape.
+        dtype: Parameter and activation dtype (float32 or bfloat16).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    gpu = uses_gpu()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if cfg.vocab_size % tp:
+        # Megatron would pad the vocabulary; padded logit columns would change every softmax.
+        raise ValueError(f"model.vocab_size={cfg.vocab_size} must be divisible by TP={tp}")
+    moe: dict[str, Any] = {}
+    if cfg.is_moe:
+        moe = dict(
+            num_moe_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_router_score_function="softmax",
+            # Softmax over the k selected logits equals renormalised top-k softmax probs.
+            moe_router_pre_softmax=not cfg.norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff else "none",
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_router_dtype=cfg.moe_router_dtype,
+            moe_grouped_gemm=uses_te_spec(),
+        )
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size or cfg.moe_ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        # Local-spec norms (torch RMSNorm) refuse sequence parallelism; TE's support it. Without
+        # it megatron-core's MoE layer refuses to *train* under TP > 1 (eval forward works).
+        sequence_parallel=tp > 1 and uses_te_spec(),
+        # Pipeline p2p shapes per micro-batch. TransformerConfig rejects it whenever the token
+        # dispatcher is allgather (its default, even for dense models), so on CPU it is off and
+        # PP > 1 there needs equal micro-batch lengths.
+        variable_seq_lengths=gpu,
+        use_cpu_initialization=not gpu,
+        masked_softmax_fusion=gpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # The alltoall dispatcher creates a CUDA stream in its constructor.
+        moe_token_dispatcher_type="alltoall" if gpu else "allgather",
+        **moe,
+    )
+
+
+def layer_spec(cfg: ModelConfig) -> Any:
+    """Decoder layer spec: Transformer Engine modules on GPUs where TE is installed, else local."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    num_experts = cfg.num_experts or None
+    if uses_te_spec():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=cfg.is_moe, qk_layernorm=True
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, qk_layernorm=True, normalization="RMSNorm"
+    )
+
+
+class ValueOutputLayer(torch.nn.Module):
+    """Critic output layer: hidden [S, B, H] -> value [S, B, 1], replicated across TP ranks.
+
+    It stands in for GPTModel's ``output_layer`` and keeps its call signature.
+    """
+
+    def __init__(self, hidden_size: int, *, sequence_parallel: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        # Zero init: a fresh critic predicts 0 everywhere, which GAE treats as "no baseline yet".
+        # Every TP rank sees the whole (gathered) sequence, so its gradient is already complete.
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+
+    def forward(
+        self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[Tensor, None]:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False)
+        return F.linear(input_, self.weight), None
+
+
+def build_model(
+    cfg: ModelConfig,
+    *,
+    critic: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+    adjust_config: Callable[[Any], None] | None = None,
+) -> Any:
+    """Build this rank's GPTModel chunk (its pipeline stage) on this rank's device.
+
+    Args:
+        cfg: Model shape.
+        critic: Replace the vocabulary output layer with a value output layer of size 1.
+        dtype: Parameter dtype.
+        seed: Seed of the CPU generator used for weight init (CPU init draws from it).
+        adjust_config: Called with the ``TransformerConfig`` before the model is built, to
+            change it in place (the plugins' ``model_config`` hook goes through here).
+
+    Returns:
+        A megatron-core ``GPTModel``; its forward returns logits [B, S, V] (values [B, S, 1] for
+        a critic) on the last pipeline stage.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from ember_megatron_backend.parallel import device
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    config = transformer_config(cfg, dtype=dtype)
+    if adjust_config is not None:
+        adjust_config(config)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings and not critic,
+        position_embedding_type="rope",
+        rotary_base=cfg.rope_theta,
+    )
+    if critic and model.post_process:
+        model.output_layer = ValueOutputLayer(
+            cfg.hidden_size, sequence_parallel=config.sequence_parallel, dtype=dtype
+        )
+    return model.to(device())
+
+
+def packed_causal_mask(cu_seqlens: Tensor, length: int | None = None) -> Tensor:
+    """Block-diagonal causal attention mask for a packed "thd" stream, True where masked.
+
+    megatron-core's local ``DotProductAttention`` refuses ``PackedSeqParams``, so on CPU the
+    samples of a packed stream are kept apart by this [1, 1, T, T] mask instead (memory T^2
+    bytes: fine for development shapes, not for long GPU batches, which use TE attention).
+
+    Args:
+        cu_seqlens: [N + 1] offsets of the packed sequences (a padding segment included).
+        length: Stream length T; defaults to ``cu_seqlens[-1]``.
+    """
+    bounds = cu_seqlens.to(torch.long).cpu()
+    total = int(bounds[-1]) if length is None else length
+    if total < int(bounds[-1]):
+        raise ValueError(f"stream length {total} is shorter than cu_seqlens[-1]={int(bounds[-1])}")
+    seq_id = torch.bucketize(torch.arange(total), bounds[1:], right=True)  # [T]
+    same = seq_id[:, None] == seq_id[None, :]
+    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    return ~(same & causal)[None, None]

@@ -1,0 +1,291 @@
+"""Data-parallel wrapping, the learning-rate schedule and one optimizer interface for GPU and CPU.
+
+Models train inside megatron-core's ``DistributedDataParallel`` on both devices: backward
+accumulates every gradient into the fp32 buffer ``param.main_grad``, and ``step()`` reduces the
+buffers across data-parallel ranks (``finalize_model_grads``: DP all-reduce, plus the
+sequence-parallel norm and tied-embedding reductions) before updating. On GPUs the update is
+megatron-core's optimizer (``get_megatron_optimizer``: fp32 master weights for bf16 models,
+global-norm clipping, Adam); on CPU, where those wrappers allocate on CUDA, torch's AdamW with
+the same settings, the same global-norm clipping (norms summed over the model-parallel groups as
+megatron-core does) and the same weight-decay exemptions (1-D parameters and biases).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ember_core.algorithms import Registry
+from ember_megatron_backend.config import OptimizerConfig
+from ember_megatron_backend.parallel import uses_gpu
+
+__all__ = [
+    "LR_DECAY_STYLES",
+    "ModelOptimizer",
+    "StepResult",
+    "build_optimizer",
+    "learning_rate",
+    "wrap_ddp",
+]
+
+LR_DECAY_STYLES: Registry[Callable[[float], float]] = Registry("LR decay style")
+"""Decay styles by name: progress in [0, 1] -> fraction of (lr - min_lr) still applied."""
+LR_DECAY_STYLES.add("constant", lambda progress: 1.0)
+LR_DECAY_STYLES.add("linear", lambda progress: 1.0 - progress)
+LR_DECAY_STYLES.add("cosine", lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def learning_rate(step: int, cfg: OptimizerConfig) -> float:
+    """The learning rate of optimizer step `step` (counted from 0 over the whole run).
+
+    Warmup: step s < lr_warmup_steps uses lr * (s + 1) / lr_warmup_steps, so the first step
+    already moves. Then the decay style takes the rate from lr (at step lr_warmup_steps) to
+    min_lr (at step lr_decay_steps) and holds min_lr afterwards; "constant" stays at lr.
+    """
+    if step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_decay_steps is None:
+        progress = 0.0
+    else:
+        span = max(cfg.lr_decay_steps - cfg.lr_warmup_steps, 1)
+        progress = min(1.0, (step - cfg.lr_warmup_steps) / span)
+    coeff = LR_DECAY_STYLES.get(cfg.lr_decay_style)(progress)
+    if coeff == 1.0:  # exactly lr, without the rounding of min_lr + (lr - min_lr)
+        return cfg.lr
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * coeff
+
+
+def wrap_ddp(model: Any) -> Any:
+    """Wrap a GPTModel in megatron-core's DistributedDataParallel (fp32 ``main_grad`` buffers).
+
+    Parameters are broadcast from the first rank of each data-parallel group, so every replica
+    starts identical whatever each rank loaded or initialised.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from ember_megatron_backend import cpu
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
+    allocate = contextlib.nullcontext() if uses_gpu() else cpu.ddp_buffers_on_cpu()
+    with allocate:
+        ddp = DistributedDataParallel(model.config, ddp_config, model)
+    ddp.broadcast_params()
+    return ddp
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one optimizer step reports."""
+
+    grad_norm: float
+    """Global L2 norm of the reduced gradients before clipping."""
+    lr: float
+    """Learning rate the step used."""
+
+
+class ModelOptimizer:
+    """The optimizer of one DDP-wrapped model; `build_optimizer` picks the implementation.
+
+    One step: ``zero_grad()``, backward passes (accumulating into ``main_grad``), then
+    ``step(step_index)``, which reduces gradients across ranks, clips them to ``clip_grad``,
+    applies the scheduled learning rate and updates the weights.
+    """
+
+    kind = "abstract"
+
+    def __init__(self, model: Any, cfg: OptimizerConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+
+    def zero_grad(self) -> None:
+        """Clear the gradient buffers before a step's first backward."""
+        raise NotImplementedError
+
+    def step(self, step_index: int) -> StepResult:
+        """Reduce, clip and apply the accumulated gradients at run-wide step `step_index`."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state for a checkpoint (tensors and plain Python values only)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output.
+
+        Raises:
+            ValueError: if the state was written by the other implementation.
+        """
+        raise NotImplementedError
+
+    def _finalize_grads(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+
+    def _set_lr(self, groups: list[dict[str, Any]], lr: float) -> None:
+        for group in groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
+
+    def _check_kind(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != self.kind:
+            raise ValueError(
+                f"optimizer state was written by {state.get('kind')!r}, but this run uses "
+                f"{self.kind!r} (GPU runs use megatron-core's optimizer, CPU runs torch's AdamW)"
+            )
+
+
+class TorchAdamW(ModelOptimizer):
+    """CPU: torch AdamW over the model's parameters, fed from the DDP ``main_grad`` buffers."""
+
+    kind = "torch_adamw"
+
+    def __init__(self, model: Any, cfg: OptimizerConfig) -> None:
+        super().__init__(model, cfg)
+        decay, no_decay = [], []
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            (no_decay if param.dim() == 1 or name.endswith(".bias") else decay).append(param)
+        groups = [
+            {"params": decay, "wd_mult": 1.0},
+            {"params": no_decay, "wd_mult": 0.0},
+        ]
+        self.params = decay + no_decay
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        for param in self.params:
+            param.grad = None
+
+    @torch.no_grad()
+    def step(self, step_index: int) -> StepResult:
+        self._finalize_grads()
+        for param in self.params:
+            param.grad = param.main_grad.to(param.dtype)
+        grad_norm = self._grad_norm()
+        if self.cfg.clip_grad > 0:
+            coeff = self.cfg.clip_grad / (grad_norm + 1e-6)  # megatron-core's formula
+            if coeff < 1.0:
+                for param in self.params:
+                    param.grad.mul_(coeff)
+        lr = learning_rate(step_index, self.cfg)
+        self._set_lr(self.optimizer.param_groups, lr)
+        self.optimizer.step()
+        for param in self.params:
+            param.grad = None
+        return StepResult(grad_norm=grad_norm, lr=lr)
+
+    def _grad_norm(self) -> float:
+        """Global L2 norm: TP duplicates counted once, summed over the model-parallel groups."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        sums = torch.zeros(2, dtype=torch.float64)  # [dense, expert]
+        for param in self.params:
+            if not (param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)):
+                continue
+            expert = not getattr(param, "allreduce", True)
+            sums[int(expert)] += param.grad.detach().double().square().sum()
+        dense, expert = sums[:1].clone(), sums[1:].clone()
+        if dist.is_initialized():
+            dist.all_reduce(dense, group=ps.get_model_parallel_group())
+            dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        return float((dense + expert).sqrt())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "state": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_kind(state)
+        self.optimizer.load_state_dict(state["state"])
+
+
+class MegatronAdam(ModelOptimizer):
+    """GPU: megatron-core's optimizer (Adam, fp32 master weights for bf16, global-norm clip)."""
+
+    kind = "megatron"
+
+    def __init__(self, model: Any, cfg: OptimizerConfig) -> None:
+        super().__init__(model, cfg)
+        from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        params_dtype = next(model.parameters()).dtype
+        mcore = McoreOptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=params_dtype == torch.bfloat16,
+            params_dtype=params_dtype,
+            use_distributed_optimizer=False,
+        )
+        self.optimizer = get_megatron_optimizer(mcore, [model])
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self, step_index: int) -> StepResult:
+        self._finalize_grads()
+        lr = learning_rate(step_index, self.cfg)
+        self._set_lr(self.optimizer.param_groups, lr)
+        _, grad_norm, _ = self.optimizer.step()
+        return StepResult(grad_norm=float("nan") if grad_norm is None else float(grad_norm), lr=lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "state": _plain(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_kind(state)
+        self.optimizer.load_state_dict(state["state"])
+
+
+def _plain(obj: Any) -> Any:
+    """Parameters -> plain detached tensors, recursively (``torch.load(weights_only=True)``)."""
+    if isinstance(obj, Tensor):
+        return obj.detach()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
+
+
+def build_optimizer(model: Any, cfg: OptimizerConfig) -> ModelOptimizer:
+    """megatron-core's optimizer on GPUs, torch AdamW on CPU, for a DDP-wrapped `model`.
+
+    Raises:
+        ValueError: for a bf16 model on CPU (torch AdamW there keeps no fp32 master weights).
+    """
+    if uses_gpu():
+        return MegatronAdam(model, cfg)
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:
+        raise ValueError(
+            f"train.dtype={str(dtype).removeprefix('torch.')} needs a GPU: the CPU optimizer "
+            "updates fp32 weights only; use train.dtype=float32 on CPU"
+        )
+    return TorchAdamW(model, cfg)

@@ -1,0 +1,487 @@
+"""Weights in and out of a (sharded) Megatron GPTModel in the transformers checkpoint format.
+
+- ``load_hf_checkpoint``: an HF safetensors directory -> this rank's parameters.
+- ``iter_hf_weights``: (hf_name, tensor) pairs of this pipeline stage, gathered over TP/ETP/EP,
+  for pushing weights to rollout engines.
+- ``export_hf_checkpoint``: a directory that ``AutoModelForCausalLM.from_pretrained`` loads
+  (config.json + model.safetensors), gathered over every parallel dimension.
+
+Sharding follows megatron-core: column-parallel layers (``linear_qkv``, ``output_layer``, the
+vocabulary embedding) split rows across TP; SwiGLU ``linear_fc1`` splits its gate and its up half
+separately, so rank r holds [gate_r; up_r]; row-parallel layers (``linear_proj``, ``linear_fc2``)
+split columns; norms and routers are replicated. Expert weights use the expert-tensor-parallel
+group instead of TP, and EP rank r holds experts [r * E / EP, (r + 1) * E / EP).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ember_megatron_backend.hf_layout import (
+    fuse_experts,
+    hf_config,
+    hf_rule,
+)
+from ember_megatron_backend.model import ModelConfig, ValueOutputLayer
+
+__all__ = [
+    "CheckpointReader",
+    "export_hf_checkpoint",
+    "hf_shapes",
+    "iter_hf_weights",
+    "load_hf_checkpoint",
+    "shard",
+    "unshard",
+]
+
+# Transformer Engine layer specs fuse the pre-attention / pre-MLP norms into the next linear
+# and keep grouped experts as weight{e} of one module; these names map onto the local spec's.
+_TE_ALIASES = (
+    (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+    (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+    (
+        re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$"),
+        r"mlp.experts.local_experts.\2.\1.weight",
+    ),
+)
+_LAYER_IDX = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT_IDX = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+# --- sharding --------------------------------------------------------------------------------
+
+
+def shard(full: Tensor, kind: str, rank: int, size: int) -> Tensor:
+    """Rank `rank`'s piece of a full tensor split `size` ways.
+
+    Args:
+        full: The unsharded tensor.
+        kind: "replicated", "column" (rows split), "row" (columns split) or "glu" (rows split
+            within each of the gate and up halves).
+        rank: The rank within the splitting group.
+        size: The group size.
+    """
+    if size == 1 or kind == "replicated":
+        return full
+    if kind == "column":
+        return full.chunk(size, dim=0)[rank]
+    if kind == "row":
+        return full.chunk(size, dim=1)[rank]
+    if kind == "glu":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    raise ValueError(f"unknown shard kind {kind!r}")
+
+
+def unshard(pieces: list[Tensor], kind: str) -> Tensor:
+    """Inverse of ``shard``: the full tensor from every rank's piece, in rank order."""
+    if len(pieces) == 1 or kind == "replicated":
+        return pieces[0]
+    if kind == "column":
+        return torch.cat(pieces, dim=0)
+    if kind == "row":
+        return torch.cat(pieces, dim=1)
+    if kind == "glu":
+        halves = [p.chunk(2, dim=0) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    raise ValueError(f"unknown shard kind {kind!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    """Where a local parameter sits in the full model."""
+
+    global_name: str
+    kind: str
+    expert: bool  # split over the expert-tensor-parallel group, gathered over EP
+
+
+def _kind(global_name: str, critic: bool) -> str:
+    if global_name == "output_layer.weight":
+        return "replicated" if critic else "column"
+    if global_name.endswith(("word_embeddings.weight", "linear_qkv.weight")):
+        return "column"
+    if global_name.endswith("linear_fc1.weight"):
+        return "glu"
+    if global_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return "row"
+    return "replicated"
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _is_critic(model: Any) -> bool:
+    return isinstance(getattr(model, "output_layer", None), ValueOutputLayer)
+
+
+def _placements(model: Any, cfg: ModelConfig) -> dict[str, _Placement]:
+    """Local parameter name -> placement, for this rank's model chunk."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layer_offset = get_transformer_layer_offset(model.config)
+    ep_rank = ps.get_expert_model_parallel_rank()
+    local_experts = cfg.num_experts // ps.get_expert_model_parallel_world_size()
+    critic = _is_critic(model)
+    out = {}
+    for local_name, _ in model.named_parameters():
+        name = local_name
+        for pattern, repl in _TE_ALIASES:
+            name = pattern.sub(repl, name)
+        name = _LAYER_IDX.sub(lambda m: f"decoder.layers.{int(m[1]) + layer_offset}.", name)
+        name = _EXPERT_IDX.sub(
+            lambda m: f".local_experts.{int(m[1]) + ep_rank * local_experts}.", name
+        )
+        out[local_name] = _Placement(name, _kind(name, critic), ".local_experts." in name)
+    return out
+
+
+def _group(expert: bool) -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    if expert:
+        return (
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_group(),
+    )
+
+
+# --- reading checkpoints ------------------------------------------------------------------------
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every tensor a transformers checkpoint of `cfg` holds."""
+    h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+            }
+        )
+        if cfg.is_moe:
+            f = cfg.moe_ffn_hidden_size
+            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+            for e in range(cfg.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                shapes.update(
+                    {
+                        x + "gate_proj.weight": (f, h),
+                        x + "up_proj.weight": (f, h),
+                        x + "down_proj.weight": (h, f),
+                    }
+                )
+        else:
+            f = cfg.ffn_hidden_size
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (f, h),
+                    p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f),
+                }
+            )
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+_FUSED_KEY = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$")
+
+
+class CheckpointReader:
+    """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index).
+
+    Expert tensors stored fused (transformers 5 in-memory names ``mlp.experts.gate_up_proj``
+    [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I]) are presented per expert, so callers
+    always see the per-expert checkpoint layout.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from safetensors import safe_open
+
+        root = Path(path)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (root / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"{root} holds neither model.safetensors nor its index")
+        self._handles = [safe_open(str(root / f), framework="pt") for f in files]
+        self._where: dict[str, tuple[Any, str, int | None, int | None]] = {}
+        for handle in self._handles:
+            for key in handle.keys():
+                fused = _FUSED_KEY.fullmatch(key)
+                if fused is None:
+                    self._where[key] = (handle, key, None, None)
+                    continue
+                prefix, which = fused.groups()
+                num_experts = handle.get_slice(key).get_shape()[0]
+                for e in range(num_experts):
+                    if which == "down_proj":
+                        self._where[f"{prefix}{e}.down_proj.weight"] = (handle, key, e, None)
+                    else:
+                        self._where[f"{prefix}{e}.gate_proj.weight"] = (handle, key, e, 0)
+                        self._where[f"{prefix}{e}.up_proj.weight"] = (handle, key, e, 1)
+
+    def keys(self) -> list[str]:
+        """Checkpoint names, per expert."""
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of `name` without reading it."""
+        handle, key, expert, half = self._where[name]
+        shape = tuple(handle.get_slice(key).get_shape())
+        if expert is None:
+            return shape
+        rows, cols = shape[1:]
+        return (rows // 2, cols) if half is not None else (rows, cols)
+
+    def get(self, name: str) -> Tensor:
+        """The tensor `name`."""
+        handle, key, expert, half = self._where[name]
+        if expert is None:
+            return handle.get_tensor(key)
+        tensor = handle.get_slice(key)[expert]
+        return tensor if half is None else tensor.chunk(2, dim=0)[half].contiguous()
+
+
+def _check_checkpoint(reader: CheckpointReader, cfg: ModelConfig, tied_ok: bool) -> None:
+    expected = hf_shapes(cfg)
+    available = set(reader.keys())
+    for name, shape in expected.items():
+        if name not in available:
+            raise ValueError(f"checkpoint lacks parameter {name} (expected shape {list(shape)})")
+        found = reader.shape(name)
+        if tuple(found) != shape:
+            raise ValueError(
+                f"checkpoint parameter {name} has shape {list(found)}, but the model expects "
+                f"{list(shape)}: the checkpoint is of another architecture or size"
+            )
+    extra = sorted(available - set(expected) - ({"lm_head.weight"} if tied_ok else set()))
+    if extra:
+        raise ValueError(
+            f"checkpoint has parameter {extra[0]} (shape {list(reader.shape(extra[0]))}) that the "
+            f"model does not ({len(extra)} such): the checkpoint is of another architecture"
+        )
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: Any, path: str | os.PathLike[str], cfg: ModelConfig) -> None:
+    """Copy a transformers checkpoint directory into this rank's shard of `model`.
+
+    The checkpoint must hold exactly the model's tensors (a tied model may also carry an
+    ``lm_head.weight``, which is ignored). A critic keeps its value output layer and ignores
+    ``lm_head.weight``. Tensors are cast to the parameters' dtype.
+
+    Raises:
+        ValueError: naming the first parameter whose name or shape does not match, with both
+            shapes.
+    """
+    model = _unwrap(model)
+    critic = _is_critic(model)
+    reader = CheckpointReader(path)
+    _check_checkpoint(reader, cfg, tied_ok=cfg.tie_word_embeddings or critic)
+    params = dict(model.named_parameters())
+    for local_name, place in _placements(model, cfg).items():
+        if critic and place.global_name == "output_layer.weight":
+            continue
+        if cfg.tie_word_embeddings and place.global_name == "output_layer.weight":
+            # A tied model's last pipeline stage holds its own copy of the embedding.
+            rule = hf_rule("embedding.word_embeddings.weight", cfg)
+        else:
+            rule = hf_rule(place.global_name, cfg)
+        full = rule.merge(*(reader.get(n) for n in rule.hf_names))
+        rank, size, _ = _group(place.expert)
+        piece = shard(full, place.kind, rank, size)
+        param = params[local_name]
+        if piece.shape != param.shape:
+            raise ValueError(
+                f"parameter {local_name} (from {', '.join(rule.hf_names)}) has shape "
+                f"{list(param.shape)} in the model but {list(piece.shape)} from the checkpoint"
+            )
+        param.copy_(piece.to(param.dtype))
+
+
+# --- gathering and writing ----------------------------------------------------------------------
+
+
+def _all_gather(tensor: Tensor, size: int, group: Any) -> list[Tensor]:
+    if size == 1:
+        return [tensor]
+    pieces = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return pieces
+
+
+@torch.no_grad()
+def _iter_full_megatron(model: Any, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    """(global Megatron name, full tensor) of this pipeline stage, gathered over TP/ETP/EP.
+
+    Every rank of a TP/EP group must iterate in step: the gathers are collectives.
+    """
+    from megatron.core import parallel_state as ps
+
+    ep_size = ps.get_expert_model_parallel_world_size()
+    ep_group = ps.get_expert_model_parallel_group()
+    local_experts = cfg.num_experts // ep_size
+    placements = _placements(model, cfg)
+    for local_name, param in model.named_parameters():
+        place = placements[local_name]
+        if cfg.tie_word_embeddings and place.global_name == "output_layer.weight":
+            continue  # the embedding already holds it
+        _, size, group = _group(place.expert)
+        full = unshard(_all_gather(param.detach(), size, group), place.kind)
+        if not place.expert:
+            yield place.global_name, full
+            continue
+        match = _EXPERT_IDX.search(place.global_name)
+        local_e = int(match[1]) % local_experts
+        for ep_rank, tensor in enumerate(_all_gather(full, ep_size, ep_group)):
+            e = ep_rank * local_experts + local_e
+            yield _EXPERT_IDX.sub(f".local_experts.{e}.", place.global_name), tensor
+
+
+def iter_hf_weights(
+    model: Any,
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype | None = None,
+    fused_experts: bool = False,
+) -> Iterator[tuple[str, Tensor]]:
+    """(hf_name, tensor) pairs of this rank's pipeline stage, full (gathered over TP/ETP/EP).
+
+    Tensors stay on the parameters' device. Every rank of the TP/EP groups must consume the
+    iterator in step, since gathering is collective. Under PP each stage yields its own layers
+    (with global layer indices) and the first stage the embedding.
+
+    Args:
+        model: An actor or reference GPTModel (possibly wrapped); not a critic.
+        cfg: Its shape.
+        dtype: Cast to this dtype (default: keep the parameters' dtype).
+        fused_experts: Yield experts in the transformers 5 in-memory layout
+            (``mlp.experts.gate_up_proj`` / ``down_proj``), ready for ``load_state_dict`` on a
+            transformers model, instead of the per-expert checkpoint layout SGLang reads.
+
+    Raises:
+        ValueError: for a critic (its value layer has no transformers counterpart).
+    """
+    model = _unwrap(model)
+    if _is_critic(model):
+        raise ValueError("a critic has no transformers counterpart to export")
+
+    def per_param() -> Iterator[list[tuple[str, Tensor]]]:
+        for name, full in _iter_full_megatron(model, cfg):
+            rule = hf_rule(name, cfg)
+            tensors = rule.split(full)
+            if dtype is not None:
+                tensors = [t.to(dtype) for t in tensors]
+            yield list(zip(rule.hf_names, tensors, strict=True))
+
+    if not fused_experts or not cfg.is_moe:
+        for pairs in per_param():
+            yield from pairs
+        return
+    pending: list[tuple[str, Tensor]] = []  # one layer's experts, fused when the layer ends
+    layer_of = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.")
+    current = None
+    for pairs in per_param():
+        for name, tensor in pairs:
+            match = layer_of.match(name)
+            if match is None:
+                yield name, tensor
+                continue
+            if current is not None and match[1] != current:
+                yield from fuse_experts(pending, cfg)
+                pending = []
+            current = match[1]
+            pending.append((name, tensor))
+    if pending:
+        yield from fuse_experts(pending, cfg)
+
+
+def export_hf_checkpoint(
+    model: Any,
+    cfg: ModelConfig,
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path | None:
+    """Write config.json + model.safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Collective over all ranks (TP/ETP/EP gathers, then pipeline stages to global rank 0). Only
+    global rank 0 writes; the directory appears atomically (written aside, then renamed).
+
+    Args:
+        model: An actor or reference GPTModel (possibly wrapped).
+        cfg: Its shape.
+        path: Target directory; replaced if it exists.
+        dtype: Tensor and config dtype (default: the parameters' dtype).
+
+    Returns:
+        The directory on global rank 0, None elsewhere.
+    """
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    unwrapped = _unwrap(model)
+    if dtype is None:
+        dtype = next(unwrapped.parameters()).dtype
+    tensors = {
+        name: t.detach().to("cpu", dtype).clone()
+        for name, t in iter_hf_weights(unwrapped, cfg, dtype=dtype)
+    }
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    if pp_size > 1:
+        stages: list[dict[str, Tensor] | None] = [None] * pp_size
+        dist.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
+        tensors = {k: v for stage in stages for k, v in (stage or {}).items()}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    missing = sorted(set(hf_shapes(cfg)) - set(tensors))
+    assert not missing, f"export lacks {missing[:3]}"
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        hf_config(cfg, dtype=dtype).save_pretrained(staging)
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target

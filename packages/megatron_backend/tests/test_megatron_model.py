@@ -1,0 +1,125 @@
+"""ModelConfig validation, the GPTModel provider and the packed attention mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember_megatron_backend.model import (
+    PRESETS,
+    ModelConfig,
+    ValueOutputLayer,
+    build_model,
+    packed_causal_mask,
+)
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"num_layers": 0}, "num_layers"),
+        ({"hidden_size": 64.0}, "hidden_size"),
+        ({"num_query_groups": 3}, "num_query_groups"),
+        ({"moe_ffn_hidden_size": 0}, "moe_ffn_hidden_size"),
+        ({"moe_router_topk": 9}, "moe_router_topk"),
+        ({"rope_theta": 0}, "rope_theta"),
+        ({"norm_epsilon": -1e-6}, "norm_epsilon"),
+        ({"moe_router_dtype": "bf16"}, "moe_router_dtype"),
+        ({"num_experts": 0, "ffn_hidden_size": 0}, "ffn_hidden_size"),
+    ],
+)
+def test_model_config_errors_name_the_key(changes, key):
+    with pytest.raises(ValueError, match=f"model.{key}"):
+        ModelConfig.preset("tiny-moe").replace(**changes)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        ModelConfig.preset("huge")
+
+
+def test_preset_is_a_copy():
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.num_layers = 1
+    assert PRESETS["tiny-moe"].num_layers == 4
+
+
+def test_packed_causal_mask_blocks_and_causality():
+    mask = packed_causal_mask(torch.tensor([0, 2, 5]), 6)[0, 0]
+    allowed = ~mask
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for a, b in [(0, 2), (2, 5), (5, 6)]:  # the tail past cu_seqlens[-1] is its own block
+        for i in range(a, b):
+            expected[i, a : i + 1] = True
+    assert torch.equal(allowed, expected)
+
+
+def test_moe_model_shape(dist_env):
+    cfg = ModelConfig.preset("tiny-moe")
+    model = build_model(cfg, seed=0)
+    params = dict(model.named_parameters())
+    layer = "decoder.layers.3."
+    assert params[layer + "self_attention.linear_qkv.weight"].shape == (
+        (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim,
+        cfg.hidden_size,
+    )
+    assert params[layer + "self_attention.q_layernorm.weight"].shape == (cfg.head_dim,)
+    assert params[layer + "mlp.router.weight"].shape == (cfg.num_experts, cfg.hidden_size)
+    fc1 = params[layer + "mlp.experts.local_experts.7.linear_fc1.weight"]
+    assert fc1.shape == (2 * cfg.moe_ffn_hidden_size, cfg.hidden_size)
+    assert params["output_layer.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
+    assert model.config.moe_router_topk == 2 and model.config.moe_router_pre_softmax is False
+    assert all(p.device.type == "cpu" for p in params.values())
+
+
+def test_dense_tied_model_has_no_output_weight(dist_env):
+    cfg = ModelConfig.preset("tiny-dense")
+    names = {n for n, _ in build_model(cfg, seed=0).named_parameters()}
+    assert "output_layer.weight" not in names
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in names
+    assert not any("router" in n for n in names)
+
+
+def _batch(cfg, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    ids = torch.randint(0, cfg.vocab_size, (1, total), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return ids, pos, packed_causal_mask(cu)
+
+
+def test_moe_forward_backward_on_cpu(dist_env):
+    cfg = ModelConfig.preset("tiny-moe")
+    model = build_model(cfg, seed=0)
+    ids, pos, mask = _batch(cfg, [5, 7])
+    logits = model(ids, pos, attention_mask=mask)
+    assert logits.shape == (1, 12, cfg.vocab_size)
+    logits.float().logsumexp(-1).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads["decoder.layers.0.mlp.router.weight"].abs().sum() > 0
+    assert grads["decoder.layers.0.self_attention.k_layernorm.weight"].abs().sum() > 0
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the router stayed put
+
+
+def test_packed_samples_do_not_see_each_other(dist_env):
+    cfg = ModelConfig.preset("tiny-moe")
+    model = build_model(cfg, seed=0).eval()
+    ids, pos, mask = _batch(cfg, [5, 7])
+    with torch.no_grad():
+        packed = model(ids, pos, attention_mask=mask)[0]
+        alone_mask = packed_causal_mask(torch.tensor([0, 7]))
+        alone = model(ids[:, 5:], pos[:, 5:], attention_mask=alone_mask)
+    torch.testing.assert_close(packed[5:], alone[0], atol=1e-5, rtol=0)
+
+
+def test_critic_outputs_one_value_per_token(dist_env):
+    cfg = ModelConfig.preset("tiny-dense")  # tied: the critic must not tie its value layer
+    critic = build_model(cfg, critic=True, seed=0)
+    assert isinstance(critic.output_layer, ValueOutputLayer)
+    ids, pos, mask = _batch(cfg, [4, 3])
+    values = critic(ids, pos, attention_mask=mask)
+    assert values.shape == (1, 7, 1)
+    assert torch.count_nonzero(values) == 0  # zero-initialised value layer
+    values.sum().backward()
+    assert critic.output_layer.weight.grad.abs().sum() > 0

@@ -1,0 +1,248 @@
+"""Weight mapping Megatron <-> transformers, checked against real transformers Qwen3 models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from ember_core.heads import PolicyHead
+from ember_core.types import Sample, pack_samples
+from ember_megatron_backend.hf_layout import (
+    hf_config,
+    megatron_names,
+    merge_qkv,
+    model_config_from_hf,
+    split_qkv,
+)
+from ember_megatron_backend.model import ModelConfig, build_model, packed_causal_mask
+from ember_megatron_backend.weights import (
+    export_hf_checkpoint,
+    hf_shapes,
+    iter_hf_weights,
+    load_hf_checkpoint,
+    shard,
+    unshard,
+)
+
+PRESETS = ["tiny-moe", "tiny-dense"]
+
+
+def _config(preset: str) -> ModelConfig:
+    # A wide init makes logits far from uniform, so a mapping slip shows in the log-probs.
+    return ModelConfig.preset(preset).replace(init_method_std=0.15)
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def hf_dir(request, tmp_path_factory):
+    """A random transformers model of the preset, saved by transformers itself."""
+    cfg = _config(request.param)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(cfg))
+    with torch.no_grad():  # norms start at 1: perturb them so a swapped norm is caught
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param) / "hf"
+    model.save_pretrained(path)
+    return cfg, path, model.state_dict()
+
+
+def _keys(path):
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+def test_hf_megatron_hf_round_trip_is_bit_exact(dist_env, hf_dir, tmp_path):
+    cfg, path, reference = hf_dir
+    model = build_model(cfg, seed=1)
+    load_hf_checkpoint(model, path, cfg)
+    out = export_hf_checkpoint(model, cfg, tmp_path / "export")
+    assert _keys(out) == _keys(path)  # the same on-disk layout transformers writes
+    with (
+        safe_open(str(out / "model.safetensors"), framework="pt") as mine,
+        safe_open(str(path / "model.safetensors"), framework="pt") as theirs,
+    ):
+        for key in theirs.keys():
+            assert torch.equal(mine.get_tensor(key), theirs.get_tensor(key)), key
+    reloaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert reloaded.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.equal(reloaded[key], tensor), key
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM" if cfg.is_moe else "Qwen3ForCausalLM"]
+
+
+def _reference_log_probs(model, samples, temperature):
+    """Per sample, independently: log_softmax(logits / T) at the response tokens."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s.tokens])
+        with torch.no_grad():
+            logits = model(ids).logits[0].double() / temperature
+        rows = logits[len(s.tokens) - s.response_length - 1 : -1].log_softmax(-1)
+        targets = ids[0, len(s.tokens) - s.response_length :]
+        out.append(rows.gather(1, targets[:, None])[:, 0])
+    return out
+
+
+@pytest.mark.parametrize("preset", [*PRESETS, "tiny-moe-unnormalised"])
+def test_megatron_log_probs_match_exported_transformers_model(dist_env, preset, tmp_path):
+    if preset == "tiny-moe-unnormalised":  # norm_topk_prob=False: softmax over all experts
+        cfg = _config("tiny-moe").replace(norm_topk_prob=False)
+    else:
+        cfg = _config(preset)
+    model = build_model(cfg, seed=3).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    hf = AutoModelForCausalLM.from_pretrained(export_hf_checkpoint(model, cfg, tmp_path / "x"))
+    hf.eval()
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(9, 4), (6, 1), (13, 7), (8, 5)]  # (total length, response length)
+    samples = [
+        Sample(
+            tokens=torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(),
+            response_length=r,
+            index=i,
+        )
+        for i, (n, r) in enumerate(shapes)
+    ]
+    batch = pack_samples(samples, pad_multiple=8)  # 36 tokens + a 4-token padding segment
+    mask = packed_causal_mask(batch.cu_seqlens, batch.padded_length)
+    with torch.no_grad():
+        logits = model(batch.tokens[None], batch.position_ids[None], attention_mask=mask)
+    temperature = 0.7
+    head = PolicyHead(temperature).log_probs(
+        logits[:, : batch.num_tokens],
+        batch.tokens[: batch.num_tokens],
+        batch.total_lengths,
+        batch.response_lengths,
+    )
+    expected = _reference_log_probs(hf, samples, temperature)
+    for i, (mine, ref) in enumerate(zip(head.log_probs, expected, strict=True)):
+        assert mine.shape == (samples[i].response_length,)
+        torch.testing.assert_close(mine.double(), ref, atol=1e-4, rtol=0, msg=f"sample {i}")
+    spread = torch.cat(expected)
+    assert spread.std() > 0.5, "logits too uniform for the comparison to mean anything"
+
+
+def test_in_memory_iterator_matches_checkpoint_and_fused_layout(dist_env, hf_dir):
+    cfg, path, reference = hf_dir
+    model = build_model(cfg, seed=1)
+    load_hf_checkpoint(model, path, cfg)
+    pairs = dict(iter_hf_weights(model, cfg))
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert pairs.keys() == set(f.keys())
+        assert all(torch.equal(pairs[k], f.get_tensor(k)) for k in f.keys())
+    # transformers 5 keeps experts fused in memory: the fused iterator loads strictly into it.
+    fused = dict(iter_hf_weights(model, cfg, fused_experts=True, dtype=torch.bfloat16))
+    target = AutoModelForCausalLM.from_config(hf_config(cfg)).to(torch.bfloat16)
+    missing, unexpected = target.load_state_dict(fused, strict=False)
+    assert not unexpected
+    assert set(missing) <= {"lm_head.weight"} and (cfg.tie_word_embeddings or not missing)
+    for key, tensor in reference.items():
+        assert torch.equal(target.state_dict()[key], tensor.to(torch.bfloat16)), key
+
+
+def test_loading_a_fused_expert_checkpoint(dist_env, tmp_path):
+    from safetensors.torch import save_file
+
+    cfg = _config("tiny-moe")
+    source = build_model(cfg, seed=2)
+    fused = {k: v.contiguous() for k, v in iter_hf_weights(source, cfg, fused_experts=True)}
+    (tmp_path / "ckpt").mkdir()
+    save_file(fused, str(tmp_path / "ckpt" / "model.safetensors"))
+    target = build_model(cfg, seed=4)
+    load_hf_checkpoint(target, tmp_path / "ckpt", cfg)
+    for (name, a), (_, b) in zip(source.named_parameters(), target.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_critic_loads_trunk_and_keeps_value_layer(dist_env, hf_dir):
+    cfg, path, reference = hf_dir
+    critic = build_model(cfg, critic=True, seed=1)
+    load_hf_checkpoint(critic, path, cfg)
+    params = dict(critic.named_parameters())
+    assert torch.equal(
+        params["embedding.word_embeddings.weight"], reference["model.embed_tokens.weight"]
+    )
+    assert torch.count_nonzero(params["output_layer.weight"]) == 0
+    with pytest.raises(ValueError, match="critic"):
+        next(iter_hf_weights(critic, cfg))
+
+
+def test_other_architecture_names_first_mismatch_and_shapes(dist_env, hf_dir):
+    cfg, path, _ = hf_dir
+    wider = cfg.replace(hidden_size=2 * cfg.hidden_size)
+    with pytest.raises(ValueError) as err:
+        load_hf_checkpoint(build_model(wider, seed=0), path, wider)
+    message = str(err.value)
+    assert "model.embed_tokens.weight" in message
+    assert f"[{cfg.vocab_size}, {cfg.hidden_size}]" in message
+    assert f"[{cfg.vocab_size}, {2 * cfg.hidden_size}]" in message
+
+    shallower = cfg.replace(num_layers=cfg.num_layers - 1)
+    with pytest.raises(ValueError, match=f"model.layers.{cfg.num_layers - 1}.") as err:
+        load_hf_checkpoint(build_model(shallower, seed=0), path, shallower)
+    assert "another architecture" in str(err.value)
+
+    deeper = cfg.replace(num_layers=cfg.num_layers + 1)
+    with pytest.raises(ValueError, match=f"lacks parameter model.layers.{cfg.num_layers}."):
+        load_hf_checkpoint(build_model(deeper, seed=0), path, deeper)
+
+
+def test_qkv_layout_is_grouped_by_query_group():
+    cfg = ModelConfig.preset("tiny-moe")  # 4 query heads, 2 groups, head_dim 16
+    d, h = cfg.head_dim, 3
+    # Each head row block carries its own label: q heads 0-3, k heads 10-11, v heads 20-21.
+    q = torch.arange(4).repeat_interleave(d)[:, None].expand(-1, h).float()
+    k = (10 + torch.arange(2)).repeat_interleave(d)[:, None].expand(-1, h).float()
+    v = (20 + torch.arange(2)).repeat_interleave(d)[:, None].expand(-1, h).float()
+    qkv = merge_qkv(q, k, v, cfg)
+    labels = qkv[::d, 0].tolist()
+    assert labels == [0, 1, 10, 20, 2, 3, 11, 21]
+    for a, b in zip(split_qkv(qkv, cfg), (q, k, v), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["column", "row", "glu", "replicated"])
+def test_shard_unshard_inverse(kind):
+    full = torch.arange(8 * 6).reshape(8, 6)
+    pieces = [shard(full, kind, r, 2) for r in range(2)]
+    assert torch.equal(unshard(pieces, kind), full)
+
+
+def test_glu_shard_takes_each_half_separately():
+    gate, up = torch.zeros(4, 2), torch.ones(4, 2)
+    piece = shard(torch.cat([gate, up]), "glu", 1, 2)
+    assert torch.equal(piece, torch.tensor([[0.0, 0], [0, 0], [1, 1], [1, 1]]))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_config_round_trip_and_names(preset):
+    cfg = ModelConfig.preset(preset)
+    assert model_config_from_hf(hf_config(cfg)) == cfg
+    names = megatron_names(cfg)
+    assert len(names) == len(set(names))
+    assert sum(p.numel() for p in map(torch.Size, hf_shapes(cfg).values())) > 0
+
+
+def test_model_config_from_hf_rejects_other_models():
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        model_config_from_hf(LlamaConfig())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_megatron_names_are_the_unsharded_model_names(dist_env, preset):
+    cfg = ModelConfig.preset(preset)
+    assert megatron_names(cfg) == [n for n, _ in build_model(cfg, seed=0).named_parameters()]
+    critic = build_model(cfg, critic=True, seed=0)
+    assert megatron_names(cfg, critic=True) == [n for n, _ in critic.named_parameters()]

@@ -1,0 +1,54 @@
+"""Ember rollout: inference engines, rewards, prompt data and group sampling."""
+
+from ember_rollout.config import (
+    DataConfig,
+    EngineConfig,
+    GroupSamplingConfig,
+    HFEngineConfig,
+    RewardConfig,
+    RolloutSections,
+    SGLangEngineConfig,
+    TinyModelConfig,
+    ToyTaskConfig,
+)
+from ember_rollout.engine import (
+    ENGINES,
+    Engine,
+    EngineError,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+    SamplingParams,
+    build_engine,
+)
+from ember_rollout.rewards import REWARDS, Scorer, group_reward, register_reward
+from ember_rollout.rollout import RolloutBatch, RolloutGenerator
+from ember_rollout.routing import decode_routed_experts, encode_routed_experts
+
+__all__ = [
+    "ENGINES",
+    "REWARDS",
+    "DataConfig",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "GenerateOutput",
+    "GenerateRequest",
+    "GroupSamplingConfig",
+    "HFEngineConfig",
+    "ModelInfo",
+    "RewardConfig",
+    "RolloutBatch",
+    "RolloutGenerator",
+    "RolloutSections",
+    "SGLangEngineConfig",
+    "SamplingParams",
+    "Scorer",
+    "TinyModelConfig",
+    "ToyTaskConfig",
+    "build_engine",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "group_reward",
+    "register_reward",
+]

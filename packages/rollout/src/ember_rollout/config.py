@@ -1,0 +1,351 @@
+"""Config sections of the rollout package: engine, prompt data, rewards and group sampling."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ember_core.config import from_dict
+
+__all__ = [
+    "DataConfig",
+    "EngineConfig",
+    "GroupSamplingConfig",
+    "HFEngineConfig",
+    "RewardConfig",
+    "RolloutSections",
+    "SGLangEngineConfig",
+    "TinyModelConfig",
+    "ToyTaskConfig",
+    "from_dict",
+]
+
+
+def _check(condition: bool, key: str, value: Any, expected: str) -> None:
+    if not condition:
+        raise ValueError(f"{key}={value!r}: expected {expected}")
+
+
+# --------------------------------------------------------------------------------------------
+# Engines
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class TinyModelConfig:
+    """Shape of the Qwen3-MoE model built in code when the hf engine has no model path."""
+
+    vocab_size: int | None = None
+    """Vocabulary size; None uses the toy tokenizer's."""
+    hidden_size: int = 64
+    """Model width."""
+    num_layers: int = 4
+    """Decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int = 16
+    """Width of one attention head."""
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 64
+    """Hidden width of one expert."""
+    intermediate_size: int = 128
+    """Hidden width of the MLP of dense (non-MoE) layers."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Layer indices that use a dense MLP instead of experts (their routed experts are zeros)."""
+    max_position_embeddings: int = 512
+    """Context length."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    init_seed: int = 0
+    """Seed of the random initialisation, so every process builds the same weights."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.vocab_size is None or self.vocab_size >= 2, "vocab_size", self.vocab_size, ">= 2"
+        )
+        for key in (
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "moe_intermediate_size",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, key)
+            _check(value >= 1, key, value, ">= 1")
+        _check(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            "num_attention_heads",
+            self.num_attention_heads,
+            f"a multiple of num_key_value_heads={self.num_key_value_heads}",
+        )
+        _check(
+            1 <= self.num_experts_per_tok <= self.num_experts,
+            "num_experts_per_tok",
+            self.num_experts_per_tok,
+            f"1 <= k <= num_experts={self.num_experts}",
+        )
+        _check(
+            all(0 <= i < self.num_layers for i in self.dense_layers),
+            "dense_layers",
+            self.dense_layers,
+            f"layer indices in [0, {self.num_layers})",
+        )
+        _check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class HFEngineConfig:
+    """The embedded engine: a transformers causal LM generating in-process."""
+
+    model_path: str | None = None
+    """Local HF model directory; None builds the tiny Qwen3-MoE of `tiny` in code."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype the model computes in; log-probs are always taken from fp32 logits."""
+    device: str = "cpu"
+    """torch device: cpu, cuda, cuda:N, or auto (cuda when available)."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """transformers attention kernel."""
+    max_batch_size: int = 64
+    """Most sequences decoded together; larger request lists are split into chunks."""
+    num_threads: int | None = None
+    """torch intra-op threads of this process, set when the model loads; None keeps the default."""
+    compact_every: int = 8
+    """Every this many decode steps, drop finished rows from the batch and KV cache; 0: never."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the built-in model (used when model_path is None)."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, ">= 1")
+        _check(
+            self.num_threads is None or self.num_threads >= 1,
+            "num_threads",
+            self.num_threads,
+            ">= 1 or null",
+        )
+        _check(self.compact_every >= 0, "compact_every", self.compact_every, ">= 0 (0 = never)")
+        _check(
+            self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
+            "device",
+            self.device,
+            "cpu, cuda, cuda:N, mps or auto",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class SGLangEngineConfig:
+    """SGLang servers, launched here or attached to by URL."""
+
+    urls: list[str] = field(default_factory=list)
+    """Attach to these running servers (http://host:port); empty launches `num_servers` servers."""
+    model_path: str | None = None
+    """Model the launched servers load; also read (config.json) for the routed-experts shape."""
+    num_servers: int = 1
+    """Servers to launch (ignored when attaching)."""
+    host: str = "127.0.0.1"
+    """Address launched servers bind to; loopback unless the trainer runs on another machine."""
+    base_port: int = 0
+    """First port of launched servers (consecutive); 0 picks free ports."""
+    tp_size: int = 1
+    """Tensor-parallel size of each launched server."""
+    mem_fraction_static: float | None = None
+    """SGLang's --mem-fraction-static (GPU memory share for weights and KV cache); None: default."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for launched servers (plugins can add more)."""
+    python: str | None = None
+    """Python interpreter that runs `-m sglang.launch_server`; None uses this one."""
+    launch_timeout_s: float = 900.0
+    """Seconds to wait for servers to report healthy."""
+    health_poll_s: float = 2.0
+    """Seconds between health polls while waiting."""
+    request_timeout_s: float = 600.0
+    """Seconds one HTTP request may take."""
+    max_retries: int = 3
+    """Retries of a request after a connection error or an HTTP 5xx answer."""
+    retry_backoff_s: float = 0.5
+    """First retry delay; doubles with every retry."""
+    retry_backoff_max_s: float = 8.0
+    """Longest retry delay."""
+    max_concurrency: int = 256
+    """Requests in flight per server."""
+    log_dir: str | None = None
+    """Directory for launched servers' stdout/stderr; None discards them."""
+
+    def __post_init__(self) -> None:
+        for url in self.urls:
+            _check(url.startswith(("http://", "https://")), "urls", url, "http://host:port URLs")
+        _check(self.num_servers >= 1, "num_servers", self.num_servers, ">= 1")
+        _check(0 <= self.base_port < 65536, "base_port", self.base_port, "0 (free) or a port")
+        _check(self.tp_size >= 1, "tp_size", self.tp_size, ">= 1")
+        _check(
+            self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+            "mem_fraction_static",
+            self.mem_fraction_static,
+            "0 < x < 1 or null",
+        )
+        for key in ("launch_timeout_s", "health_poll_s", "request_timeout_s"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and value > 0, key, value, "a number > 0")
+        _check(self.max_retries >= 0, "max_retries", self.max_retries, ">= 0")
+        _check(self.retry_backoff_s >= 0, "retry_backoff_s", self.retry_backoff_s, ">= 0")
+        _check(
+            self.retry_backoff_max_s >= self.retry_backoff_s,
+            "retry_backoff_max_s",
+            self.retry_backoff_max_s,
+            f">= retry_backoff_s={self.retry_backoff_s}",
+        )
+        _check(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, ">= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """Which inference engine generates rollouts, and its settings."""
+
+    kind: str = "hf"
+    """Registered engine kind: hf (embedded transformers) or sglang."""
+    hf: HFEngineConfig = field(default_factory=HFEngineConfig)
+    """Settings of the hf engine."""
+    sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
+    """Settings of the sglang engine."""
+
+    def __post_init__(self) -> None:
+        from ember_rollout.engine import engine_registry
+
+        engines = engine_registry()
+        if self.kind not in engines:
+            raise ValueError(f"kind={self.kind!r}: expected one of {', '.join(engines.names())}")
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class ToyTaskConfig:
+    """The default task: transform a short digit string; reward = fraction of correct digits."""
+
+    task: Literal["copy", "reverse", "sort"] = "copy"
+    """copy, reverse or sort the digits."""
+    num_prompts: int = 4096
+    """Distinct prompts generated."""
+    min_digits: int = 2
+    """Shortest digit string."""
+    max_digits: int = 4
+    """Longest digit string."""
+    seed: int = 0
+    """Seed of the generated prompts."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_prompts >= 1, "num_prompts", self.num_prompts, ">= 1")
+        _check(self.min_digits >= 1, "min_digits", self.min_digits, ">= 1")
+        _check(
+            self.max_digits >= self.min_digits,
+            "max_digits",
+            self.max_digits,
+            f">= min_digits={self.min_digits}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where prompts come from and how they become token ids."""
+
+    prompt_data: str | None = None
+    """JSONL file with one prompt per line; None generates the toy task."""
+    input_key: str = "prompt"
+    """Key of the prompt: a string, or a list of chat messages ({role, content})."""
+    label_key: str | None = "label"
+    """Key of the ground truth handed to the reward function; None: no label."""
+    metadata_key: str | None = None
+    """Key of a per-prompt dict copied into Sample.metadata; None: none."""
+    tokenizer_path: str | None = None
+    """HF tokenizer directory; None uses the engine's model directory, else the toy tokenizer."""
+    apply_chat_template: bool = True
+    """Format prompts with the tokenizer's chat template when it has one."""
+    max_prompt_len: int | None = None
+    """Most prompt tokens; None: the engine's context length minus rollout.max_response_len."""
+    overlong_prompt: Literal["error", "truncate", "drop"] = "error"
+    """A prompt over max_prompt_len: raise, keep its last max_prompt_len tokens, or skip it."""
+    shuffle: bool = True
+    """Shuffle the prompt order every epoch."""
+    seed: int = 0
+    """Seed of the shuffle."""
+    toy: ToyTaskConfig = field(default_factory=ToyTaskConfig)
+    """The generated task (used when prompt_data is None)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.input_key), "input_key", self.input_key, "a non-empty key")
+        _check(
+            self.max_prompt_len is None or self.max_prompt_len >= 1,
+            "max_prompt_len",
+            self.max_prompt_len,
+            ">= 1 or null",
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Rewards and group sampling
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """How samples are scored."""
+
+    reward_fn: str = "toy"
+    """Registered reward (toy, math) or `package.module:function` for user code."""
+    max_concurrency: int = 64
+    """Reward calls in flight at once (async reward functions)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.reward_fn), "reward_fn", self.reward_fn, "a registered name")
+        _check(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, ">= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupSamplingConfig:
+    """Dynamic filtering of prompt groups, with over-sampling to keep the batch full."""
+
+    dynamic_filter: bool = False
+    """Drop groups whose rewards are all equal (zero advantage under GRPO) and sample more."""
+    over_sampling_batch_size: int | None = None
+    """Prompts generated per round while filtering; None: rollout.rollout_batch_size."""
+    max_rounds: int = 8
+    """Generation rounds before giving up on filling the batch with kept groups."""
+    on_shortfall: Literal["backfill", "partial", "error"] = "backfill"
+    """Too few kept groups after max_rounds: refill with dropped groups, return fewer, or raise."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.over_sampling_batch_size is None or self.over_sampling_batch_size >= 1,
+            "over_sampling_batch_size",
+            self.over_sampling_batch_size,
+            ">= 1 or null",
+        )
+        _check(self.max_rounds >= 1, "max_rounds", self.max_rounds, ">= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutSections:
+    """Every section this package owns, as they appear at the top level of a run config."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Inference engine."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function."""
+    group_sampling: GroupSamplingConfig = field(default_factory=GroupSamplingConfig)
+    """Dynamic filter and over-sampling."""

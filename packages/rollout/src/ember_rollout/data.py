@@ -1,0 +1,218 @@
+"""Prompt data: JSONL files or the generated toy task, epoch-shuffled, encoded to token ids."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ember_rollout.config import DataConfig
+from ember_rollout.toy_task import make_toy_prompts
+
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass(slots=True)
+class PromptRecord:
+    """One prompt with its ground truth."""
+
+    prompt: Prompt
+    """Text, or chat messages [{"role": ..., "content": ...}]."""
+    label: Any = None
+    """Ground truth for the reward function."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Per-prompt data copied into each sample's metadata."""
+    source: str = ""
+    """Where it came from ("file.jsonl:12", "toy:5"), for error messages."""
+
+
+def _check_prompt(prompt: Any, where: str, key: str) -> Prompt:
+    if isinstance(prompt, str):
+        return prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in prompt
+        )
+    ):
+        return prompt
+    raise ValueError(
+        f"{where}: {key!r} must be a string or a non-empty list of {{role, content}} messages, "
+        f"got {str(prompt)[:80]}"
+    )
+
+
+def read_jsonl(
+    path: str | Path,
+    *,
+    input_key: str = "prompt",
+    label_key: str | None = "label",
+    metadata_key: str | None = None,
+) -> list[PromptRecord]:
+    """Read one prompt per line; blank lines are skipped.
+
+    Raises:
+        ValueError: The file is missing or empty, a line is not a JSON object, or a key is
+            missing; the message names the file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompt_data={str(path)!r}: no such file")
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{where}: malformed JSON ({exc.msg} at column {exc.colno})"
+                ) from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            for key in (input_key, label_key, metadata_key):
+                if key is not None and key not in row:
+                    raise ValueError(f"{where}: no {key!r} key (keys: {', '.join(sorted(row))})")
+            metadata = row[metadata_key] if metadata_key else {}
+            if not isinstance(metadata, dict):
+                raise ValueError(f"{where}: {metadata_key!r} must be an object")
+            records.append(
+                PromptRecord(
+                    prompt=_check_prompt(row[input_key], where, input_key),
+                    label=row[label_key] if label_key else None,
+                    metadata=dict(metadata),
+                    source=where,
+                )
+            )
+    if not records:
+        raise ValueError(f"prompt_data={str(path)!r}: no prompts in the file")
+    return records
+
+
+def load_prompts(config: DataConfig) -> list[PromptRecord]:
+    """The configured prompts: the JSONL file, or the generated toy task."""
+    if config.prompt_data is not None:
+        return read_jsonl(
+            config.prompt_data,
+            input_key=config.input_key,
+            label_key=config.label_key,
+            metadata_key=config.metadata_key,
+        )
+    return [
+        PromptRecord(prompt=r["prompt"], label=r["label"], source=f"toy:{i}")
+        for i, r in enumerate(make_toy_prompts(config.toy))
+    ]
+
+
+class PromptDataset:
+    """Hands out prompts in order, reshuffled (seeded) at the start of every epoch."""
+
+    def __init__(self, records: list[PromptRecord], *, shuffle: bool = True, seed: int = 0) -> None:
+        if not records:
+            raise ValueError("PromptDataset: no prompts")
+        self.records = records
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.offset = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def next(self, count: int) -> list[PromptRecord]:
+        """The next `count` prompts, crossing into the next epoch when needed."""
+        out = []
+        while len(out) < count:
+            if self.offset == len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._permutation(self.epoch)
+            take = min(count - len(out), len(self._order) - self.offset)
+            out.extend(self.records[i] for i in self._order[self.offset : self.offset + take])
+            self.offset += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """Position to resume from."""
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._permutation(self.epoch)
+
+
+class PromptEncoder:
+    """Turns prompts into token ids: chat template when the tokenizer has one, length policy."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        apply_chat_template: bool = True,
+        max_prompt_len: int | None = None,
+        overlong_prompt: str = "error",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.use_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
+        self.max_prompt_len = max_prompt_len
+        self.overlong_prompt = overlong_prompt
+        self.truncated = 0
+        """Prompts cut to max_prompt_len so far."""
+        self.dropped = 0
+        """Prompts skipped for length so far."""
+
+    def text(self, record: PromptRecord) -> str:
+        """The prompt as the model sees it (after the chat template, if any)."""
+        if self.use_template:
+            messages = record.prompt
+            if isinstance(messages, str):
+                messages = [{"role": "user", "content": messages}]
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        if not isinstance(record.prompt, str):
+            raise ValueError(
+                f"{record.source}: the prompt is a list of chat messages but the tokenizer has "
+                "no chat template (or data.apply_chat_template is false)"
+            )
+        return record.prompt
+
+    def encode(self, record: PromptRecord) -> list[int] | None:
+        """Token ids of the prompt, or None when it is too long and the policy drops it.
+
+        Raises:
+            ValueError: Too long under the "error" policy, or empty; names the prompt's source.
+        """
+        ids = list(
+            self.tokenizer(self.text(record), add_special_tokens=not self.use_template)["input_ids"]
+        )
+        if not ids:
+            raise ValueError(f"{record.source}: the prompt encodes to no tokens")
+        limit = self.max_prompt_len
+        if limit is not None and len(ids) > limit:
+            if self.overlong_prompt == "truncate":
+                self.truncated += 1
+                return ids[-limit:]
+            if self.overlong_prompt == "drop":
+                self.dropped += 1
+                return None
+            raise ValueError(
+                f"{record.source}: the prompt has {len(ids)} tokens, more than max_prompt_len="
+                f"{limit} (set data.overlong_prompt to truncate or drop to allow it)"
+            )
+        return ids

@@ -1,0 +1,224 @@
+"""The `Engine` interface of inference engines, its request and response types, and registry."""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+
+from ember_core.algorithms.registry import Registry
+from ember_core.types import SampleStatus
+
+if TYPE_CHECKING:
+    from ember_core.plugins import EmberPlugins
+    from ember_rollout.config import EngineConfig
+
+FinishReason = Literal["stop", "length", "abort"]
+"""SGLang's `meta_info.finish_reason.type` values."""
+
+FINISH_STATUS: dict[str, SampleStatus] = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+"""How an engine's finish reason maps to the status of a sample."""
+
+ROUTED_EXPERTS_FIELD = "return_routed_experts"
+"""Request field asking for routed experts (SGLang's name; the hf engine honours it too)."""
+
+
+class EngineError(RuntimeError):
+    """An engine failed, or answered with data that cannot be used."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """How one request is sampled; the field names follow SGLang's `sampling_params`."""
+
+    max_new_tokens: int
+    """Most tokens generated."""
+    temperature: float = 1.0
+    """Logits are divided by this before filtering and sampling."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 keeps all."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Tokens that end generation (the model's EOS tokens stop it too unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Do not stop at the model's EOS tokens."""
+    seed: int | None = None
+    """Seed of this request's sampler (hf engine only); None lets the engine pick one."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: expected >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature={self.temperature!r}: expected a finite number > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: expected 0 < top_p <= 1")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k!r}: expected -1 (off) or >= 1")
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The `sampling_params` object of an SGLang /generate request."""
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateRequest:
+    """One prompt to complete."""
+
+    input_ids: list[int]
+    """Prompt token ids."""
+    sampling: SamplingParams
+    """Sampling parameters."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    """Extra top-level request fields, e.g. from plugins ({"return_routed_experts": True})."""
+    name: str = "request"
+    """How errors name this request, e.g. "rollout 3 sample 5 (group 1)"."""
+
+    def __post_init__(self) -> None:
+        if not self.input_ids:
+            raise ValueError(f"{self.name}: input_ids is empty; a prompt needs at least one token")
+
+    @property
+    def wants_routed_experts(self) -> bool:
+        return bool(self.fields.get(ROUTED_EXPERTS_FIELD, False))
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateOutput:
+    """An engine's answer to one request."""
+
+    output_ids: list[int]
+    """Response token ids (a stop token that ended generation included)."""
+    output_log_probs: list[float]
+    """Log-prob of each response token under the distribution it was sampled from."""
+    finish_reason: FinishReason
+    """stop (stop token), length (max_new_tokens) or abort."""
+    meta_info: dict[str, Any]
+    """The engine's raw metadata, in SGLang's `meta_info` layout."""
+    text: str | None = None
+    """Response text, when the engine detokenizes."""
+    routed_experts: torch.Tensor | None = None
+    """int32 [len(prompt) + len(output) - 1, num_layers, topk], when requested."""
+
+    @property
+    def status(self) -> SampleStatus:
+        return FINISH_STATUS[self.finish_reason]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a caller needs to know about the served model."""
+
+    num_layers: int
+    """Decoder layers (rows of the routed-experts layer axis)."""
+    topk: int
+    """Experts per token (0 for a dense model)."""
+    num_experts: int
+    """Routed experts per MoE layer (0 for a dense model)."""
+    moe_layers: tuple[int, ...]
+    """Indices of the layers with a router; other layers report zeros."""
+    vocab_size: int
+    """Output vocabulary size."""
+    context_len: int
+    """Most tokens (prompt + response) one sequence may hold."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation unless a request sets ignore_eos."""
+
+
+class Engine(abc.ABC):
+    """An inference engine that completes batches of prompts for RL rollouts.
+
+    Implementations are async; an embedded engine runs its model off the event loop. Use
+    `async with engine:` or call `start()` and `shutdown()`.
+    """
+
+    kind: ClassVar[str]
+    """The registered name, also the `engine` argument of the rollout hooks."""
+
+    @property
+    @abc.abstractmethod
+    def model_info(self) -> ModelInfo | None:
+        """The served model's shape, or None when the engine cannot tell."""
+
+    async def start(self) -> None:  # noqa: B027  (optional hook; engines may need no setup)
+        """Make the engine ready (load, launch or attach, then wait for health)."""
+
+    @abc.abstractmethod
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        """Complete every request; outputs are in request order.
+
+        Raises:
+            EngineError: The engine failed or returned unusable data; the message names the
+                request.
+        """
+
+    @abc.abstractmethod
+    async def update_weights_from_tensors(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | None = None,
+    ) -> None:
+        """Load weights given with their HF checkpoint names (a subset is fine)."""
+
+    @abc.abstractmethod
+    async def update_weights_from_disk(
+        self, path: str | Path, *, weight_version: str | None = None
+    ) -> None:
+        """Load all weights from an HF checkpoint directory (safetensors)."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """Whether the engine can serve requests now."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Release the model or stop launched servers; safe to call twice."""
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+
+ENGINES: Registry[type[Engine]] = Registry("rollout engine")
+"""Engine classes by kind; each is built as `cls.from_config(config, plugins=...)`."""
+
+
+def engine_registry() -> Registry[type[Engine]]:
+    """`ENGINES` with the built-in engines registered (they register on import)."""
+    import ember_rollout.hf_engine  # noqa: F401
+    import ember_rollout.sglang_engine  # noqa: F401
+
+    return ENGINES
+
+
+def build_engine(config: EngineConfig, *, plugins: EmberPlugins | None = None) -> Engine:
+    """Build (but do not start) the engine `config.kind` names.
+
+    Args:
+        config: The engine section.
+        plugins: Enabled plugins; the sglang engine adds their server arguments.
+    """
+    cls = engine_registry().get(config.kind)
+    return cls.from_config(config, plugins=plugins)  # type: ignore[attr-defined]

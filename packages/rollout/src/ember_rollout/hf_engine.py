@@ -1,0 +1,448 @@
+"""The embedded `hf` engine: batched, KV-cached generation with a transformers causal LM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from ember_rollout.config import HFEngineConfig
+from ember_rollout.engine import (
+    ENGINES,
+    ROUTED_EXPERTS_FIELD,
+    Engine,
+    EngineError,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+)
+from ember_rollout.models import (
+    DTYPES,
+    RouterSite,
+    build_tiny_model,
+    cache_kwarg,
+    find_routers,
+    iter_checkpoint,
+    load_hf_weights,
+    load_model,
+    model_info,
+)
+from ember_rollout.routing import encode_routed_experts
+from ember_rollout.token_sampling import filtered_log_probs, sample_tokens
+
+if TYPE_CHECKING:
+    from ember_core.plugins import EmberPlugins
+    from ember_rollout.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_FIELDS = frozenset({ROUTED_EXPERTS_FIELD})
+"""Request fields the hf engine acts on; others are ignored with a warning."""
+
+
+class RouterCapture:
+    """Forward hooks that record each MoE router's top-k experts for every forwarded position."""
+
+    def __init__(self, sites: list[RouterSite], num_layers: int, topk: int) -> None:
+        self.sites = sites
+        self.num_layers = num_layers
+        self.topk = topk
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = [site.module.register_forward_hook(self._hook(site)) for site in sites]
+
+    def _hook(self, site: RouterSite):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            logits = output if site.output_index is None else output[site.output_index]
+            # Sorted top-k of the router logits, as SGLang reports them.
+            self._captured[site.layer] = torch.topk(logits.detach(), self.topk, dim=-1).indices
+
+        return hook
+
+    def pop(self, batch: int, seq: int) -> torch.Tensor:
+        """Experts of the last forward: int32 [batch, seq, num_layers, topk]; dense layers 0."""
+        out = torch.zeros(batch, seq, self.num_layers, self.topk, dtype=torch.int32)
+        for layer, ids in self._captured.items():
+            out[:, :, layer] = ids.reshape(batch, seq, self.topk).to("cpu", torch.int32)
+        self._captured.clear()
+        return out
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+@dataclass(slots=True)
+class _Row:
+    """Decoding state of one request."""
+
+    request: GenerateRequest
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    experts: list[torch.Tensor] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+
+
+class HFEngine(Engine):
+    """Generates with a transformers causal LM in this process.
+
+    Requests are decoded together: the prompts are left-padded into one batch (attention mask
+    and explicit position ids), prefilled once, then extended one token per step from a KV
+    cache. Each row samples from its own seeded generator, so a request's tokens do not depend
+    on the batch it ran in. Log-probs come from fp32 logits divided by the temperature, after
+    the top-k/top-p filter: exactly the distribution each token was drawn from.
+    """
+
+    kind: ClassVar[str] = "hf"
+
+    def __init__(
+        self,
+        config: HFEngineConfig | None = None,
+        *,
+        model: nn.Module | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Create the engine; the model is loaded by `start()` unless given.
+
+        Args:
+            config: Engine settings.
+            model: An already built causal LM to serve (its dtype and device are kept).
+            seed: Seeds the per-request generators of requests that carry no seed.
+        """
+        self.config = config or HFEngineConfig()
+        self.model = model
+        self._seeds = random.Random(seed)
+        self._lock = asyncio.Lock()
+        self._warned_fields: set[str] = set()
+        self.weight_version: str | None = None
+        self._info: ModelInfo | None = None
+        if model is not None:
+            self._adopt(model)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, plugins: EmberPlugins | None = None) -> HFEngine:
+        return cls(config.hf)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Build or load the model now (blocking); `start()` runs this off the event loop."""
+        if self.model is not None:
+            return
+        cfg = self.config
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        dtype = DTYPES[cfg.dtype]
+        if cfg.model_path is None:
+            from ember_rollout.tokenizer import toy_tokenizer
+
+            tokenizer = toy_tokenizer()
+            model = build_tiny_model(
+                cfg.tiny,
+                vocab_size=len(tokenizer),
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                dtype=dtype,
+                attn_implementation=cfg.attn_implementation,
+            )
+        else:
+            model = load_model(
+                cfg.model_path, dtype=dtype, attn_implementation=cfg.attn_implementation
+            )
+        device = cfg.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._adopt(model.to(device))
+
+    def _adopt(self, model: nn.Module) -> None:
+        self.model = model.eval()
+        self._info = model_info(model)
+        self._routers = find_routers(model)
+        self._cache_kw = cache_kwarg(model)
+        self._device = next(model.parameters()).device
+
+    async def start(self) -> None:
+        if self.model is None:
+            await asyncio.to_thread(self.load)
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self._info
+
+    async def health(self) -> bool:
+        return self.model is not None
+
+    async def shutdown(self) -> None:
+        async with self._lock:
+            self.model = None
+            self._info = None
+
+    # -- weights -------------------------------------------------------------------------------
+
+    async def update_weights_from_tensors(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | None = None,
+    ) -> None:
+        await self.start()
+        async with self._lock:
+            await asyncio.to_thread(load_hf_weights, self.model, named_tensors)
+            self.weight_version = weight_version
+
+    async def update_weights_from_disk(
+        self, path: str | Path, *, weight_version: str | None = None
+    ) -> None:
+        await self.update_weights_from_tensors(iter_checkpoint(path), weight_version=weight_version)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        await self.start()
+        async with self._lock:
+            return await asyncio.to_thread(self.generate_sync, requests)
+
+    def generate_sync(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        """Blocking `generate`: decodes chunks of `max_batch_size` requests, in order."""
+        if self.model is None:
+            self.load()
+        outputs: list[GenerateOutput] = []
+        size = self.config.max_batch_size
+        for start in range(0, len(requests), size):
+            outputs.extend(self._generate_chunk(list(requests[start : start + size])))
+        return outputs
+
+    def _new_row(self, request: GenerateRequest) -> _Row:
+        info = self._info
+        assert info is not None
+        unknown = set(request.fields) - SUPPORTED_FIELDS - self._warned_fields
+        if unknown:
+            logger.warning("hf engine ignores request fields %s", sorted(unknown))
+            self._warned_fields |= unknown
+        sampling = request.sampling
+        room = info.context_len - len(request.input_ids)
+        if room < 1:
+            raise EngineError(
+                f"{request.name}: prompt has {len(request.input_ids)} tokens, the model's "
+                f"context length is {info.context_len}; no room to generate"
+            )
+        bad = [t for t in request.input_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise EngineError(
+                f"{request.name}: prompt token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {info.vocab_size})"
+            )
+        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
+        stop = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop |= set(info.eos_token_ids)
+        return _Row(
+            request=request,
+            generator=torch.Generator().manual_seed(seed),
+            stop_ids=frozenset(stop),
+            max_new_tokens=min(sampling.max_new_tokens, room),
+        )
+
+    @torch.inference_mode()
+    def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        from transformers import DynamicCache
+
+        started = time.perf_counter()
+        model, info, device = self.model, self._info, self._device
+        assert model is not None and info is not None
+        rows = [self._new_row(r) for r in requests]
+        capture = None
+        if any(r.wants_routed_experts for r in requests) and self._routers:
+            capture = RouterCapture(self._routers, info.num_layers, info.topk)
+        try:
+            # Left-pad the prompts: position ids count real tokens only.
+            lengths = [len(r.request.input_ids) for r in rows]
+            width = max(lengths)
+            pad = 0
+            input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for b, row in enumerate(rows):
+                input_ids[b, width - lengths[b] :] = torch.tensor(row.request.input_ids)
+                mask[b, width - lengths[b] :] = 1
+            input_ids, mask = input_ids.to(device), mask.to(device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            cache = DynamicCache(config=model.config)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: cache},
+            )
+            if cache.get_seq_length() != width:
+                raise EngineError(
+                    f"{type(model).__name__} did not fill the KV cache passed as "
+                    f"{self._cache_kw!r}; this transformers version is not supported"
+                )
+            if capture is not None:
+                experts = capture.pop(len(rows), width)
+                for b, row in enumerate(rows):
+                    row.experts.append(experts[b, width - lengths[b] :])
+            self._decode(rows, out.logits[:, -1], mask, positions[:, -1], cache, capture)
+        finally:
+            if capture is not None:
+                capture.close()
+        elapsed = time.perf_counter() - started
+        return [self._output(row, elapsed) for row in rows]
+
+    def _decode(
+        self,
+        rows: list[_Row],
+        logits_BV: torch.Tensor,
+        mask: torch.Tensor,
+        last_positions: torch.Tensor,
+        cache: Any,
+        capture: RouterCapture | None,
+    ) -> None:
+        """Sample, stop, and extend the cache one token per step until every row finished."""
+        model, device = self.model, self._device
+        live = list(range(len(rows)))  # batch slot -> row index
+        temps = torch.tensor([r.request.sampling.temperature for r in rows], device=device)
+        top_k = torch.tensor([r.request.sampling.top_k for r in rows], device=device)
+        top_p = torch.tensor([r.request.sampling.top_p for r in rows], device=device)
+        step = 0
+        while True:
+            log_probs = filtered_log_probs(logits_BV, temps, top_k, top_p)
+            active = [s for s, i in enumerate(live) if rows[i].finish is None]
+            tokens = sample_tokens(log_probs[active], [rows[live[s]].generator for s in active])
+            chosen = log_probs[active].gather(1, tokens.to(device).unsqueeze(1)).squeeze(1)
+            next_tokens = torch.zeros(len(live), dtype=torch.long)
+            for s, token, lp in zip(active, tokens.tolist(), chosen.tolist(), strict=True):
+                row = rows[live[s]]
+                row.output_ids.append(token)
+                row.log_probs.append(lp)
+                next_tokens[s] = token
+                if token in row.stop_ids:
+                    row.finish = {"type": "stop", "matched": token}
+                elif len(row.output_ids) >= row.max_new_tokens:
+                    row.finish = {"type": "length", "length": len(row.output_ids)}
+            running = [s for s, i in enumerate(live) if rows[i].finish is None]
+            if not running:
+                return
+            step += 1
+            every = self.config.compact_every
+            if every and step % every == 0 and len(running) < len(live):
+                keep = torch.tensor(running, device=device)
+                cache.batch_select_indices(keep)
+                mask, last_positions = mask[keep], last_positions[keep]
+                temps, top_k, top_p = temps[keep], top_k[keep], top_p[keep]
+                next_tokens = next_tokens[keep.cpu()]
+                live = [live[s] for s in running]
+                running = list(range(len(live)))
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+            last_positions = last_positions + 1
+            out = model(
+                input_ids=next_tokens.to(device).unsqueeze(1),
+                attention_mask=mask,
+                position_ids=last_positions.unsqueeze(1),
+                use_cache=True,
+                **{self._cache_kw: cache},
+            )
+            logits_BV = out.logits[:, -1]
+            if capture is not None:
+                experts = capture.pop(len(live), 1)
+                for s in running:
+                    rows[live[s]].experts.append(experts[s])
+
+    def _output(self, row: _Row, elapsed: float) -> GenerateOutput:
+        request = row.request
+        assert row.finish is not None
+        meta: dict[str, Any] = {
+            "id": request.name,
+            "finish_reason": row.finish,
+            "prompt_tokens": len(request.input_ids),
+            "completion_tokens": len(row.output_ids),
+            "cached_tokens": 0,
+            "output_token_logprobs": [
+                [lp, token, None] for lp, token in zip(row.log_probs, row.output_ids, strict=True)
+            ],
+            "weight_version": self.weight_version,
+            "e2e_latency": elapsed,
+        }
+        experts = None
+        if request.wants_routed_experts:
+            info = self._info
+            assert info is not None
+            if row.experts:
+                experts = torch.cat(row.experts, dim=0)
+            else:  # a dense model: every layer reports zeros
+                experts = torch.zeros(
+                    len(request.input_ids) + len(row.output_ids) - 1,
+                    info.num_layers,
+                    max(info.topk, 1),
+                    dtype=torch.int32,
+                )
+            expected = len(request.input_ids) + len(row.output_ids) - 1
+            assert experts.shape[0] == expected, (experts.shape, expected)
+            meta["routed_experts"] = encode_routed_experts(experts)
+        return GenerateOutput(
+            output_ids=list(row.output_ids),
+            output_log_probs=list(row.log_probs),
+            finish_reason=row.finish["type"],
+            meta_info=meta,
+            routed_experts=experts,
+        )
+
+    # -- reference path ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate_uncached(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        """Generate one request at a time, re-running the full sequence every step (no cache).
+
+        The slow reference the batched path is measured and checked against: same sampler, same
+        seeds, but no padding, no batching and no KV cache.
+        """
+        if self.model is None:
+            self.load()
+        model, device = self.model, self._device
+        outputs = []
+        for request in requests:
+            started = time.perf_counter()
+            row = self._new_row(request)
+            sampling = request.sampling
+            tokens = list(request.input_ids)
+            while row.finish is None:
+                ids = torch.tensor([tokens], device=device)
+                logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
+                log_probs = filtered_log_probs(
+                    logits, sampling.temperature, sampling.top_k, sampling.top_p
+                )
+                token = int(sample_tokens(log_probs, [row.generator])[0])
+                row.output_ids.append(token)
+                row.log_probs.append(float(log_probs[0, token]))
+                tokens.append(token)
+                if token in row.stop_ids:
+                    row.finish = {"type": "stop", "matched": token}
+                elif len(row.output_ids) >= row.max_new_tokens:
+                    row.finish = {"type": "length", "length": len(row.output_ids)}
+            if request.wants_routed_experts and self._routers:
+                info = self._info
+                assert info is not None
+                capture = RouterCapture(self._routers, info.num_layers, info.topk)
+                try:
+                    model(input_ids=torch.tensor([tokens[:-1]], device=device), use_cache=False)
+                    row.experts.append(capture.pop(1, len(tokens) - 1)[0])
+                finally:
+                    capture.close()
+            outputs.append(self._output(row, time.perf_counter() - started))
+        return outputs
+
+
+ENGINES.add("hf", HFEngine)

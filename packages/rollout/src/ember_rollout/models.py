@@ -1,0 +1,287 @@
+"""Models of the hf engine: the built-in tiny Qwen3-MoE, loading, routers, HF-named weights."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ember_rollout.config import TinyModelConfig
+from ember_rollout.engine import ModelInfo
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def tiny_model_config(
+    tiny: TinyModelConfig,
+    *,
+    vocab_size: int,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+):
+    """The transformers `Qwen3MoeConfig` for `tiny` (its vocab_size, if set, wins)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=tiny.vocab_size or vocab_size,
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        moe_intermediate_size=tiny.moe_intermediate_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        head_dim=tiny.head_dim,
+        num_experts=tiny.num_experts,
+        num_experts_per_tok=tiny.num_experts_per_tok,
+        norm_topk_prob=True,
+        mlp_only_layers=list(tiny.dense_layers),
+        decoder_sparse_step=1,
+        max_position_embeddings=tiny.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": tiny.rope_theta},
+        tie_word_embeddings=tiny.tie_word_embeddings,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+
+
+def build_tiny_model(
+    tiny: TinyModelConfig,
+    *,
+    vocab_size: int,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """A randomly initialised Qwen3-MoE causal LM; the same `tiny.init_seed` gives the same weights.
+
+    Weights are initialised in fp32 and then cast, so a bf16 and an fp32 engine start from the
+    same values (up to rounding).
+    """
+    from transformers import Qwen3MoeForCausalLM
+
+    config = tiny_model_config(
+        tiny, vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+    )
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tiny.init_seed)
+        model = Qwen3MoeForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def load_model(
+    path: str | Path, *, dtype: torch.dtype, attn_implementation: str = "sdpa"
+) -> nn.Module:
+    """Load a causal LM from a local HF directory (no hub access)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model_path={str(path)!r}: no config.json there (a local HF model dir)")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+    )
+    return model.eval()
+
+
+def write_tiny_checkpoint(
+    path: str | Path,
+    tiny: TinyModelConfig,
+    *,
+    tokenizer=None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Save the built-in model (and a tokenizer, default the toy one) as an HF model directory.
+
+    The trainer and the engine can then start from the same weights by loading this directory.
+    """
+    from ember_rollout.tokenizer import toy_tokenizer
+
+    tokenizer = tokenizer if tokenizer is not None else toy_tokenizer()
+    model = build_tiny_model(
+        tiny,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=dtype,
+    )
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Routers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSite:
+    """One MoE router: its decoder layer, module, and which output holds the router logits."""
+
+    layer: int
+    module: nn.Module
+    output_index: int | None
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def find_routers(model: nn.Module) -> list[RouterSite]:
+    """Every MoE router of `model`, in layer order.
+
+    Uses the module class transformers records for `output_router_logits` (the model's
+    `_can_record_outputs["router_logits"]`), falling back to modules named `layers.N.mlp.gate`.
+    """
+    recorder = getattr(model, "_can_record_outputs", None) or {}
+    spec = recorder.get("router_logits")
+    target = getattr(spec, "target_class", spec if isinstance(spec, type) else None)
+    index = getattr(spec, "index", None)
+    sites: list[RouterSite] = []
+    for name, module in model.named_modules():
+        match = _LAYER_INDEX.search(name)
+        if match is None:
+            continue
+        if target is not None:
+            hit = isinstance(module, target)
+        else:
+            hit = name.endswith(".mlp.gate") and isinstance(module, nn.Module)
+        if hit:
+            sites.append(RouterSite(int(match.group(1)), module, index))
+    layers = [s.layer for s in sites]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"found several routers in one layer ({layers}); cannot map to layers")
+    return sorted(sites, key=lambda s: s.layer)
+
+
+def model_info(model: nn.Module) -> ModelInfo:
+    """Layers, experts and context length of a transformers causal LM."""
+    config = model.config
+    config = getattr(config, "text_config", None) or config
+    routers = find_routers(model)
+    eos = config.eos_token_id if hasattr(config, "eos_token_id") else None
+    generation = getattr(model, "generation_config", None)
+    gen_eos = getattr(generation, "eos_token_id", None)
+    eos_ids = {e for v in (eos, gen_eos) for e in ([v] if isinstance(v, int) else v or [])}
+    return ModelInfo(
+        num_layers=int(config.num_hidden_layers),
+        topk=int(getattr(config, "num_experts_per_tok", 0) or 0) if routers else 0,
+        num_experts=int(
+            getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0
+        )
+        if routers
+        else 0,
+        moe_layers=tuple(s.layer for s in routers),
+        vocab_size=int(config.vocab_size),
+        context_len=int(getattr(config, "max_position_embeddings", 0) or 1 << 30),
+        eos_token_ids=tuple(sorted(eos_ids)),
+    )
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """Name of the forward argument taking the KV cache (`cache` in newer transformers)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+# --------------------------------------------------------------------------------------------
+# Weights by HF checkpoint name
+# --------------------------------------------------------------------------------------------
+
+_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$"
+)
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the safetensors files of an HF checkpoint directory."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files to load weights from")
+    for file in files:
+        with safe_open(str(path / file), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy tensors named as in an HF checkpoint into `model`'s parameters, in place.
+
+    Names are either the model's own state-dict names, or per-expert checkpoint names
+    (`...experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`) that transformers stores fused
+    as `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I].
+
+    Returns:
+        How many tensors were loaded.
+
+    Raises:
+        ValueError: An unknown name or a shape mismatch; nothing is half-copied for that tensor.
+    """
+    state = model.state_dict(keep_vars=True)
+    count = 0
+    for name, tensor in named_tensors:
+        target, value = _resolve(state, name, tensor)
+        target.data.copy_(value.to(device=target.device, dtype=target.dtype))
+        count += 1
+    return count
+
+
+def _resolve(
+    state: dict[str, torch.Tensor], name: str, tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The destination view for checkpoint tensor `name` and the value to copy into it."""
+    if name in state:
+        target = state[name]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's "
+                f"{tuple(target.shape)}"
+            )
+        return target, tensor
+    match = _EXPERT.match(name)
+    if match is not None:
+        prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+        fused = state.get(f"{prefix}.{'down' if proj == 'down' else 'gate_up'}_proj")
+        if fused is not None:
+            if not 0 <= expert < fused.shape[0]:
+                raise ValueError(f"weight {name!r}: expert {expert} >= {fused.shape[0]} experts")
+            slot = fused[expert]
+            if proj != "down":
+                rows = tensor.shape[0]
+                if slot.shape[0] == 2 * rows:
+                    slot = slot[:rows] if proj == "gate" else slot[rows:]
+                elif slot.shape[1] == 2 * rows:  # fused as [E, H, 2I]
+                    slot = (slot[:, :rows] if proj == "gate" else slot[:, rows:]).T
+                else:
+                    slot = None
+            elif tuple(slot.shape) != tuple(tensor.shape) and tuple(slot.T.shape) == tuple(
+                tensor.shape
+            ):
+                slot = slot.T
+            if slot is None or tuple(slot.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {name!r}: shape {tuple(tensor.shape)} does not fit the fused "
+                    f"expert tensor of shape {tuple(fused.shape)}"
+                )
+            return slot, tensor
+    known = [n for n in state if not n.endswith("inv_freq")][:5]
+    raise ValueError(
+        f"weight {name!r} matches no parameter of the model (e.g. {', '.join(known)}, ...)"
+    )

@@ -1,0 +1,234 @@
+"""Reward functions chosen by name: the toy verifier, `math` final-answer match, and user code."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from ember_core.algorithms.registry import Registry
+from ember_core.types import Sample, SampleStatus
+from ember_rollout.config import RewardConfig
+from ember_rollout.toy_task import toy_score
+
+SampleReward = Callable[[Sample], "float | dict[str, Any] | Awaitable[float | dict[str, Any]]"]
+"""Scores one sample: a float, or a dict with a "score" key and extra details."""
+GroupReward = Callable[[list[Sample]], "Sequence[float] | Awaitable[Sequence[float]]"]
+"""Scores the `n_samples_per_prompt` samples of one prompt together (e.g. ranking)."""
+
+GROUP_MARKER = "ember_group_reward"
+"""Attribute that marks a `module:function` reward as a group reward (see `group_reward`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RewardSpec:
+    """A reward function and whether it scores whole groups."""
+
+    fn: Callable[..., Any]
+    group: bool = False
+
+
+REWARDS: Registry[RewardSpec] = Registry("reward function")
+"""Built-in and registered reward functions by name."""
+
+
+def register_reward(name: str, *aliases: str, group: bool = False) -> Callable[[Any], Any]:
+    """Decorator registering a reward function (sync or async) under `name`.
+
+    Args:
+        name: The name `reward.reward_fn` selects it by.
+        aliases: Other names for it.
+        group: The function takes a group's samples and returns one score per sample.
+    """
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        REWARDS.add(name, RewardSpec(fn, group), *aliases)
+        return fn
+
+    return decorator
+
+
+def group_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a user function (named as `module:function`) as a group reward."""
+    setattr(fn, GROUP_MARKER, True)
+    return fn
+
+
+def resolve_reward(name: str) -> RewardSpec:
+    """The reward named `name`: a registered name, or `package.module:function`.
+
+    Raises:
+        ValueError: Unknown name (the registered names are listed), a module that does not
+            import, or an attribute that is not callable.
+    """
+    if ":" not in name:
+        return REWARDS.get(name)
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"reward_fn={name!r}: cannot import module {module_name!r} ({exc})"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward_fn={name!r}: {module_name} has no callable {attr!r}")
+    return RewardSpec(fn, bool(getattr(fn, GROUP_MARKER, False)))
+
+
+async def _call(fn: Callable[..., Any], arg: Any) -> Any:
+    result = fn(arg)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+def _score(value: Any, sample: Sample, name: str) -> float:
+    """A finite float from a reward function's answer; extra dict entries go to metadata."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(
+                f"sample {sample.index} (group {sample.group_index}): reward {name!r} returned a "
+                f"dict without 'score' (keys: {sorted(value)})"
+            )
+        sample.metadata["reward_info"] = {k: v for k, v in value.items() if k != "score"}
+        value = value["score"]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(
+            f"sample {sample.index} (group {sample.group_index}): reward {name!r} returned "
+            f"{value!r}, expected a finite number"
+        )
+    return float(value)
+
+
+class Scorer:
+    """Scores samples with the configured reward function, async and with bounded concurrency."""
+
+    def __init__(self, config: RewardConfig | None = None) -> None:
+        self.config = config or RewardConfig()
+        self.name = self.config.reward_fn
+        self.spec = resolve_reward(self.name)
+
+    async def score_groups(self, groups: Sequence[list[Sample]]) -> None:
+        """Set `sample.reward` on every sample, in place."""
+        semaphore = asyncio.Semaphore(self.config.max_concurrency)
+
+        async def one(sample: Sample) -> None:
+            async with semaphore:
+                sample.reward = _score(await _call(self.spec.fn, sample), sample, self.name)
+
+        async def group(samples: list[Sample]) -> None:
+            async with semaphore:
+                scores = await _call(self.spec.fn, list(samples))
+            if not isinstance(scores, Sequence) or len(scores) != len(samples):
+                first = samples[0]
+                raise ValueError(
+                    f"group {first.group_index}: group reward {self.name!r} returned "
+                    f"{scores!r}, expected {len(samples)} scores"
+                )
+            for sample, score in zip(samples, scores, strict=True):
+                sample.reward = _score(score, sample, self.name)
+
+        if self.spec.group:
+            await asyncio.gather(*(group(g) for g in groups))
+        else:
+            await asyncio.gather(*(one(s) for g in groups for s in g))
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in rewards
+# --------------------------------------------------------------------------------------------
+
+
+@register_reward("toy")
+def toy_reward(sample: Sample) -> float:
+    """The toy task's verifier: fraction of correct positions, EOS included (`toy_score`)."""
+    if sample.label is None:
+        raise ValueError(
+            f"sample {sample.index} (group {sample.group_index}): toy reward needs a label"
+        )
+    return toy_score(
+        sample.response, str(sample.label), stopped=sample.status == SampleStatus.COMPLETED
+    )
+
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def _boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (braces balanced), if any."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final answer of a solution: the last \\boxed{}, else after '####' or 'answer is',
+    else the last number in the text."""
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed
+    for marker in ("####", "answer is", "Answer:", "answer:"):
+        if marker in text:
+            tail = text.rsplit(marker, 1)[1].strip()
+            line = tail.splitlines()[0] if tail else ""
+            if line:
+                return line.rstrip(".")
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def normalize_answer(answer: str) -> str:
+    """Canonical form for comparison: drops spacing, $, \\left/\\right, \\text{}, a final '.'."""
+    s = str(answer).strip()
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(?:left|right|!|,|;|:)", "", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("$", "")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)
+    return s.lower()
+
+
+def _as_number(answer: str) -> Fraction | None:
+    s = normalize_answer(answer)
+    frac = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}", s)
+    try:
+        if frac:
+            value = Fraction(int(frac[2]), int(frac[3]))
+            return -value if frac[1] else value
+        if s.endswith("%"):
+            return Fraction(s[:-1]) / 100
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(predicted: str | None, label: Any) -> bool:
+    """Equal after normalisation, or equal as numbers (fractions, decimals, thousands commas)."""
+    if predicted is None or label is None:
+        return False
+    if normalize_answer(predicted) == normalize_answer(str(label)):
+        return True
+    a, b = _as_number(predicted), _as_number(str(label))
+    return a is not None and b is not None and a == b
+
+
+@register_reward("math")
+def math_reward(sample: Sample) -> float:
+    """1.0 when the response's final answer matches the label, else 0.0."""
+    label = sample.label
+    if isinstance(label, str):
+        label = _boxed(label) or label.rsplit("####", 1)[-1]
+    return 1.0 if answers_match(extract_final_answer(sample.response), label) else 0.0

@@ -1,0 +1,305 @@
+"""One rollout: prompt groups through the engine, rewards, dynamic filter, samples, metrics."""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ember_core.config import SamplingConfig
+from ember_core.types import Sample, SampleStatus
+from ember_rollout.config import GroupSamplingConfig, RewardConfig, RolloutSections
+from ember_rollout.data import PromptDataset, PromptEncoder, PromptRecord, load_prompts
+from ember_rollout.engine import (
+    Engine,
+    EngineError,
+    GenerateOutput,
+    GenerateRequest,
+    SamplingParams,
+)
+from ember_rollout.rewards import Scorer
+from ember_rollout.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from ember_core.plugins import EmberPlugins
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    """The samples of one rollout, grouped by prompt, and its `rollout/*` and `perf/*` metrics.
+
+    Group g is `samples[g * n : (g + 1) * n]` with n = n_samples_per_prompt; `sample.index` is
+    the position in `samples` and `sample.group_index` is g.
+    """
+
+    samples: list[Sample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def request_seed(seed: int, rollout_id: int, round_id: int, group: int, sample: int) -> int:
+    """A sampler seed for one request, fixed by the run seed and the request's position."""
+    return random.Random(f"{seed}/{rollout_id}/{round_id}/{group}/{sample}").getrandbits(63)
+
+
+def _has_signal(group: list[Sample]) -> bool:
+    rewards = [s.reward for s in group]
+    return max(rewards) > min(rewards)  # type: ignore[type-var]
+
+
+class RolloutGenerator:
+    """Produces rollout batches: `rollout_batch_size` prompts x `n_samples_per_prompt` samples.
+
+    With `dynamic_filter`, groups whose rewards are all equal (no learning signal for group
+    baselines) are dropped and more prompts are generated, `over_sampling_batch_size` per
+    round, until the batch is full or `max_rounds` ran. Groups with an aborted sample are always
+    dropped and replaced the same way.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        tokenizer: Any,
+        dataset: PromptDataset,
+        encoder: PromptEncoder,
+        sampling: SamplingConfig,
+        scorer: Scorer,
+        group_sampling: GroupSamplingConfig | None = None,
+        plugins: EmberPlugins | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+        self.encoder = encoder
+        self.sampling = sampling
+        self.scorer = scorer
+        self.group_sampling = group_sampling or GroupSamplingConfig()
+        self.plugins = plugins
+
+    @classmethod
+    def from_config(
+        cls,
+        *,
+        engine: Engine,
+        sampling: SamplingConfig,
+        sections: RolloutSections,
+        plugins: EmberPlugins | None = None,
+    ) -> RolloutGenerator:
+        """Build the data pipeline and scorer from config, around a started engine."""
+        data = sections.data
+        tokenizer_path = data.tokenizer_path
+        if tokenizer_path is None and sections.engine.kind == "hf":
+            tokenizer_path = sections.engine.hf.model_path
+        elif tokenizer_path is None and sections.engine.kind == "sglang":
+            tokenizer_path = sections.engine.sglang.model_path
+        tokenizer = load_tokenizer(tokenizer_path)
+        max_prompt_len = data.max_prompt_len
+        info = engine.model_info
+        if max_prompt_len is None and info is not None:
+            max_prompt_len = max(info.context_len - sampling.max_response_len, 1)
+        encoder = PromptEncoder(
+            tokenizer,
+            apply_chat_template=data.apply_chat_template,
+            max_prompt_len=max_prompt_len,
+            overlong_prompt=data.overlong_prompt,
+        )
+        dataset = PromptDataset(load_prompts(data), shuffle=data.shuffle, seed=data.seed)
+        return cls(
+            engine=engine,
+            tokenizer=tokenizer,
+            dataset=dataset,
+            encoder=encoder,
+            sampling=sampling,
+            scorer=Scorer(sections.reward if sections.reward else RewardConfig()),
+            group_sampling=sections.group_sampling,
+            plugins=plugins,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the prompt stream stands, for resuming; request seeds derive from rollout ids."""
+        return {"dataset": self.dataset.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state["dataset"])
+
+    # -- one rollout ---------------------------------------------------------------------------
+
+    async def generate(self, rollout_id: int) -> RolloutBatch:
+        """Generate, score and filter one rollout batch."""
+        started = time.perf_counter()
+        cfg, sampling = self.group_sampling, self.sampling
+        need = sampling.rollout_batch_size
+        per_round = (cfg.over_sampling_batch_size or need) if cfg.dynamic_filter else need
+        truncated0, dropped0 = self.encoder.truncated, self.encoder.dropped
+        kept: list[list[Sample]] = []
+        filtered: list[list[Sample]] = []
+        counts = {"aborted": 0, "zero_std": 0, "groups": 0, "tokens": 0}
+        gen_time = 0.0
+        rounds = 0
+        while len(kept) < need and rounds < cfg.max_rounds:
+            wanted = per_round if cfg.dynamic_filter else need - len(kept)
+            prompts = self._next_prompts(wanted)
+            t0 = time.perf_counter()
+            groups = await self._generate_groups(prompts, rollout_id, rounds)
+            gen_time += time.perf_counter() - t0
+            await self.scorer.score_groups(groups)
+            for group in groups:
+                counts["groups"] += 1
+                counts["tokens"] += sum(s.response_length for s in group)
+                if any(s.status == SampleStatus.ABORTED for s in group):
+                    counts["aborted"] += 1
+                    continue
+                signal = _has_signal(group)
+                counts["zero_std"] += not signal
+                if cfg.dynamic_filter and not signal:
+                    filtered.append(group)
+                else:
+                    kept.append(group)
+            rounds += 1
+        unused = max(len(kept) - need, 0)
+        kept = kept[:need]
+        backfilled = 0
+        if len(kept) < need:
+            short = f"{len(kept)} of {need} groups kept after {rounds} rounds"
+            if cfg.on_shortfall == "error":
+                raise RuntimeError(
+                    f"rollout {rollout_id}: {short} (group_sampling.on_shortfall=error)"
+                )
+            if cfg.on_shortfall == "backfill":
+                backfilled = min(need - len(kept), len(filtered))
+                kept += filtered[len(filtered) - backfilled :]
+            logger.warning("rollout %d: %s; %d backfilled", rollout_id, short, backfilled)
+        samples = []
+        for g, group in enumerate(kept):
+            for sample in group:
+                sample.index, sample.group_index = len(samples), g
+                samples.append(sample)
+        metrics = self._metrics(samples, counts, filtered, backfilled, unused, rounds)
+        metrics["rollout/prompts_truncated"] = float(self.encoder.truncated - truncated0)
+        metrics["rollout/prompts_dropped"] = float(self.encoder.dropped - dropped0)
+        metrics["perf/rollout_time_s"] = time.perf_counter() - started
+        metrics["perf/rollout_tokens_per_s"] = counts["tokens"] / gen_time if gen_time else 0.0
+        return RolloutBatch(samples=samples, metrics=metrics)
+
+    def _next_prompts(self, count: int) -> list[tuple[PromptRecord, list[int]]]:
+        """`count` encodable prompts; ones dropped for length are replaced by the next ones."""
+        out: list[tuple[PromptRecord, list[int]]] = []
+        skipped = 0
+        while len(out) < count:
+            for record in self.dataset.next(count - len(out)):
+                ids = self.encoder.encode(record)
+                if ids is None:
+                    skipped += 1
+                else:
+                    out.append((record, ids))
+            if skipped > 10 * len(self.dataset):
+                raise ValueError("every prompt is longer than max_prompt_len; nothing to generate")
+        return out
+
+    async def _generate_groups(
+        self, prompts: list[tuple[PromptRecord, list[int]]], rollout_id: int, round_id: int
+    ) -> list[list[Sample]]:
+        sampling, n = self.sampling, self.sampling.n_samples_per_prompt
+        fields = self.plugins.rollout_request_fields(self.engine.kind) if self.plugins else {}
+        stop = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        requests = []
+        for g, (_, ids) in enumerate(prompts):
+            for j in range(n):
+                requests.append(
+                    GenerateRequest(
+                        input_ids=ids,
+                        sampling=SamplingParams(
+                            max_new_tokens=sampling.max_response_len,
+                            temperature=sampling.temperature,
+                            top_p=sampling.top_p,
+                            top_k=sampling.top_k,
+                            stop_token_ids=stop,
+                            seed=request_seed(sampling.seed, rollout_id, round_id, g, j),
+                        ),
+                        fields=dict(fields),
+                        name=f"rollout {rollout_id} round {round_id} sample {g * n + j} "
+                        f"(group {g})",
+                    )
+                )
+        outputs = await self.engine.generate(requests)
+        if len(outputs) != len(requests):
+            raise EngineError(
+                f"engine returned {len(outputs)} outputs for {len(requests)} requests"
+            )
+        groups = []
+        for g, (record, ids) in enumerate(prompts):
+            group = []
+            for j in range(n):
+                k = g * n + j
+                group.append(self._sample(record, ids, requests[k], outputs[k], k, g))
+            groups.append(group)
+        return groups
+
+    def _sample(
+        self,
+        record: PromptRecord,
+        prompt_ids: list[int],
+        request: GenerateRequest,
+        output: GenerateOutput,
+        index: int,
+        group: int,
+    ) -> Sample:
+        if not output.output_ids:
+            raise EngineError(
+                f"{request.name}: the engine returned no tokens ({output.finish_reason})"
+            )
+        sample = Sample(
+            tokens=list(prompt_ids) + list(output.output_ids),
+            response_length=len(output.output_ids),
+            index=index,
+            group_index=group,
+            prompt=record.prompt,
+            response=self.tokenizer.decode(output.output_ids, skip_special_tokens=True),
+            label=record.label,
+            rollout_log_probs=list(output.output_log_probs),
+            rollout_routed_experts=output.routed_experts,
+            status=output.status,
+            metadata={
+                **record.metadata,
+                "source": record.source,
+                "finish_reason": output.finish_reason,
+                "weight_version": output.meta_info.get("weight_version"),
+            },
+        )
+        if self.plugins is not None:
+            self.plugins.process_sample(sample, output.meta_info, self.engine.kind)
+        return sample
+
+    @staticmethod
+    def _metrics(
+        samples: list[Sample],
+        counts: dict[str, int],
+        filtered: list[list[Sample]],
+        backfilled: int,
+        unused: int,
+        rounds: int,
+    ) -> dict[str, float]:
+        lengths = [s.response_length for s in samples] or [0]
+        rewards = [float(s.reward) for s in samples if s.reward is not None] or [0.0]
+        total = max(len(samples), 1)
+        return {
+            "rollout/rewards": statistics.fmean(rewards),
+            "rollout/rewards_std": statistics.pstdev(rewards),
+            "rollout/response_len_mean": statistics.fmean(lengths),
+            "rollout/response_len_max": float(max(lengths)),
+            "rollout/response_len_min": float(min(lengths)),
+            "rollout/truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples)
+            / total,
+            "rollout/zero_std_ratio": counts["zero_std"] / max(counts["groups"], 1),
+            "rollout/dropped_groups": float(len(filtered) - backfilled),
+            "rollout/aborted_groups": float(counts["aborted"]),
+            "rollout/backfilled_groups": float(backfilled),
+            "rollout/unused_groups": float(unused),
+            "rollout/sampling_rounds": float(rounds),
+            "rollout/num_samples": float(len(samples)),
+        }

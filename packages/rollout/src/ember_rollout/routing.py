@@ -1,0 +1,94 @@
+"""Routed experts in SGLang's wire format: base64 of int32 [len(tokens) - 1, layers, topk]."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+import numpy as np
+import torch
+
+ROUTED_EXPERTS_KEY = "routed_experts"
+"""Key of the encoded experts in `meta_info`."""
+ROUTED_EXPERTS_DTYPE_KEY = "routed_experts_dtype"
+"""Optional `meta_info` key naming a narrower wire dtype (newer SGLang releases)."""
+
+_WIRE_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
+
+
+def encode_routed_experts(experts: torch.Tensor) -> str:
+    """Encode integer expert ids [positions, num_layers, topk] as SGLang does.
+
+    The ids are written as little-endian int32 in row-major order (position, then layer, then
+    rank) and base64-encoded with the standard alphabet.
+    """
+    if experts.dim() != 3:
+        raise ValueError(
+            "routed experts must be [positions, num_layers, topk], got shape "
+            f"{tuple(experts.shape)}"
+        )
+    if experts.is_floating_point() or experts.is_complex():
+        raise ValueError(f"routed experts must be integer ids, got {experts.dtype}")
+    array = experts.detach().to("cpu", torch.int32).contiguous().numpy().astype("<i4", copy=False)
+    return base64.b64encode(array.tobytes()).decode("ascii")
+
+
+def decode_routed_experts(
+    encoded: object,
+    *,
+    num_tokens: int,
+    num_layers: int,
+    topk: int,
+    where: str,
+    wire_dtype: object = None,
+) -> torch.Tensor:
+    """Decode `meta_info["routed_experts"]` into an int32 tensor [num_tokens - 1, num_layers, topk].
+
+    Args:
+        encoded: The base64 string from the engine.
+        num_tokens: len(tokens) of the sample (prompt + response); the last token is never
+            forwarded, so there are num_tokens - 1 positions.
+        num_layers: Decoder layers of the model.
+        topk: Experts per token.
+        where: Names the sample in error messages.
+        wire_dtype: `meta_info["routed_experts_dtype"]` when the engine sent one (int32 default).
+
+    Raises:
+        ValueError: Not a base64 string, or not the expected number of ids; the message names
+            the sample and both sizes.
+    """
+    if not isinstance(encoded, str | bytes):
+        raise ValueError(
+            f"{where}: meta_info['routed_experts'] must be a base64 string, got "
+            f"{type(encoded).__name__}"
+        )
+    name = "int32" if wire_dtype is None else str(wire_dtype).strip().lower()
+    if name not in _WIRE_DTYPES:
+        raise ValueError(
+            f"{where}: meta_info['routed_experts_dtype']={wire_dtype!r} is not one of "
+            f"{', '.join(_WIRE_DTYPES)}"
+        )
+    dtype = _WIRE_DTYPES[name]
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(
+            f"{where}: meta_info['routed_experts'] is not valid base64 ({exc})"
+        ) from None
+    if len(raw) % dtype.itemsize:
+        raise ValueError(
+            f"{where}: routed experts payload has {len(raw)} bytes, not a whole number of "
+            f"{name} ids"
+        )
+    positions = num_tokens - 1
+    expected = positions * num_layers * topk
+    got = len(raw) // dtype.itemsize
+    if got != expected:
+        rows = f"{got / (num_layers * topk):g}" if num_layers * topk else "?"
+        raise ValueError(
+            f"{where}: routed experts hold {got} ids ({rows} positions), expected "
+            f"(len(tokens) - 1) * num_layers * topk = {positions} * {num_layers} * {topk} = "
+            f"{expected}"
+        )
+    array = np.frombuffer(raw, dtype=dtype).astype(np.int32)
+    return torch.from_numpy(array.reshape(positions, num_layers, topk))

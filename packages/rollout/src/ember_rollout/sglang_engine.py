@@ -1,0 +1,494 @@
+"""The `sglang` engine: launches or attaches to SGLang servers and talks to their HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import aiohttp
+import torch
+
+from ember_rollout.config import SGLangEngineConfig
+from ember_rollout.engine import (
+    ENGINES,
+    Engine,
+    EngineError,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+)
+from ember_rollout.routing import (
+    ROUTED_EXPERTS_DTYPE_KEY,
+    ROUTED_EXPERTS_KEY,
+    decode_routed_experts,
+)
+
+if TYPE_CHECKING:
+    from ember_core.plugins import EmberPlugins
+    from ember_rollout.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_FINISH_TYPES = ("stop", "length", "abort")
+
+
+class _RetryableError(Exception):
+    """A failure worth retrying: the connection broke, timed out, or the server answered 5xx."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def model_info_from_dir(path: str | Path | None) -> ModelInfo | None:
+    """Layers, top-k and context length from a local HF model's config.json, if there is one."""
+    if path is None or not (Path(path) / "config.json").is_file():
+        return None
+    config = json.loads((Path(path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    topk = int(config.get("num_experts_per_tok") or 0)
+    num_layers = int(config["num_hidden_layers"])
+    dense = set(config.get("mlp_only_layers") or [])
+    eos = config.get("eos_token_id")
+    return ModelInfo(
+        num_layers=num_layers,
+        topk=topk,
+        num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0),
+        moe_layers=tuple(i for i in range(num_layers) if topk and i not in dense),
+        vocab_size=int(config.get("vocab_size", 0)),
+        context_len=int(config.get("max_position_embeddings") or 1 << 30),
+        eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or []),
+    )
+
+
+def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Pickle (name, tensor) pairs as SGLang's /update_weights_from_tensor expects them.
+
+    The pickle carries shared-memory (CPU) or IPC (CUDA) handles rather than the data, so the
+    server must run on the same machine; base64 makes it fit in JSON.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers tensor reducers with ForkingPickler)
+
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(list(named_tensors))
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class SGLangEngine(Engine):
+    """Rollouts from SGLang servers over HTTP, with bounded retries and backoff.
+
+    Requests go round-robin to the servers, at most `max_concurrency` in flight per server.
+    Each /generate asks for `return_logprob`, so the response tokens and their log-probs both
+    come from `meta_info.output_token_logprobs` ([logprob, token_id, text] per token).
+    """
+
+    kind: ClassVar[str] = "sglang"
+
+    def __init__(
+        self,
+        config: SGLangEngineConfig | None = None,
+        *,
+        extra_server_args: Sequence[str] = (),
+        model_info: ModelInfo | None = None,
+    ) -> None:
+        """Create the engine; `start()` launches or attaches.
+
+        Args:
+            config: Engine settings.
+            extra_server_args: Added to launched servers' command lines (plugins' arguments).
+            model_info: The served model's shape; by default read from model_path/config.json.
+        """
+        self.config = config or SGLangEngineConfig()
+        self.extra_server_args = list(extra_server_args)
+        self._info = model_info or model_info_from_dir(self.config.model_path)
+        self.urls: list[str] = [u.rstrip("/") for u in self.config.urls]
+        self._processes: list[tuple[subprocess.Popen, Path | None]] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._semaphores: list[asyncio.Semaphore] = []
+        self._next = 0
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, *, plugins: EmberPlugins | None = None
+    ) -> SGLangEngine:
+        extra = plugins.rollout_server_args(cls.kind) if plugins is not None else []
+        return cls(config.sglang, extra_server_args=extra)
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self._info
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def server_command(self, port: int) -> list[str]:
+        """The command line of one launched server."""
+        cfg = self.config
+        if cfg.model_path is None:
+            raise ValueError("sglang.model_path is required to launch servers (or set sglang.urls)")
+        command = [
+            cfg.python or sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            cfg.model_path,
+            "--host",
+            cfg.host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(cfg.tp_size),
+        ]
+        if cfg.mem_fraction_static is not None:
+            command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        return command + list(cfg.server_args) + self.extra_server_args
+
+    async def start(self) -> None:
+        if self._session is not None:
+            return
+        if not self.urls:
+            self._launch()
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._semaphores = [asyncio.Semaphore(self.config.max_concurrency) for _ in self.urls]
+        try:
+            await self.wait_healthy(self.config.launch_timeout_s)
+        except BaseException:
+            await self.shutdown()
+            raise
+
+    def _launch(self) -> None:
+        cfg = self.config
+        log_dir = Path(cfg.log_dir) if cfg.log_dir else None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(cfg.num_servers):
+            port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
+            command = self.server_command(port)
+            log_path = log_dir / f"sglang-{i}-{port}.log" if log_dir else None
+            sink = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+            logger.info("launching SGLang server %d: %s", i, " ".join(command))
+            process = subprocess.Popen(
+                command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            if log_path:
+                sink.close()
+            self._processes.append((process, log_path))
+            host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+            self.urls.append(f"http://{host}:{port}")
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Poll GET /health of every server until all answer 200.
+
+        Raises:
+            EngineError: A launched server exited, or `timeout_s` passed; names the server.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = list(range(len(self.urls)))
+        while pending:
+            for i in list(pending):
+                if i < len(self._processes):
+                    process, log_path = self._processes[i]
+                    if process.poll() is not None:
+                        where = f"; see {log_path}" if log_path else ""
+                        raise EngineError(
+                            f"SGLang server {self.urls[i]} exited with code {process.returncode} "
+                            f"before becoming healthy{where}"
+                        )
+                if await self._healthy(self.urls[i]):
+                    pending.remove(i)
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                names = ", ".join(self.urls[i] for i in pending)
+                raise EngineError(f"SGLang servers not healthy after {timeout_s:g}s: {names}")
+            await asyncio.sleep(min(self.config.health_poll_s, max(deadline - time.monotonic(), 0)))
+
+    async def _healthy(self, url: str) -> bool:
+        assert self._session is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=max(self.config.health_poll_s, 1.0))
+            async with self._session.get(f"{url}/health", timeout=timeout) as response:
+                return response.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    async def health(self) -> bool:
+        if self._session is None:
+            return False
+        results = await asyncio.gather(*(self._healthy(url) for url in self.urls))
+        return all(results)
+
+    async def shutdown(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        processes, self._processes = self._processes, []
+        for process, _ in processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+        for process, _ in processes:
+            try:
+                await asyncio.to_thread(process.wait, 30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                await asyncio.to_thread(process.wait)
+        if processes:
+            self.urls = [u.rstrip("/") for u in self.config.urls]
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    async def _post(self, url: str, payload: dict[str, Any], *, where: str) -> Any:
+        """POST JSON and return the decoded answer, retrying transient failures with backoff.
+
+        Raises:
+            EngineError: Retries exhausted, a 4xx answer, or malformed JSON; names `where`.
+        """
+        if self._session is None:
+            raise EngineError(f"{where}: the sglang engine is not started")
+        cfg = self.config
+        attempts = cfg.max_retries + 1
+        last = ""
+        for attempt in range(attempts):
+            if attempt:
+                delay = min(cfg.retry_backoff_s * 2 ** (attempt - 1), cfg.retry_backoff_max_s)
+                logger.warning(
+                    "%s: retry %d/%d in %.2fs after %s",
+                    where,
+                    attempt,
+                    cfg.max_retries,
+                    delay,
+                    last,
+                )
+                await asyncio.sleep(delay)
+            try:
+                return await self._post_once(url, payload, where=where)
+            except _RetryableError as exc:
+                last = str(exc)
+        raise EngineError(
+            f"{where}: POST {url} failed after {attempts} attempts; last error: {last}"
+        )
+
+    async def _post_once(self, url: str, payload: dict[str, Any], *, where: str) -> Any:
+        assert self._session is not None
+        try:
+            async with self._session.post(url, json=payload) as response:
+                body = await response.text()
+                status = response.status
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _RetryableError(f"{type(exc).__name__}: {exc}") from None
+        if status >= 500:
+            raise _RetryableError(f"HTTP {status}: {body[:300]}")
+        if status >= 400:
+            raise EngineError(f"{where}: POST {url} answered HTTP {status}: {body[:500]}")
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise EngineError(
+                f"{where}: POST {url} answered malformed JSON ({exc}): {body[:200]!r}"
+            ) from None
+
+    async def _post_all(
+        self, path: str, payload: dict[str, Any] | Callable[[], dict[str, Any]], *, what: str
+    ) -> None:
+        """POST to every server (a callable payload is built once per server); each must answer
+        {"success": true, ...}."""
+        answers = await asyncio.gather(
+            *(
+                self._post(
+                    f"{url}{path}",
+                    payload() if callable(payload) else payload,
+                    where=f"{what} on {url}",
+                )
+                for url in self.urls
+            )
+        )
+        for url, answer in zip(self.urls, answers, strict=True):
+            if not isinstance(answer, dict) or not answer.get("success", False):
+                message = answer.get("message") if isinstance(answer, dict) else answer
+                raise EngineError(f"{what} on {url} failed: {message}")
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def payload(self, request: GenerateRequest) -> dict[str, Any]:
+        """The /generate JSON body of one request."""
+        body: dict[str, Any] = {
+            "input_ids": list(request.input_ids),
+            "sampling_params": request.sampling.to_sglang(),
+            "return_logprob": True,
+        }
+        for key, value in request.fields.items():
+            if key in body:
+                raise ValueError(f"{request.name}: request field {key!r} would overwrite {key}")
+            body[key] = value
+        return body
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        await self.start()
+        return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
+
+    async def _generate_one(self, request: GenerateRequest) -> GenerateOutput:
+        server = self._next % len(self.urls)
+        self._next += 1
+        async with self._semaphores[server]:
+            answer = await self._post(
+                f"{self.urls[server]}/generate", self.payload(request), where=request.name
+            )
+        return self.parse(request, answer)
+
+    def parse(self, request: GenerateRequest, answer: Any) -> GenerateOutput:
+        """Turn one /generate answer into a `GenerateOutput`, validating every field used.
+
+        Raises:
+            EngineError: A missing or malformed field; the message names the request.
+        """
+        where = request.name
+        if isinstance(answer, list) and len(answer) == 1:
+            answer = answer[0]
+        if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+            raise EngineError(
+                f"{where}: /generate answer has no meta_info object: {str(answer)[:200]}"
+            )
+        meta = answer["meta_info"]
+        finish = meta.get("finish_reason")
+        if not isinstance(finish, dict) or finish.get("type") not in _FINISH_TYPES:
+            raise EngineError(
+                f"{where}: meta_info.finish_reason={finish!r}; expected {{'type': one of "
+                f"{', '.join(_FINISH_TYPES)}, ...}}"
+            )
+        entries = meta.get("output_token_logprobs")
+        if entries is None and finish["type"] == "abort":
+            entries = []
+        if not isinstance(entries, list):
+            raise EngineError(
+                f"{where}: meta_info.output_token_logprobs missing or not a list (got "
+                f"{type(entries).__name__}); was return_logprob sent?"
+            )
+        tokens, log_probs = [], []
+        for i, entry in enumerate(entries):
+            ok = isinstance(entry, list | tuple) and len(entry) >= 2
+            lp, token = (entry[0], entry[1]) if ok else (None, None)
+            ok = (
+                ok
+                and isinstance(lp, int | float)
+                and not isinstance(lp, bool)
+                and math.isfinite(lp)
+            )
+            ok = ok and isinstance(token, int) and not isinstance(token, bool) and token >= 0
+            if not ok:
+                raise EngineError(
+                    f"{where}: meta_info.output_token_logprobs[{i}]={entry!r}; expected "
+                    "[logprob, token_id, text]"
+                )
+            tokens.append(token)
+            log_probs.append(float(lp))
+        output_ids = answer.get("output_ids")
+        if output_ids is not None and list(output_ids) != tokens:
+            raise EngineError(
+                f"{where}: output_ids ({len(output_ids)} tokens) disagree with "
+                f"output_token_logprobs ({len(tokens)} tokens)"
+            )
+        if finish["type"] != "abort" and not tokens:
+            raise EngineError(f"{where}: the server finished ({finish['type']}) without a token")
+        experts = None
+        if request.wants_routed_experts and tokens:
+            experts = self._routed_experts(request, meta, len(request.input_ids) + len(tokens))
+        return GenerateOutput(
+            output_ids=tokens,
+            output_log_probs=log_probs,
+            finish_reason=finish["type"],
+            meta_info=meta,
+            text=answer.get("text"),
+            routed_experts=experts,
+        )
+
+    def _routed_experts(
+        self, request: GenerateRequest, meta: dict, num_tokens: int
+    ) -> torch.Tensor:
+        where = request.name
+        if ROUTED_EXPERTS_KEY not in meta or meta[ROUTED_EXPERTS_KEY] is None:
+            raise EngineError(
+                f"{where}: routed experts were requested but meta_info has none; launch the "
+                "server with --enable-return-routed-experts"
+            )
+        info = self._info
+        if info is None or not info.topk:
+            raise EngineError(
+                f"{where}: cannot decode routed experts: the model's layer count and top-k are "
+                "unknown (set sglang.model_path to the local model directory)"
+            )
+        try:
+            return decode_routed_experts(
+                meta[ROUTED_EXPERTS_KEY],
+                num_tokens=num_tokens,
+                num_layers=info.num_layers,
+                topk=info.topk,
+                where=where,
+                wire_dtype=meta.get(ROUTED_EXPERTS_DTYPE_KEY),
+            )
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+
+    # -- weights -------------------------------------------------------------------------------
+
+    async def update_weights_from_disk(
+        self, path: str | Path, *, weight_version: str | None = None
+    ) -> None:
+        await self.start()
+        payload: dict[str, Any] = {"model_path": str(path)}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        await self._post_all("/update_weights_from_disk", payload, what="update_weights_from_disk")
+
+    async def update_weights_from_tensors(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | None = None,
+    ) -> None:
+        """Send tensors by handle (same machine only), serialized once per server and TP rank.
+
+        A CPU tensor's shared-memory handle can be opened by one receiver only, so every rank
+        gets its own serialization.
+        """
+        await self.start()
+        tensors = list(named_tensors)
+
+        def payload() -> dict[str, Any]:
+            body: dict[str, Any] = {
+                "serialized_named_tensors": [
+                    serialize_named_tensors(tensors) for _ in range(self.config.tp_size)
+                ],
+                "load_format": None,
+                "flush_cache": True,
+            }
+            if weight_version is not None:
+                body["weight_version"] = weight_version
+            return body
+
+        await self._post_all(
+            "/update_weights_from_tensor", payload, what="update_weights_from_tensor"
+        )
+
+
+ENGINES.add("sglang", SGLangEngine)

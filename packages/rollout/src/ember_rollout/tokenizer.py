@@ -1,0 +1,66 @@
+"""The toy task's tokenizer, built in code and saved in HF tokenizers format; tokenizer loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TOY_EOS = "<eos>"
+"""End of sequence; also the padding token."""
+TOY_UNK = "?"
+"""Unknown words; an ordinary (non-special) token, so it shows in decoded text."""
+TOY_WORDS = ("copy", "reverse", "sort", ":", "=")
+"""Task words and punctuation of the toy prompts."""
+TOY_VOCAB: tuple[str, ...] = (TOY_EOS, TOY_UNK, *(str(d) for d in range(10)), *TOY_WORDS)
+"""Every toy token; a token's id is its index here."""
+
+
+def build_toy_tokenizer() -> Any:
+    """A word-level tokenizer over `TOY_VOCAB`: words and punctuation split, digits one per token.
+
+    Decoding joins tokens without spaces, so a response of digit tokens reads as a digit string.
+    Only the EOS token is special (it is skipped by `decode(..., skip_special_tokens=True)`).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(TOY_VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=TOY_UNK))
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=TOY_EOS, pad_token=TOY_EOS, model_max_length=1 << 20
+    )
+
+
+def save_toy_tokenizer(path: str | Path) -> Path:
+    """Write the toy tokenizer (tokenizer.json + tokenizer_config.json) to `path`."""
+    path = Path(path)
+    build_toy_tokenizer().save_pretrained(path)
+    return path
+
+
+def load_tokenizer(path: str | Path | None) -> Any:
+    """Load an HF tokenizer from a local directory; None gives the toy tokenizer.
+
+    The toy tokenizer is saved and reloaded through `AutoTokenizer` like any other, so both go
+    through the same loading path.
+    """
+    from transformers import AutoTokenizer
+
+    if path is None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="ember-toy-tokenizer-") as tmp:
+            return AutoTokenizer.from_pretrained(save_toy_tokenizer(tmp), local_files_only=True)
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"tokenizer_path={str(path)!r}: not a directory")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def toy_tokenizer() -> Any:
+    """The toy tokenizer as loaded through `AutoTokenizer` (a fresh object per call)."""
+    return load_tokenizer(None)

@@ -1,0 +1,178 @@
+"""Reward functions: toy partial credit, math final answers, user code, groups, async."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import textwrap
+
+import pytest
+
+from ember_core.types import Sample, SampleStatus
+from ember_rollout.config import RewardConfig
+from ember_rollout.rewards import (
+    Scorer,
+    answers_match,
+    extract_final_answer,
+    register_reward,
+    resolve_reward,
+)
+from ember_rollout.toy_task import toy_score
+
+
+def sample(response, label=None, index=0, group=0):
+    return Sample(
+        tokens=[1, 2],
+        response_length=1,
+        response=response,
+        label=label,
+        index=index,
+        group_index=group,
+    )
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "stopped", "score"),
+    [
+        ("314", "314", True, 1.0),  # 3 digits + the stop, all right
+        ("3 1 4", "314", True, 1.0),
+        ("314", "314", False, 3 / 4),  # cut at max_response_len: the stop is missing
+        ("31", "314", True, 2 / 4),  # stopped one digit early
+        ("3145", "314", True, 3 / 5),  # one digit too many
+        ("413", "314", True, 2 / 4),  # middle digit and stop right
+        ("?14", "314", True, 3 / 4),
+        ("", "314", True, 0.0),
+        ("copy", "12", True, 0.0),
+    ],
+)
+def test_toy_score_is_fraction_of_correct_positions(response, label, stopped, score):
+    assert toy_score(response, label, stopped=stopped) == pytest.approx(score)
+
+
+def score(name, samples, groups=None, **config):
+    groups = groups or [[s] for s in samples]
+    asyncio.run(Scorer(RewardConfig(reward_fn=name, **config)).score_groups(groups))
+    return [s.reward for g in groups for s in g]
+
+
+def test_toy_reward_by_name_reads_the_stop_from_the_status():
+    done, cut = sample("12", "12"), sample("1", "12")
+    done.status, cut.status = SampleStatus.COMPLETED, SampleStatus.TRUNCATED
+    assert score("toy", [done, cut]) == [1.0, pytest.approx(1 / 3)]
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        (r"so the result is \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
+        (r"\boxed{1} then \boxed{x^{2}+1}", "x^{2}+1"),
+        ("Natalia sold 48 clips.\n#### 72", "72"),
+        ("The answer is 1,000.", "1,000"),
+        ("I computed 3 then 4 and finally 17 apples", "17"),
+        ("no digits here", None),
+    ],
+)
+def test_extract_final_answer(text, answer):
+    assert extract_final_answer(text) == answer
+
+
+@pytest.mark.parametrize(
+    ("predicted", "label", "match"),
+    [
+        ("72", 72, True),
+        ("1,000", "1000", True),
+        (r"\frac{1}{2}", "0.5", True),
+        (r"\dfrac{3}{4}", r"\frac{3}{4}", True),
+        ("50%", "0.5", True),
+        (r"\text{yes}", "Yes", True),
+        ("$ 12 $", "12.0", True),
+        ("13", "12", False),
+        (None, "12", False),
+    ],
+)
+def test_answers_match(predicted, label, match):
+    assert answers_match(predicted, label) is match
+
+
+def test_math_reward_reads_boxed_labels_and_gsm8k_labels():
+    samples = [
+        sample(r"... \boxed{42}", r"The result is \boxed{42}"),
+        sample("... so 72 in total", "48 + 24 = 72\n#### 72"),
+        sample("... 71", "#### 72"),
+    ]
+    assert score("math", samples) == [1.0, 1.0, 0.0]
+
+
+def test_unknown_name_lists_registered_rewards():
+    with pytest.raises(ValueError, match=r"unknown reward function 'nope'; known: .*math.*toy"):
+        resolve_reward("nope")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+        resolve_reward("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="has no callable 'missing'"):
+        resolve_reward("math:missing")
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncio
+            from ember_rollout.rewards import group_reward
+
+            def length(sample):
+                return float(len(sample.response))
+
+            async def slow(sample):
+                await asyncio.sleep(0)
+                return {"score": 0.25, "why": "async"}
+
+            @group_reward
+            def rank(samples):
+                order = sorted(range(len(samples)), key=lambda i: samples[i].response)
+                return [float(order.index(i)) for i in range(len(samples))]
+
+            def bad(sample):
+                return float("nan")
+
+            def wrong_count(samples):
+                return [1.0]
+            wrong_count.ember_group_reward = True
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_rewards"
+
+
+def test_module_function_rewards_sync_async_and_group(user_module):
+    assert score(f"{user_module}:length", [sample("abc"), sample("")]) == [3.0, 0.0]
+    s = sample("x")
+    assert score(f"{user_module}:slow", [s]) == [0.25]
+    assert s.metadata["reward_info"] == {"why": "async"}
+    group = [sample("b", index=0), sample("c", index=1), sample("a", index=2)]
+    assert score(f"{user_module}:rank", group, groups=[group]) == [1.0, 2.0, 0.0]
+
+
+def test_bad_reward_values_name_the_sample_or_group(user_module):
+    with pytest.raises(ValueError, match=r"sample 3 \(group 1\): reward .*bad' returned nan"):
+        score(f"{user_module}:bad", [sample("x", index=3, group=1)])
+    group = [sample("a", group=5), sample("b", group=5)]
+    with pytest.raises(ValueError, match="group 5: group reward .* expected 2 scores"):
+        score(f"{user_module}:wrong_count", group, groups=[group])
+
+
+def test_async_rewards_run_concurrently_within_the_limit():
+    state = {"now": 0, "peak": 0}
+
+    @register_reward("test_concurrency_probe")
+    async def probe(sample):
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        await asyncio.sleep(0.01)
+        state["now"] -= 1
+        return 1.0
+
+    rewards = score("test_concurrency_probe", [sample("x") for _ in range(8)], max_concurrency=3)
+    assert rewards == [1.0] * 8 and state["peak"] == 3
+    assert not math.isnan(rewards[0])

@@ -1,0 +1,43 @@
+"""The error a failed CI on-policy check raises."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+
+class Check(enum.StrEnum):
+    """The checks, by the name errors and log lines use."""
+
+    PPO_KL = "first_step_ppo_kl"
+    """|train/ppo_kl| < tolerance at the first step of every rollout."""
+    KL_LOSS = "first_step_kl_loss"
+    """|train/kl_loss| < tolerance at the first step of the run, unless exempted."""
+    ROLLOUT_REF_LOG_PROBS = "first_rollout_ref_log_probs"
+    """|rollout/log_probs - rollout/ref_log_probs| < tolerance at rollout 0, unless exempted."""
+
+
+class KLCheckError(AssertionError):
+    """A CI on-policy check failed: the first update did not start exactly on-policy.
+
+    Attributes:
+        check: Which check failed (a `Check` value).
+        step: Where it failed, e.g. "rollout 0, step 0 (accumulated step 0)".
+        metrics: The whole metric dict the check read.
+    """
+
+    def __init__(self, check: str, step: str, metrics: Mapping[str, Any], detail: str) -> None:
+        self.check = str(check)
+        self.step = step
+        self.metrics = dict(metrics)
+        self.detail = detail
+        super().__init__(
+            f"ci_kl_checker: check {self.check} failed at {step}: {detail}; "
+            f"metrics: {self.metrics!r}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild from the fields, not from the message, so the error crosses process
+        # boundaries (Ray workers) intact.
+        return (type(self), (self.check, self.step, self.metrics, self.detail))

@@ -1,0 +1,101 @@
+"""The r3_routing plugin: Rollout Routing Replay (arXiv 2510.11370) through Ember's hooks."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+from ember_core.hookspecs import ConfigSection, KLExemption, Phase, Role, hookimpl
+from ember_core.types import SampleStatus
+from ember_r3_routing import replay
+from ember_r3_routing.config import SECTION, R3RoutingConfig
+from ember_r3_routing.experts import META_KEY, REQUEST_FIELD, SERVER_FLAG, routed_experts_for
+
+EXEMPTION_REASON = (
+    "the actor replays the rollout engine's expert choices in every MoE layer while the "
+    "reference routes with its own router, so the two can pick different experts for the same "
+    "token and their log-probs differ from the first step (ppo_kl stays exactly zero: old and "
+    "new actor log-probs replay the same experts)"
+)
+
+_config: R3RoutingConfig | None = None
+
+
+def _current() -> R3RoutingConfig:
+    if _config is None:
+        raise RuntimeError(
+            "r3_routing: a hook that needs the model shape ran before ember_configure; configure "
+            "the plugins (EmberPlugins.configure) first"
+        )
+    return _config
+
+
+# --------------------------------------------------------------------------------------------
+# Setup
+# --------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def ember_config_section() -> ConfigSection:
+    return ConfigSection(SECTION, R3RoutingConfig)
+
+
+@hookimpl
+def ember_configure(sections: dict[str, Any]) -> None:
+    global _config
+    section = sections.get(SECTION)
+    if section is None:
+        section = R3RoutingConfig()
+    if not isinstance(section, R3RoutingConfig):
+        raise TypeError(
+            f"sections[{SECTION!r}] must be an R3RoutingConfig, got {type(section).__name__}"
+        )
+    section.require_shape()
+    _config = section
+
+
+@hookimpl
+def ember_model_config(role: Role, model_config: Any) -> None:
+    replay.configure_model(role, model_config, _current())
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout
+# --------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def ember_rollout_request_fields(engine: str) -> dict[str, Any]:
+    return {REQUEST_FIELD: True}
+
+
+@hookimpl
+def ember_rollout_server_args(engine: str) -> list[str] | None:
+    return [SERVER_FLAG] if engine == "sglang" else None
+
+
+@hookimpl
+def ember_process_sample(sample: Any, meta_info: dict[str, Any], engine: str) -> None:
+    unfinished = sample.status in (SampleStatus.ABORTED, SampleStatus.FAILED)
+    if unfinished and sample.rollout_routed_experts is None and META_KEY not in meta_info:
+        return  # never trained on; replay names the sample if one ever reaches training
+    sample.rollout_routed_experts = routed_experts_for(sample, meta_info, _current())
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def ember_forward_context(
+    role: Role, phase: Phase, batch: Any
+) -> AbstractContextManager[None] | None:
+    if role != Role.ACTOR:
+        return None  # the reference and the critic route as they would anyway
+    return replay.replay_context(phase, batch, _current())
+
+
+@hookimpl
+def ember_kl_check_exemptions() -> KLExemption:
+    return KLExemption(SECTION, EXEMPTION_REASON)

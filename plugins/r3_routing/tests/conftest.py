@@ -1,0 +1,21 @@
+"""Fixtures of the r3_routing tests."""
+
+from __future__ import annotations
+
+import pytest
+from r3_samples import small_shape
+
+from ember_r3_routing import R3RoutingConfig
+from ember_r3_routing import plugin as r3_plugin
+
+
+@pytest.fixture
+def shape() -> R3RoutingConfig:
+    return small_shape()
+
+
+@pytest.fixture
+def reset_plugin():
+    """Forget the plugin's configured section after the test."""
+    yield
+    r3_plugin._config = None
