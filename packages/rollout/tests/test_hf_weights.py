@@ -71,6 +71,18 @@ def test_update_from_disk_and_from_tensors_switch_the_policy(other_checkpoint):
     assert sample(from_tensors).output_log_probs == expected.output_log_probs
 
 
+def test_engine_serves_a_local_model_directory(other_checkpoint):
+    from_dir = HFEngine(HFEngineConfig(model_path=str(other_checkpoint), dtype="float32"))
+    built = HFEngine(HFEngineConfig(dtype="float32", tiny=OTHER))
+    a, b = sample(from_dir), sample(built)
+    assert from_dir.model_info == built.model_info
+    assert a.output_ids == b.output_ids
+    assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-5)
+    assert torch.equal(a.routed_experts, b.routed_experts)
+    with pytest.raises(ValueError, match="no config.json there"):
+        HFEngine(HFEngineConfig(model_path=str(other_checkpoint / "absent"))).load()
+
+
 def test_partial_update_touches_only_named_tensors():
     engine = make_engine("float32")
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
