@@ -117,6 +117,30 @@ def test_configure_requires_the_model_shape(reset_plugin):
         plugins.unregister("r3_routing")
 
 
+def test_configure_takes_unset_shape_fields_from_the_training_model(reset_plugin):
+    class Model:
+        num_layers, num_experts, moe_router_topk = 6, 16, 4
+
+    class Train:
+        def model_config(self):
+            return Model()
+
+    class Run:
+        train = Train()
+
+    plugins = EmberPlugins()
+    plugins.register(r3_plugin, "r3_routing")
+    try:
+        plugins.configure(Run(), {"r3_routing": R3RoutingConfig(dense_layers=[0])})
+        configured = r3_plugin._current()
+        assert (configured.num_layers, configured.num_experts, configured.topk) == (6, 16, 4)
+        assert configured.moe_layers == [1, 2, 3, 4, 5]
+        plugins.configure(Run(), {"r3_routing": R3RoutingConfig(topk=2)})
+        assert r3_plugin._current().topk == 2  # an explicit field wins
+    finally:
+        plugins.unregister("r3_routing")
+
+
 def test_installed_entry_point_loads_the_plugin(shape, reset_plugin):
     assert installed_plugins()["r3_routing"].distribution == "ember-r3-routing"
     plugins = EmberPlugins.load(["r3_routing"])

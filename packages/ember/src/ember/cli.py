@@ -26,9 +26,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = Path(args.resume)
         resolved = run_dir / "config.yaml"
         if not resolved.is_file():
-            raise ValueError(f"--resume {run_dir}: no config.yaml there (not an Ember run directory)")
+            raise ValueError(
+                f"--resume {run_dir}: no config.yaml there (not an Ember run directory)"
+            )
         if args.config:
-            raise ValueError("--resume continues a run with its own config; drop the CONFIG argument")
+            raise ValueError(
+                "--resume continues a run with its own config; drop the CONFIG argument"
+            )
         config_source = yaml.safe_load(resolved.read_text())
     config, _ = load_config(config_source, overrides=args.set, plugins=args.plugins)
     driver = Driver(config, run_dir)
@@ -81,17 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run RL training (default: the CPU example)")
-    train.add_argument("config", nargs="?", help="YAML run config or example name (default: default)")
+    train.add_argument(
+        "config", nargs="?", help="YAML run config or example name (default: default)"
+    )
     train.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
     train.add_argument(
         "--plugins", type=_split_plugins, default=None, metavar="A,B", help="plugins to enable"
     )
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
+    train.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint"
+    )
     train.set_defaults(func=cmd_train)
 
-    plugins = sub.add_parser("plugins", help="list installed plugins and whether a config enables them")
+    plugins = sub.add_parser(
+        "plugins", help="list installed plugins and whether a config enables them"
+    )
     plugins.add_argument("config", nargs="?", help="run config to read the enabled list from")
     plugins.add_argument("--plugins", type=_split_plugins, default=None, metavar="A,B")
     plugins.set_defaults(func=cmd_plugins)

@@ -44,7 +44,7 @@ class RunSection:
     keep_checkpoints: int = 2
     """Newest checkpoints kept on disk; older complete ones are deleted after a save."""
     eval_interval: int = 0
-    """Evaluate greedy-ish (temperature eval_temperature) rewards every this many rollouts; 0 off."""
+    """Evaluate at eval_temperature every this many rollouts; 0 turns evaluation off."""
     eval_prompts: int = 32
     """Prompts per evaluation."""
     eval_temperature: float = 0.01
@@ -126,8 +126,13 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The plain-data form, with plugin sections back at the top level."""
-        data = {f.name: to_dict(getattr(self, f.name)) if dataclasses.is_dataclass(getattr(self, f.name))
-                else getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plugin_sections"}
+        data = {
+            f.name: to_dict(getattr(self, f.name))
+            if dataclasses.is_dataclass(getattr(self, f.name))
+            else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "plugin_sections"
+        }
         for name, section in self.plugin_sections.items():
             data[name] = to_dict(section) if dataclasses.is_dataclass(section) else section
         return data
@@ -150,7 +155,9 @@ def parse_overrides(items: Sequence[str]) -> list[tuple[str, Any]]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, for example rollout.temperature=0.7")
+            raise ValueError(
+                f"--set {item!r}: expected KEY=VALUE, for example rollout.temperature=0.7"
+            )
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
@@ -169,7 +176,9 @@ def resolve_config_path(config: str | None) -> Path:
         if candidate.is_file():
             return candidate
     known = sorted(p.stem for p in EXAMPLES_DIR.glob("*.yaml")) if EXAMPLES_DIR.is_dir() else []
-    raise ValueError(f"config {name!r}: no such file, and no example of that name ({', '.join(known)})")
+    raise ValueError(
+        f"config {name!r}: no such file, and no example of that name ({', '.join(known)})"
+    )
 
 
 def load_config(

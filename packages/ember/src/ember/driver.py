@@ -164,7 +164,12 @@ class Driver:
             batch.samples, self.config.rollout.n_samples_per_prompt, len(self.actors.train)
         )
         rollout_metrics = mean_metrics(
-            ray.get([t.prepare.remote(rollout_id, s) for t, s in zip(self.actors.train, shards, strict=True)])
+            ray.get(
+                [
+                    t.prepare.remote(rollout_id, s)
+                    for t, s in zip(self.actors.train, shards, strict=True)
+                ]
+            )
         )
         timings["perf/log_probs_time"] = time.perf_counter() - t0
 
@@ -294,7 +299,10 @@ class Driver:
 def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[str, float]]) -> str:
     """One line per rollout: reward, KL, train/inference mismatch, routing, throughput."""
     last = steps[-1] if steps else {}
-    parts = [f"rollout {rollout_id:4d}", f"reward {rollout.get('rollout/rewards', float('nan')):.3f}"]
+    parts = [
+        f"rollout {rollout_id:4d}",
+        f"reward {rollout.get('rollout/rewards', float('nan')):.3f}",
+    ]
     if "train/kl_loss" in last:
         parts.append(f"kl {last['train/kl_loss']:.2e}")
     if "rollout/train_rollout_logprob_abs_diff" in rollout:

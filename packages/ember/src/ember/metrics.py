@@ -57,7 +57,13 @@ class MetricsLogger:
     def log(self, kind: str, rollout_id: int, step: int, metrics: Mapping[str, float]) -> None:
         """Append one record and mirror its metrics to TensorBoard (and wandb)."""
         clean = {k: _plain(v) for k, v in metrics.items()}
-        record = {"kind": kind, "rollout_id": rollout_id, "step": step, "time": time.time(), **clean}
+        record = {
+            "kind": kind,
+            "rollout_id": rollout_id,
+            "step": step,
+            "time": time.time(),
+            **clean,
+        }
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
         if self._tb is not None:

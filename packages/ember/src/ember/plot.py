@@ -36,9 +36,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         for key, value in record.items():
             if "/" in key and isinstance(value, int | float):
                 series[key].append((record["step"], float(value)))
-    panels = {
-        name: [k for k in keys if series.get(k)] for name, keys in PANELS.items()
-    }
+    panels = {name: [k for k in keys if series.get(k)] for name, keys in PANELS.items()}
     panels = {name: keys for name, keys in panels.items() if keys}
     if not panels:
         raise ValueError(f"{run_dir}: metrics.jsonl holds none of the plotted metrics yet")

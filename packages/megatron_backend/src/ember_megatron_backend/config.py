@@ -83,7 +83,8 @@ class OptimizerConfig:
             _fail("lr_decay_style", self.lr_decay_style, "constant, linear or cosine")
         if self.lr_decay_style != "constant":
             steps = self.lr_decay_steps
-            if not isinstance(steps, int) or isinstance(steps, bool) or steps <= self.lr_warmup_steps:
+            valid = isinstance(steps, int) and not isinstance(steps, bool)
+            if not valid or steps <= self.lr_warmup_steps:
                 _fail(
                     "lr_decay_steps",
                     steps,

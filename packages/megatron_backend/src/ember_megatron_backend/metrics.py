@@ -69,7 +69,8 @@ def reduce_sums(values: dict[str, Tensor | float], group: Any = None) -> dict[st
 
 def _masked_means(per_token: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Per-sample means over counted tokens, and which samples have any counted token."""
-    sums = torch.stack([(t.double() * m.double()).sum() for t, m in zip(per_token, masks)])
+    pairs = zip(per_token, masks, strict=True)
+    sums = torch.stack([(t.double() * m.double()).sum() for t, m in pairs])
     counts = torch.stack([m.double().sum() for m in masks])
     has = counts > 0
     return sums[has] / counts[has], has
@@ -103,6 +104,7 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
         if tensors is not None and tensors:
             means.add(key, _masked_means(tensors, masks)[0])
     if batch.routing is not None:
-        compared = batch.routing[:, 1] > 0
-        means.add("rollout/routing_agreement", batch.routing[compared, 0] / batch.routing[compared, 1])
+        agree, compared = batch.routing[:, 0], batch.routing[:, 1]
+        has = compared > 0
+        means.add("rollout/routing_agreement", agree[has] / compared[has])
     return means.reduce(group)

@@ -12,7 +12,11 @@ SECTION = "r3_routing"
 
 @dataclass(kw_only=True, slots=True)
 class R3RoutingConfig:
-    """Shape of the MoE model whose routing is replayed; 0 marks a field not set yet."""
+    """Shape of the MoE model whose routing is replayed.
+
+    Fields left at 0 are taken from the run's training model when the run config resolves one
+    (`train.model_config()`); set them by hand for a run config that cannot.
+    """
 
     num_layers: int = 0
     """Decoder layers of the model: the layer axis of the routed experts."""

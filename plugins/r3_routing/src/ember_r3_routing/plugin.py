@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -40,8 +41,25 @@ def ember_config_section() -> ConfigSection:
     return ConfigSection(SECTION, R3RoutingConfig)
 
 
+def _model_shape(config: Any) -> dict[str, Any]:
+    """The MoE shape of the run's training model, when the run config can tell it.
+
+    A run config whose `train` section resolves its model (`train.model_config()`, as the
+    Megatron backend's does) fills the shape fields left at 0; the plugin imports no backend.
+    """
+    resolve = getattr(getattr(config, "train", None), "model_config", None)
+    if not callable(resolve):
+        return {}
+    model = resolve()
+    return {
+        "num_layers": getattr(model, "num_layers", 0),
+        "num_experts": getattr(model, "num_experts", 0),
+        "topk": getattr(model, "moe_router_topk", 0),
+    }
+
+
 @hookimpl
-def ember_configure(sections: dict[str, Any]) -> None:
+def ember_configure(config: Any, sections: dict[str, Any]) -> None:
     global _config
     section = sections.get(SECTION)
     if section is None:
@@ -50,6 +68,10 @@ def ember_configure(sections: dict[str, Any]) -> None:
         raise TypeError(
             f"sections[{SECTION!r}] must be an R3RoutingConfig, got {type(section).__name__}"
         )
+    shape = _model_shape(config)
+    missing = {k: v for k, v in shape.items() if not getattr(section, k) and v}
+    if missing:
+        section = dataclasses.replace(section, **missing)
     section.require_shape()
     _config = section
 

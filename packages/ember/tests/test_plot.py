@@ -1,0 +1,42 @@
+"""`ember plot`: PNG curves from metrics.jsonl."""
+
+from __future__ import annotations
+
+from ember.cli import main
+from ember.metrics import MetricsLogger, read_metrics
+
+
+def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
+    sink = MetricsLogger(tmp_path)
+    sink.log("rollout", 0, 0, {"rollout/rewards": 0.25})
+    sink.log("train", 0, 0, {"train/loss": 1.5, "train/ppo_kl": 0.0})
+    sink.close()
+    records = list(read_metrics(tmp_path))
+    assert [r["kind"] for r in records] == ["rollout", "train"]
+    assert records[0]["rollout/rewards"] == 0.25 and records[1]["train/loss"] == 1.5
+    assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_torn_last_line_is_skipped(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "rollout", "step": 0}\n{"kind": "ro')
+    assert len(list(read_metrics(tmp_path))) == 1
+
+
+def test_plot_writes_pngs(tmp_path, capsys):
+    sink = MetricsLogger(tmp_path, tensorboard=False)
+    for i in range(5):
+        sink.log("rollout", i, i, {"rollout/rewards": i / 5, "rollout/routing_agreement": 0.97})
+        sink.log("train", i, i, {"train/kl_loss": 0.01 * i})
+    sink.close()
+    assert main(["plot", str(tmp_path)]) == 0
+    written = capsys.readouterr().out.split()
+    names = sorted(p.rsplit("/", 1)[-1] for p in written)
+    assert names == ["curves.png", "kl.png", "reward.png", "routing.png"]
+    for path in written:
+        with open(path, "rb") as handle:
+            assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_directory_without_metrics_is_one_line(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no metrics file" in capsys.readouterr().err

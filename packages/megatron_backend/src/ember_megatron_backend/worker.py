@@ -1,0 +1,511 @@
+"""MegatronWorker: one training rank's actor, reference and critic, scoring and training."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ember_core.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    compute_advantages,
+    whiten_advantages,
+)
+from ember_core.config import AlgorithmConfig, SamplingConfig
+from ember_core.hookspecs import Phase, Role
+from ember_core.plugins import EmberPlugins
+from ember_core.types import Sample
+from ember_megatron_backend import checkpoint
+from ember_megatron_backend.batches import RolloutBatch, pack_micro_batch, plan_steps
+from ember_megatron_backend.config import BackendConfig, is_hf_checkpoint
+from ember_megatron_backend.forward import forward_only
+from ember_megatron_backend.losses import (
+    actor_loss,
+    actor_metric_keys,
+    critic_loss,
+    local_denominator,
+    policy_forward,
+    value_forward,
+)
+from ember_megatron_backend.metrics import reduce_sums, rollout_metrics
+from ember_megatron_backend.model import build_model
+from ember_megatron_backend.optimizer import build_optimizer, wrap_ddp
+from ember_megatron_backend.routing import RoutingRecorder
+from ember_megatron_backend.weights import (
+    export_hf_checkpoint,
+    iter_hf_weights,
+    load_hf_checkpoint,
+)
+
+__all__ = ["MegatronWorker"]
+
+logger = logging.getLogger(__name__)
+
+
+def _describe(sample: Sample) -> str:
+    return f"sample {sample.index} (group {sample.group_index})"
+
+
+class MegatronWorker:
+    """One training rank: builds the models and runs the backend half of an RL iteration.
+
+    Construct it in a process where ``init_distributed()`` has run (one worker per rank; the
+    driver holds each in a Ray actor) and call every method on every rank: they are collective.
+    Per rollout: ``prepare`` -> ``log_rollout_data`` -> ``train`` -> ``hf_weights``.
+
+    Data parallelism: each rank receives its own share of the rollout, whole prompt groups
+    (group-normalising estimators need the whole group; ``prepare`` checks that no group spans
+    two ranks). Mini-batch k of a step is the union over ranks of each rank's k-th slice, and
+    losses are scaled by the global number of samples (or counted tokens) of that mini-batch,
+    so a data-parallel run computes what one rank computes on the same mini-batches.
+    """
+
+    def __init__(
+        self,
+        config: BackendConfig,
+        algorithm: AlgorithmConfig,
+        sampling: SamplingConfig,
+        plugins: EmberPlugins | None = None,
+        *,
+        with_ref: bool | None = None,
+        with_critic: bool | None = None,
+    ) -> None:
+        """Build the actor, and the reference and critic when needed.
+
+        Args:
+            config: The `train` section.
+            algorithm: The RL objective.
+            sampling: Rollout sampling (its temperature scales policy logits).
+            plugins: The run's plugins (their model-config and forward hooks run here).
+            with_ref: Build a reference; default: when the KL loss or KL reward penalty needs
+                one or `ref_load` is set.
+            with_critic: Build a critic; default: when the advantage estimator uses one.
+
+        Raises:
+            RuntimeError: if ``init_distributed()`` has not run.
+            ValueError: if the configuration asks for a model it disables.
+        """
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("call ember_megatron_backend.parallel.init_distributed() first")
+        if ps.get_pipeline_model_parallel_world_size() > 1 or (
+            ps.get_context_parallel_world_size() > 1
+        ):
+            # TODO: PP and CP need megatron-core's pipeline schedules, which allocate on CUDA;
+            # they wait for the GPU training loop.
+            raise NotImplementedError("MegatronWorker supports pipeline = context parallel = 1")
+        self.config, self.algorithm, self.sampling = config, algorithm, sampling
+        self.plugins = plugins if plugins is not None else EmberPlugins()
+        self.estimator = ADVANTAGE_ESTIMATORS.get(algorithm.advantage_estimator)
+        needs_ref = algorithm.use_kl_loss or algorithm.kl_coef > 0
+        self.with_ref = (needs_ref or config.ref_load is not None) if with_ref is None else with_ref
+        if needs_ref and not self.with_ref:
+            raise ValueError("use_kl_loss / kl_coef > 0 need a reference model (with_ref=False)")
+        self.with_critic = self.estimator.uses_critic if with_critic is None else with_critic
+        if self.estimator.uses_critic and not self.with_critic:
+            raise ValueError(
+                f"advantage_estimator={algorithm.advantage_estimator!r} needs a critic "
+                "(with_critic=False)"
+            )
+        self.model_config = config.model_config()
+        self.rollout_id = -1
+        """The last rollout trained on (-1 before the first)."""
+        self.accumulated_step = 0
+        """Optimizer steps taken over the whole run (survives checkpoints)."""
+
+        actor = self._build(Role.ACTOR)
+        if config.hf_load is not None:
+            load_hf_checkpoint(actor, config.hf_load, self.model_config)
+        self.actor = wrap_ddp(actor)
+        self.actor_optimizer = build_optimizer(self.actor, config.optimizer)
+        self.routing = RoutingRecorder(self.actor)
+
+        self.ref = None
+        if self.with_ref:
+            self.ref = self._build(Role.REF)
+            if config.ref_load is None:
+                self.ref.load_state_dict(self.actor.module.state_dict())
+            elif is_hf_checkpoint(config.ref_load):
+                load_hf_checkpoint(self.ref, config.ref_load, self.model_config)
+            else:
+                checkpoint.load_model_weights(
+                    self.ref, config.ref_load, role=Role.ACTOR.value, expect=self._layout()
+                )
+            self.ref.requires_grad_(False)
+            self.ref.eval()
+
+        self.critic = self.critic_optimizer = None
+        if self.with_critic:
+            critic = self._build(Role.CRITIC)
+            trunk = config.critic.hf_load or config.hf_load
+            if trunk is not None:
+                load_hf_checkpoint(critic, trunk, self.model_config)
+            self.critic = wrap_ddp(critic)
+            self.critic_optimizer = build_optimizer(self.critic, config.critic.optimizer)
+
+    def _build(self, role: Role) -> Any:
+        return build_model(
+            self.model_config,
+            critic=role == Role.CRITIC,
+            dtype=self.config.torch_dtype,
+            seed=self.config.seed,
+            adjust_config=lambda tc: self.plugins.model_config(role, tc),
+        )
+
+    @staticmethod
+    def _parallel_layout() -> dict[str, int]:
+        from megatron.core import parallel_state as ps
+
+        return {
+            "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+            "expert_parallel": ps.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel": ps.get_expert_tensor_parallel_world_size(),
+            "context_parallel": ps.get_context_parallel_world_size(),
+        }
+
+    def _layout(self) -> dict[str, Any]:
+        """What a checkpoint must share with this run to load into it."""
+        return {
+            "parallel": self._parallel_layout(),
+            # The init scale only matters for fresh weights.
+            "model": dataclasses.asdict(self.model_config.replace(init_method_std=1.0)),
+            "dtype": self.config.dtype,
+        }
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def prepare(self, rollout_id: int, samples: Sequence[Sample]) -> RolloutBatch:
+        """Score this rank's share of a rollout: ref / old actor log-probs, values, advantages.
+
+        Args:
+            rollout_id: The rollout.
+            samples: This rank's samples: whole prompt groups (``Sample.group_index``), each
+                scored (``reward`` set). The driver splits the rollout across data-parallel
+                ranks; the split also decides each rank's mini-batches (``RolloutBatch.steps``).
+
+        Raises:
+            ValueError: naming the sample for an inconsistent or unscored sample, a group split
+                across ranks, or TIS without rollout log-probs.
+        """
+        from megatron.core import parallel_state as ps
+
+        samples = list(samples)
+        if not samples:
+            raise ValueError("prepare(): this rank received no samples")
+        for sample in samples:
+            sample.validate()
+            if sample.reward is None:
+                raise ValueError(f"{_describe(sample)}: reward is None; score samples first")
+        dp_group = ps.get_data_parallel_group()
+        self._check_groups(samples, dp_group)
+        has_rollout_lp, has_experts = self._all_ranks(
+            [
+                all(s.rollout_log_probs is not None for s in samples),
+                any(s.rollout_routed_experts is not None for s in samples),
+            ],
+            dp_group,
+        )
+        if self.algorithm.use_tis and not has_rollout_lp:
+            missing = next((s for s in samples if s.rollout_log_probs is None), None)
+            where = _describe(missing) if missing is not None else "a sample on another rank"
+            raise ValueError(f"use_tis needs rollout_log_probs on every sample; {where} has none")
+        steps = plan_steps(
+            samples,
+            self.config.num_steps_per_rollout,
+            micro_batch_size=self.config.micro_batch_size,
+            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
+            group=dp_group,
+            strict_counts=ps.get_expert_model_parallel_world_size() > 1,
+        )
+        n = len(samples)
+        log_probs: list[Any] = [None] * n
+        entropy: list[Any] = [None] * n
+        ref_log_probs: list[Any] | None = [None] * n if self.ref is not None else None
+        values: list[Any] | None = [None] * n if self.critic is not None else None
+        routing = torch.zeros(n, 2, dtype=torch.float64) if has_experts else None
+        temperature = self.sampling.temperature
+        for indices in (mb for step in steps for mb in step):
+            if self.ref is not None:
+                mb = pack_micro_batch(self.ref, samples, indices)
+                with self.plugins.forward_context(Role.REF, Phase.LOG_PROB, mb):
+                    out = forward_only(self.ref, mb.samples, role="ref", temperature=temperature)
+                _scatter(ref_log_probs, indices, out.log_probs)
+            mb = pack_micro_batch(self.actor, samples, indices)
+            record = (
+                self.routing.record(mb, routing)
+                if routing is not None and self.routing.active
+                else contextlib.nullcontext()
+            )
+            with self.plugins.forward_context(Role.ACTOR, Phase.LOG_PROB, mb), record:
+                out = forward_only(
+                    self.actor, mb.samples, role="actor", temperature=temperature, with_entropy=True
+                )
+            _scatter(log_probs, indices, out.log_probs)
+            _scatter(entropy, indices, out.entropy)
+            if self.critic is not None:
+                mb = pack_micro_batch(self.critic, samples, indices)
+                with self.plugins.forward_context(Role.CRITIC, Phase.LOG_PROB, mb):
+                    out = forward_only(self.critic, mb.samples, role="critic")
+                _scatter(values, indices, out.values)
+
+        masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
+        rollout_lp = None
+        if has_rollout_lp:
+            rollout_lp = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
+        advantages, returns = compute_advantages(
+            self.algorithm.advantage_estimator,
+            AdvantageInputs(
+                rewards=torch.tensor([float(s.reward) for s in samples]),
+                response_lengths=[s.response_length for s in samples],
+                loss_masks=masks,
+                group_ids=[s.group_index for s in samples],
+                log_probs=log_probs,
+                ref_log_probs=ref_log_probs,
+                values=values,
+                gamma=self.algorithm.gamma,
+                lambd=self.algorithm.lambd,
+                kl_coef=self.algorithm.kl_coef,
+                kl_kind=self.algorithm.kl_loss_type,
+                normalize_std=self.algorithm.normalize_group_std,
+            ),
+        )
+        if self.algorithm.whiten_advantages:
+            advantages = _whiten_across(advantages, masks, dp_group)
+        return RolloutBatch(
+            rollout_id=rollout_id,
+            samples=samples,
+            steps=steps,
+            loss_masks=masks,
+            log_probs=log_probs,
+            entropy=entropy,
+            advantages=advantages,
+            returns=returns,
+            ref_log_probs=ref_log_probs,
+            values=values,
+            rollout_log_probs=rollout_lp,
+            routing=routing,
+        )
+
+    def _check_groups(self, samples: list[Sample], group: Any) -> None:
+        if dist.get_world_size(group) == 1:
+            return
+        mine = sorted({s.group_index for s in samples})
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        owner: dict[int, int] = {}
+        for rank, groups in enumerate(everyone):
+            for g in groups:
+                if g in owner:
+                    raise ValueError(
+                        f"prompt group {g} has samples on data-parallel ranks {owner[g]} and "
+                        f"{rank}; each group must stay on one rank (group baselines need it)"
+                    )
+                owner[g] = rank
+
+    @staticmethod
+    def _all_ranks(flags: list[bool], group: Any) -> list[bool]:
+        """Per flag: true on every rank (index 0) / on any rank (others)."""
+        values = torch.tensor([int(not flags[0])] + [int(f) for f in flags[1:]])
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        return [not bool(values[0])] + [bool(v) for v in values[1:]]
+
+    def log_rollout_data(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
+        """The rollout/* metrics of `batch`, means over the samples of all data-parallel ranks
+        (every rank returns the same dict); then the plugins' ``after_log_rollout_data``."""
+        from megatron.core import parallel_state as ps
+
+        metrics = rollout_metrics(batch, ps.get_data_parallel_group())
+        self.plugins.after_log_rollout_data(rollout_id, metrics)
+        return metrics
+
+    # -- training ----------------------------------------------------------------------------
+
+    def train(self, rollout_id: int, batch: RolloutBatch) -> list[dict[str, float]]:
+        """`num_steps_per_rollout` optimizer steps on `batch`, one per mini-batch.
+
+        Each step accumulates gradients over its micro-batches. A micro-batch's loss (ember-
+        core's mean over it) is weighted by its share of the step's global denominator (samples
+        or counted tokens over all data-parallel ranks), times the data-parallel size that
+        megatron-core's gradient averaging divides by. Metrics are weighted the same way and
+        summed over ranks, so they are means over the whole mini-batch.
+
+        Returns:
+            Per step, the train/* metrics (identical on every rank), also passed to the plugins'
+            ``after_train_step``.
+        """
+        from megatron.core import parallel_state as ps
+
+        dp_group = ps.get_data_parallel_group()
+        dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        reduction = self.algorithm.loss_reduction
+        local = torch.tensor(
+            [sum(local_denominator(batch, mb, reduction) for mb in step) for step in batch.steps],
+            dtype=torch.float64,
+        )
+        if dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(local, group=dp_group)
+        totals = local.clamp_min(1.0)
+        keys = actor_metric_keys(self.algorithm, batch)
+        if self.critic is not None:
+            keys += ["value_loss", "value_clipfrac"]
+        models = [m for m in (self.actor, self.critic) if m is not None]
+        for model in models:
+            model.train()
+        results = []
+        for step_id, micro_batches in enumerate(batch.steps):
+            sums = {key: torch.zeros((), dtype=torch.float64) for key in keys}
+            self.actor_optimizer.zero_grad()
+            if self.critic_optimizer is not None:
+                self.critic_optimizer.zero_grad()
+            for indices in micro_batches:
+                weight = local_denominator(batch, indices, reduction) / float(totals[step_id])
+                self._actor_micro_batch(batch, indices, weight, dp_size, sums, len(micro_batches))
+                if self.critic is not None:
+                    self._critic_micro_batch(batch, indices, weight, dp_size, sums)
+            metrics = reduce_sums({f"train/{k}": v for k, v in sums.items()}, dp_group)
+            result = self.actor_optimizer.step(self.accumulated_step)
+            metrics["train/grad_norm"], metrics["train/lr"] = result.grad_norm, result.lr
+            if self.critic_optimizer is not None:
+                result = self.critic_optimizer.step(self.accumulated_step)
+                metrics["train/critic_grad_norm"] = result.grad_norm
+                metrics["train/critic_lr"] = result.lr
+            self.plugins.after_train_step(rollout_id, step_id, self.accumulated_step, metrics)
+            self.accumulated_step += 1
+            results.append(metrics)
+        self.rollout_id = rollout_id
+        return results
+
+    def _actor_micro_batch(
+        self,
+        batch: RolloutBatch,
+        indices: list[int],
+        weight: float,
+        dp_size: int,
+        sums: dict[str, Tensor],
+        num_micro_batches: int,
+    ) -> None:
+        mb = pack_micro_batch(self.actor, batch.samples, indices)
+        with self.plugins.forward_context(Role.ACTOR, Phase.TRAIN, mb):
+            head = policy_forward(self.actor, mb, self.sampling.temperature)
+            loss, metrics = actor_loss(
+                head, mb, batch, self.algorithm, sequence_ratio=self.estimator.sequence_ratio
+            )
+        for key, value in metrics.items():
+            sums[key] += value.double().cpu() * weight
+        if self.model_config.moe_aux_loss_coeff > 0:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            # The load-balancing loss averages over micro-batches (and over ranks via DDP).
+            scale = torch.tensor(1.0 / num_micro_batches, device=loss.device)
+            MoEAuxLossAutoScaler.set_loss_scale(scale)
+        with self.plugins.forward_context(Role.ACTOR, Phase.BACKWARD, mb):
+            (loss * (weight * dp_size)).backward()
+
+    def _critic_micro_batch(
+        self,
+        batch: RolloutBatch,
+        indices: list[int],
+        weight: float,
+        dp_size: int,
+        sums: dict[str, Tensor],
+    ) -> None:
+        mb = pack_micro_batch(self.critic, batch.samples, indices)
+        with self.plugins.forward_context(Role.CRITIC, Phase.TRAIN, mb):
+            loss, metrics = critic_loss(value_forward(self.critic, mb), mb, batch, self.algorithm)
+        for key, value in metrics.items():
+            sums[key] += value.double().cpu() * weight
+        with self.plugins.forward_context(Role.CRITIC, Phase.BACKWARD, mb):
+            (loss * (weight * dp_size)).backward()
+
+    # -- weights and checkpoints -------------------------------------------------------------
+
+    def hf_weights(
+        self, *, dtype: torch.dtype | None = None, fused_experts: bool = False
+    ) -> Iterator[tuple[str, Tensor]]:
+        """The actor's weights under transformers names, gathered over TP/EP (collective: every
+        rank consumes the iterator in step). See ``weights.iter_hf_weights``."""
+        return iter_hf_weights(
+            self.actor, self.model_config, dtype=dtype, fused_experts=fused_experts
+        )
+
+    def export_hf(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path | None:
+        """Write the actor as a transformers checkpoint (collective; rank 0 writes)."""
+        return export_hf_checkpoint(self.actor, self.model_config, path, dtype=dtype)
+
+    def _roles(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        models: dict[str, Any] = {Role.ACTOR.value: self.actor}
+        optimizers: dict[str, Any] = {Role.ACTOR.value: self.actor_optimizer}
+        if self.ref is not None:
+            models[Role.REF.value] = self.ref
+        if self.critic is not None:
+            models[Role.CRITIC.value] = self.critic
+            optimizers[Role.CRITIC.value] = self.critic_optimizer
+        return models, optimizers
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Save models, optimizers, RNG and counters under checkpoint root `path` (collective;
+        atomic; see ``ember_megatron_backend.checkpoint``). Returns the checkpoint directory."""
+        models, optimizers = self._roles()
+        meta = {
+            "rollout_id": self.rollout_id,
+            "accumulated_step": self.accumulated_step,
+            "roles": sorted(models),
+            **self._layout(),
+        }
+        return checkpoint.save_checkpoint(
+            path,
+            tag=checkpoint.checkpoint_tag(self.accumulated_step),
+            models=models,
+            optimizers=optimizers,
+            meta=meta,
+        )
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore a checkpoint saved by `save_checkpoint` (a root or one checkpoint
+        directory), including the step counters.
+
+        Raises:
+            FileNotFoundError, ValueError: naming the path for a missing, partial, corrupt or
+                mismatched checkpoint.
+        """
+        models, optimizers = self._roles()
+        meta = checkpoint.load_checkpoint(
+            path, models=models, optimizers=optimizers, expect=self._layout()
+        )
+        self.rollout_id = int(meta["rollout_id"])
+        self.accumulated_step = int(meta["accumulated_step"])
+
+
+def _scatter(out: list[Any] | None, indices: list[int], values: list[Tensor] | None) -> None:
+    assert out is not None and values is not None
+    for i, value in zip(indices, values, strict=True):
+        out[i] = value.detach().cpu()
+
+
+def _whiten_across(advantages: list[Tensor], masks: list[Tensor], group: Any) -> list[Tensor]:
+    """``whiten_advantages`` with the mean and unbiased variance over every rank's counted
+    tokens (a single rank uses ember-core's function itself)."""
+    if dist.get_world_size(group) == 1:
+        return whiten_advantages(advantages, masks)
+    flat, mask = torch.cat(advantages).double(), torch.cat(masks).double()
+    stats = torch.stack([(flat * mask).sum(), mask.sum()])
+    dist.all_reduce(stats, group=group)
+    if stats[1] == 0:
+        return advantages
+    mean = stats[0] / stats[1]
+    square = ((flat - mean).square() * mask).sum()
+    dist.all_reduce(square, group=group)
+    var = square / (stats[1] - 1).clamp_min(1)
+    whitened = ((flat - mean) * torch.rsqrt(var + 1e-8)).float()
+    return list(whitened.split([a.numel() for a in advantages]))

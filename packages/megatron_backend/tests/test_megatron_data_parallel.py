@@ -1,0 +1,102 @@
+"""Two data-parallel ranks (two gloo processes) log what one rank logs on the same data."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ember_megatron_backend.parallel import free_port
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = {
+    # Critic, reference, KL loss, TIS, whitening across ranks, one sample per micro-batch.
+    "ppo": (
+        {"micro_batch_size": 1},
+        {
+            "advantage_estimator": "ppo",
+            "whiten_advantages": True,
+            "use_kl_loss": True,
+            "kl_loss_coef": 0.1,
+            "use_tis": True,
+        },
+    ),
+    # Group baselines, per-token reduction over a token-budget micro-batching.
+    "grpo-token": (
+        {"micro_batch_size": None, "max_tokens_per_micro_batch": 30},
+        {"loss_reduction": "token", "entropy_coef": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.1},
+    ),
+}
+ROLLOUTS = 2
+
+
+def _rollout_samples(rollout_id: int, rank: int | None):
+    """16 samples (8 groups of 2); with two ranks, rank r holds half of each mini-batch."""
+    from megatron_samples import make_samples
+
+    samples = make_samples(num_groups=8, per_group=2, seed=100 + rollout_id, masked=True)
+    if rank is None:
+        return samples
+    # One rank's mini-batches are samples[0:8] and [8:16]; rank r takes a half of each.
+    return samples[4 * rank : 4 * rank + 4] + samples[8 + 4 * rank : 12 + 4 * rank]
+
+
+def _run(rank: int | None) -> dict[str, list]:
+    from megatron_samples import algorithm, backend, sampling
+
+    from ember_megatron_backend.worker import MegatronWorker
+
+    results = {}
+    for name, (limits, alg) in CONFIGS.items():
+        worker = MegatronWorker(backend(**limits), algorithm(**alg), sampling())
+        logged = []
+        for rollout_id in range(ROLLOUTS):
+            batch = worker.prepare(rollout_id, _rollout_samples(rollout_id, rank))
+            logged.append(worker.log_rollout_data(rollout_id, batch))
+            logged.extend(worker.train(rollout_id, batch))
+        results[name] = logged
+    return results
+
+
+def _rank_main(rank: int, port: int, tests_dir: str, queue) -> None:
+    import sys
+
+    sys.path.insert(0, tests_dir)
+    from ember_megatron_backend.parallel import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    queue.put((rank, _run(rank)))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request):
+    queue = mp.get_context("spawn").SimpleQueue()
+    tests_dir = str(request.path.parent)
+    mp.start_processes(
+        _rank_main, args=(free_port(), tests_dir, queue), nprocs=2, start_method="spawn"
+    )
+    return dict(queue.get() for _ in range(2))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_ranks_log_the_same_metrics_as_one(dist_env, two_ranks, name):
+    one = _run(None)[name]
+    assert two_ranks[0][name] == two_ranks[1][name]  # every rank returns the reduced metrics
+    two = two_ranks[0][name]
+    assert len(one) == len(two) == ROLLOUTS * 3
+    for record_one, record_two in zip(one, two, strict=True):
+        assert set(record_one) == set(record_two)
+        for key, value in record_one.items():
+            assert math.isclose(record_two[key], value, rel_tol=1e-5, abs_tol=1e-5), (
+                key,
+                record_two[key],
+                value,
+            )
+    keys = set().union(*one)
+    assert {"rollout/routing_agreement", "train/kl_loss", "train/grad_norm"} <= keys
+    if name == "ppo":
+        assert {"rollout/values", "train/value_loss", "train/tis"} <= keys

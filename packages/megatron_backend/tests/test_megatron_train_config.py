@@ -1,0 +1,153 @@
+"""The `train` config section, the LR schedule and the CPU optimizer (clipping, weight decay)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from megatron_samples import algorithm, backend, make_samples, sampling
+
+from ember_core.config import from_dict
+from ember_megatron_backend.config import BackendConfig, CriticConfig, OptimizerConfig
+from ember_megatron_backend.hf_layout import hf_config
+from ember_megatron_backend.model import ModelConfig, build_model
+from ember_megatron_backend.optimizer import (
+    TorchAdamW,
+    build_optimizer,
+    learning_rate,
+    wrap_ddp,
+)
+from ember_megatron_backend.worker import MegatronWorker
+
+
+def test_defaults_and_string_overrides():
+    assert BackendConfig().model_config() == ModelConfig.preset("tiny-moe")
+    cfg = from_dict(
+        BackendConfig,
+        {
+            "model": "tiny-dense",
+            "model_overrides": {"num_layers": "3"},
+            "optimizer": {"lr": "3e-4", "lr_decay_style": "cosine", "lr_decay_steps": "10"},
+            "critic": {"optimizer": {"lr": "1e-5"}},
+            "parallel": {"tensor_parallel": "1"},
+            "max_tokens_per_micro_batch": "512",
+            "dtype": "bfloat16",
+        },
+        prefix="train",
+    )
+    assert cfg.optimizer.lr == 3e-4 and cfg.critic.optimizer.lr == 1e-5
+    assert cfg.model_config() == ModelConfig.preset("tiny-dense").replace(num_layers=3)
+    assert cfg.torch_dtype == torch.bfloat16 and cfg.max_tokens_per_micro_batch == 512
+
+
+def test_shape_from_hf_load(tmp_path):
+    cfg = ModelConfig.preset("tiny-dense")
+    hf_config(cfg).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # only the config is read here
+    resolved = BackendConfig(hf_load=str(tmp_path)).model_config()
+    assert resolved.replace(init_method_std=cfg.init_method_std) == cfg
+
+
+@pytest.mark.parametrize(
+    ("section", "data", "message"),
+    [
+        (OptimizerConfig, {"lr": 0}, "train.lr=0.0: expected a finite number > 0"),
+        (OptimizerConfig, {"min_lr": 1.0}, "train.min_lr=1.0: expected <= lr"),
+        (OptimizerConfig, {"lr_decay_style": "linear"}, "train.lr_decay_steps=None"),
+        (OptimizerConfig, {"lr_decay_style": "step"}, "train.lr_decay_style: 'step'"),
+        (OptimizerConfig, {"adam_beta2": 1.0}, r"train.adam_beta2=1.0: expected a number in"),
+        (OptimizerConfig, {"clip_grad": -1}, "train.clip_grad=-1"),
+        (BackendConfig, {"model": "huge"}, "train.model='huge': expected a preset name"),
+        (BackendConfig, {"model_overrides": {"layers": 2}}, "train.model_overrides.layers"),
+        (BackendConfig, {"num_steps_per_rollout": 0}, "train.num_steps_per_rollout=0"),
+        (BackendConfig, {"micro_batch_size": 0}, "train.micro_batch_size=0"),
+        (
+            BackendConfig,
+            {"micro_batch_size": 2, "max_tokens_per_micro_batch": 64},
+            "train.micro_batch_size=2 and max_tokens_per_micro_batch=64",
+        ),
+        (BackendConfig, {"dtype": "float16"}, "train.dtype: 'float16' is not one of"),
+        (BackendConfig, {"optimizer": {"lr": -1}}, "train.optimizer.lr=-1"),
+        (CriticConfig, {"hf_load": ""}, "train.hf_load=''"),
+    ],
+)
+def test_errors_name_the_key(section, data, message):
+    with pytest.raises(ValueError, match=message):
+        from_dict(section, data, prefix="train")
+
+
+def test_bad_override_value_names_the_field():
+    cfg = BackendConfig(model_overrides={"num_layers": 0})
+    with pytest.raises(ValueError, match="model_overrides: model.num_layers must be an int >= 1"):
+        cfg.model_config()
+
+
+def test_learning_rate_schedule():
+    warm = OptimizerConfig(lr=1.0, lr_warmup_steps=4)
+    assert [learning_rate(s, warm) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    linear = OptimizerConfig(
+        lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_style="linear", lr_decay_steps=6
+    )
+    got = [learning_rate(s, linear) for s in (0, 1, 2, 4, 6, 10)]
+    assert got == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1, 0.1], abs=1e-12)
+    cosine = OptimizerConfig(
+        lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_style="cosine", lr_decay_steps=6
+    )
+    quarter = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))
+    got = [learning_rate(s, cosine) for s in (2, 3, 4, 6, 7)]
+    assert got == pytest.approx([1.0, quarter, 0.55, 0.1, 0.1], abs=1e-12)
+
+
+def test_worker_reports_the_scheduled_lr(dist_env):
+    cfg = backend(optimizer=OptimizerConfig(lr=1e-3, lr_warmup_steps=3))
+    worker = MegatronWorker(cfg, algorithm(), sampling())
+    lrs = []
+    for rollout_id in range(2):
+        steps = worker.train(rollout_id, worker.prepare(rollout_id, make_samples()))
+        lrs += [s["train/lr"] for s in steps]
+    assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3], abs=1e-15)
+
+
+def _optimizer(**settings):
+    model = wrap_ddp(build_model(ModelConfig.preset("tiny-moe"), seed=0))
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-3, **settings))
+    assert isinstance(optimizer, TorchAdamW)
+    return model, optimizer
+
+
+def test_clipping_uses_the_global_norm(dist_env):
+    model, optimizer = _optimizer(clip_grad=2.0)
+    optimizer.zero_grad()
+    params = list(model.parameters())
+    for k, p in enumerate(params):
+        p.main_grad.fill_(0.01 * (k % 5))
+    norm = math.sqrt(sum((0.01 * (k % 5)) ** 2 * p.numel() for k, p in enumerate(params)))
+    seen = []
+    optimizer.optimizer.step = lambda: seen.append([p.grad.clone() for p in params])
+    result = optimizer.step(0)
+    assert result.grad_norm == pytest.approx(norm, rel=1e-6) and norm > 2.0
+    for k, grad in enumerate(seen[0]):
+        expected = torch.full_like(grad, 0.01 * (k % 5) * 2.0 / (norm + 1e-6))
+        torch.testing.assert_close(grad, expected, rtol=1e-6, atol=0)
+    assert all(p.grad is None for p in params)
+
+
+def test_weight_decay_skips_norms_and_the_schedule_sets_it(dist_env):
+    model, optimizer = _optimizer(weight_decay=0.1, lr_warmup_steps=2)
+    optimizer.zero_grad()
+    optimizer.step(0)
+    groups = optimizer.optimizer.param_groups
+    decayed = {id(p) for g in groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in decayed) == (p.dim() > 1), name
+    assert all(g["lr"] == 0.5e-3 for g in groups)
+
+
+def test_cpu_optimizer_refuses_bf16_and_foreign_state(dist_env):
+    bf16 = wrap_ddp(build_model(ModelConfig.preset("tiny-moe"), dtype=torch.bfloat16, seed=0))
+    with pytest.raises(ValueError, match="train.dtype=bfloat16 needs a GPU"):
+        build_optimizer(bf16, OptimizerConfig())
+    _, optimizer = _optimizer()
+    with pytest.raises(ValueError, match="written by 'megatron'"):
+        optimizer.load_state_dict({"kind": "megatron", "state": {}})

@@ -1,0 +1,338 @@
+"""MegatronWorker on CPU with real megatron-core: scoring, rollout metrics, training, hooks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from megatron_samples import EXPERTS, LAYERS, algorithm, backend, make_samples, sampling
+
+from ember_core.hookspecs import Phase, Role, hookimpl
+from ember_core.plugins import EmberPlugins
+from ember_megatron_backend.worker import MegatronWorker
+
+
+def _masked_mean(values, mask):
+    return sum(v * m for v, m in zip(values, mask, strict=True)) / sum(mask)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "ppo"])
+def test_first_step_is_exactly_on_policy(dist_env, estimator):
+    alg = algorithm(advantage_estimator=estimator, use_kl_loss=True, kl_loss_coef=0.1)
+    worker = MegatronWorker(backend(), alg, sampling())
+    samples = make_samples()
+    for rollout_id in range(2):
+        batch = worker.prepare(rollout_id, samples)
+        rollout = worker.log_rollout_data(rollout_id, batch)
+        steps = worker.train(rollout_id, batch)
+        first = steps[0]
+        assert first["train/ppo_kl"] == 0.0
+        assert first["train/pg_clipfrac"] == 0.0
+        if rollout_id == 0:  # the reference is the initial actor
+            assert rollout["rollout/log_probs"] == rollout["rollout/ref_log_probs"]
+            for a, b in zip(batch.log_probs, batch.ref_log_probs, strict=True):
+                assert torch.equal(a, b)
+            assert first["train/kl_loss"] == 0.0
+            assert steps[1]["train/kl_loss"] > 0  # the first step moved the actor
+        else:
+            assert first["train/kl_loss"] > 0
+    assert worker.accumulated_step == 4 and worker.rollout_id == 1
+
+
+def test_rollout_metrics_are_means_over_samples(dist_env):
+    worker = MegatronWorker(backend(), algorithm(), sampling())
+    samples = make_samples(masked=True)
+    batch = worker.prepare(0, samples)
+    metrics = worker.log_rollout_data(0, batch)
+    n = len(samples)
+    masks = [s.loss_mask for s in samples]
+    lp = [t.tolist() for t in batch.log_probs]
+    expected = {
+        "rollout/rewards": sum(s.reward for s in samples) / n,
+        "rollout/response_length": sum(s.response_length for s in samples) / n,
+        "rollout/log_probs": sum(_masked_mean(x, m) for x, m in zip(lp, masks, strict=True)) / n,
+        "rollout/rollout_log_probs": sum(
+            _masked_mean(s.rollout_log_probs, s.loss_mask) for s in samples
+        )
+        / n,
+        "rollout/train_rollout_logprob_abs_diff": sum(
+            _masked_mean(
+                [abs(a - b) for a, b in zip(x, s.rollout_log_probs, strict=True)], s.loss_mask
+            )
+            for x, s in zip(lp, samples, strict=True)
+        )
+        / n,
+    }
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+    assert "rollout/ref_log_probs" not in metrics and "rollout/values" not in metrics
+    assert {"rollout/entropy", "rollout/advantages", "rollout/routing_agreement"} <= set(metrics)
+
+
+@pytest.mark.parametrize("reduction", ["sample", "token"])
+def test_gradient_accumulation_matches_one_micro_batch(dist_env, reduction):
+    samples = make_samples(masked=True)
+    runs = []
+    for limits in (
+        {"micro_batch_size": None},
+        {"micro_batch_size": 1},
+        {"micro_batch_size": None, "max_tokens_per_micro_batch": 30},
+    ):
+        worker = MegatronWorker(backend(**limits), algorithm(loss_reduction=reduction), sampling())
+        batch = worker.prepare(0, samples)
+        runs.append((batch, worker.train(0, batch)))
+    batch, reference = runs[0]
+    assert [len(step) for step in runs[1][0].steps] == [4, 4]
+    for _, steps in runs[1:]:
+        for got, want in zip(steps, reference, strict=True):
+            for key, value in want.items():
+                assert got[key] == pytest.approx(value, abs=1e-5), key
+    # Step 0 is on-policy (ratio 1), so pg_loss = mean of -A over the first mini-batch,
+    # per sample then over samples ("sample") or over all counted tokens ("token").
+    first = range(4)
+    masks = [batch.samples[i].loss_mask for i in first]
+    adv = [batch.advantages[i].tolist() for i in first]
+    if reduction == "sample":
+        want = sum(_masked_mean([-a for a in x], m) for x, m in zip(adv, masks, strict=True)) / 4
+    else:
+        total = sum(
+            -a * w for x, m in zip(adv, masks, strict=True) for a, w in zip(x, m, strict=True)
+        )
+        want = total / sum(sum(m) for m in masks)
+    assert reference[0]["train/pg_loss"] == pytest.approx(want, abs=1e-6)
+
+
+def test_training_on_a_fixed_batch_lowers_the_policy_loss(dist_env):
+    worker = MegatronWorker(
+        backend(num_steps_per_rollout=1, micro_batch_size=4),
+        algorithm(eps_clip=0.5, eps_clip_high=5.0),
+        sampling(temperature=1.0),
+    )
+    samples = make_samples()
+    batch = worker.prepare(0, samples)
+    losses = [worker.train(0, batch)[0]["train/pg_loss"] for _ in range(12)]
+    assert losses[-1] < losses[0] - 0.3, losses
+    # The update raises the likelihood of positive-advantage responses and lowers the others.
+    after = worker.prepare(1, samples)
+    for before_lp, after_lp, adv in zip(
+        batch.log_probs, after.log_probs, batch.advantages, strict=True
+    ):
+        if adv[0] > 0.1:
+            assert after_lp.sum() > before_lp.sum()
+        elif adv[0] < -0.1:
+            assert after_lp.sum() < before_lp.sum()
+
+
+def test_ppo_critic_value_loss_goes_down(dist_env):
+    cfg = backend(num_steps_per_rollout=1, micro_batch_size=4)
+    cfg.critic.optimizer = cfg.optimizer
+    worker = MegatronWorker(cfg, algorithm(advantage_estimator="ppo", value_clip=0.5), sampling())
+    assert worker.critic is not None and worker.ref is None
+    samples = make_samples()
+    losses = []
+    for rollout_id in range(10):
+        batch = worker.prepare(rollout_id, samples)
+        losses.append(worker.train(rollout_id, batch)[0]["train/value_loss"])
+    # GAE with gamma = lambda = 1 and a zero-initialised critic: returns are the reward on every
+    # token, so the first loss is 0.5 * reward^2 averaged per sample.
+    first = make_samples()
+    assert losses[0] == pytest.approx(sum(0.5 * s.reward**2 for s in first) / len(first), abs=1e-6)
+    assert losses[-1] < 0.3 * losses[0], losses
+
+
+def test_critic_values_do_not_depend_on_the_rollout_temperature(dist_env):
+    worker = MegatronWorker(backend(), algorithm(advantage_estimator="ppo"), sampling())
+    with torch.no_grad():
+        worker.critic.module.output_layer.weight.normal_()
+    samples = make_samples()
+    hot = worker.prepare(0, samples)
+    worker.sampling = sampling(temperature=0.4)
+    cold = worker.prepare(0, samples)
+    for a, b in zip(hot.values, cold.values, strict=True):
+        assert torch.equal(a, b)
+    assert torch.cat(hot.values).abs().sum() > 0
+    assert not torch.equal(torch.cat(hot.log_probs), torch.cat(cold.log_probs))
+
+
+def _own_experts(worker, samples):
+    """The actor's top-k experts per sample, [L - 1, layers, k], from one packed forward."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from ember_megatron_backend.forward import forward_only
+
+    maps = {}
+    routers = [m for m in worker.actor.modules() if isinstance(m, TopKRouter)]
+    hooks = [
+        r.register_forward_hook(lambda m, a, out: maps.__setitem__(m.layer_number - 1, out[1]))
+        for r in routers
+    ]
+    try:
+        forward_only(worker.actor, samples, role="actor", temperature=1.0)
+    finally:
+        for h in hooks:
+            h.remove()
+    ids = torch.stack([maps[layer] for layer in range(LAYERS)], dim=1)  # [T, layers, E]
+    topk = ids.float().topk(2, dim=-1).indices.flip(-1)  # same set, another order
+    out, start = [], 0
+    for s in samples:
+        out.append(topk[start : start + s.total_length - 1].to(torch.int32))
+        start += s.total_length
+    return out
+
+
+def _agreement_setup(plugins=None):
+    cfg = backend(num_steps_per_rollout=1, micro_batch_size=None)
+    worker = MegatronWorker(cfg, algorithm(), sampling(), plugins)
+    samples = make_samples(experts=False)
+    own = _own_experts(worker, samples)
+    # Corrupt a known number of (position, layer) routings per sample: sample i gets i of
+    # them, all in the last layer (so replaying them changes no router's input).
+    expected = []
+    for i, (s, experts) in enumerate(zip(samples, own, strict=True)):
+        experts = experts.clone()
+        for p in range(i):
+            chosen = set(experts[p, LAYERS - 1].tolist())
+            spare = [e for e in range(EXPERTS) if e not in chosen]
+            experts[p, LAYERS - 1, 0] = spare[0]
+        s.rollout_routed_experts = experts
+        expected.append(1 - i / ((s.total_length - 1) * LAYERS))
+    return worker, samples, sum(expected) / len(expected)
+
+
+def test_routing_agreement_counts_matching_top_k_sets(dist_env):
+    worker, samples, expected = _agreement_setup()
+    metrics = worker.log_rollout_data(0, worker.prepare(0, samples))
+    assert metrics["rollout/routing_agreement"] == pytest.approx(expected, abs=1e-12)
+    for s in samples:
+        s.rollout_routed_experts = None
+    assert "rollout/routing_agreement" not in worker.log_rollout_data(0, worker.prepare(0, samples))
+
+
+class ReplayPlugin:
+    """Replays each sample's rollout experts in the actor's log-prob forward (like R3 does)."""
+
+    @hookimpl
+    def ember_model_config(self, role, model_config):
+        model_config.moe_enable_routing_replay = role == Role.ACTOR
+
+    @hookimpl
+    def ember_forward_context(self, role, phase, batch):
+        if role != Role.ACTOR or phase != Phase.LOG_PROB:
+            return None
+        return self._replay(batch)
+
+    @contextlib.contextmanager
+    def _replay(self, batch):
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        rows = []
+        for s in batch.samples:
+            rows += [s.rollout_routed_experts, torch.zeros(1, LAYERS, 2, dtype=torch.int32)]
+        rows = torch.cat(rows).long()
+        routers = [m for m in batch.model.modules() if isinstance(m, TopKRouter)]
+        for r in routers:
+            r.router_replay.set_target_indices(rows[:, r.layer_number - 1])
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            yield
+        finally:
+            for r in routers:
+                r.router_replay.clear_indices()
+                r.router_replay.clear_router_replay_action()
+
+
+def test_routing_agreement_is_measured_without_replay(dist_env):
+    plugins = EmberPlugins()
+    plugins.register(ReplayPlugin(), "replay")
+    worker, samples, expected = _agreement_setup(plugins)
+    batch = worker.prepare(0, samples)
+    metrics = worker.log_rollout_data(0, batch)
+    assert metrics["rollout/routing_agreement"] == pytest.approx(expected, abs=1e-12)
+    plugins.unregister("replay")
+    plain = worker.prepare(0, samples)  # the replayed forward really used other experts
+    assert not torch.equal(torch.cat(batch.log_probs), torch.cat(plain.log_probs))
+
+
+class RecordingPlugin:
+    def __init__(self):
+        self.built, self.passes, self.steps, self.rollouts = [], [], [], []
+
+    @hookimpl
+    def ember_model_config(self, role, model_config):
+        self.built.append((role, model_config.num_layers))
+
+    @hookimpl
+    def ember_forward_context(self, role, phase, batch):
+        self.passes.append((role, phase, tuple(batch.indices), batch.packed.num_tokens))
+
+    @hookimpl
+    def ember_after_train_step(self, rollout_id, step_id, accumulated_step_id, metrics):
+        self.steps.append((rollout_id, step_id, accumulated_step_id, sorted(metrics)))
+
+    @hookimpl
+    def ember_after_log_rollout_data(self, rollout_id, metrics):
+        self.rollouts.append((rollout_id, metrics["rollout/rewards"]))
+
+
+def test_hooks_see_every_pass_and_step(dist_env):
+    plugins, recorder = EmberPlugins(), RecordingPlugin()
+    plugins.register(recorder, "recorder")
+    alg = algorithm(advantage_estimator="ppo", use_kl_loss=True, kl_loss_coef=0.1)
+    worker = MegatronWorker(backend(), alg, sampling(), plugins)
+    assert recorder.built == [(Role.ACTOR, LAYERS), (Role.REF, LAYERS), (Role.CRITIC, LAYERS)]
+    samples = make_samples()
+    for rollout_id in (0, 1):
+        batch = worker.prepare(rollout_id, samples)
+        worker.log_rollout_data(rollout_id, batch)
+        worker.train(rollout_id, batch)
+    micro = [(0, 1), (2, 3), (4, 5), (6, 7)]
+    scoring = [
+        (role, Phase.LOG_PROB, mb) for mb in micro for role in (Role.REF, Role.ACTOR, Role.CRITIC)
+    ]
+    training = [
+        (role, phase, mb)
+        for mb in micro
+        for role in (Role.ACTOR, Role.CRITIC)
+        for phase in (Phase.TRAIN, Phase.BACKWARD)
+    ]
+    assert [p[:3] for p in recorder.passes] == 2 * (scoring + training)
+    assert all(p[3] == sum(samples[i].total_length for i in p[2]) for p in recorder.passes)
+    assert [s[:3] for s in recorder.steps] == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    keys = recorder.steps[0][3]
+    for key in ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl",
+                "train/kl_loss", "train/entropy_loss", "train/grad_norm", "train/lr",
+                "train/value_loss", "train/value_clipfrac"):  # fmt: skip
+        assert key in keys
+    assert [r[0] for r in recorder.rollouts] == [0, 1]
+
+
+def test_bad_batches_name_the_sample(dist_env):
+    worker = MegatronWorker(backend(), algorithm(use_tis=True), sampling())
+    samples = make_samples()
+    samples[3].reward = None
+    with pytest.raises(ValueError, match=r"sample 3 \(group 1\): reward is None"):
+        worker.prepare(0, samples)
+    samples = make_samples()
+    samples[5].rollout_log_probs = None
+    with pytest.raises(ValueError, match=r"use_tis.*sample 5 \(group 2\)"):
+        worker.prepare(0, samples)
+    samples = make_samples()
+    samples[2].response_length = 40
+    with pytest.raises(ValueError, match=r"sample 2 \(group 1\)"):
+        worker.prepare(0, samples)
+    samples = make_samples()
+    samples[4].rollout_routed_experts = samples[4].rollout_routed_experts[:, :3]
+    with pytest.raises(ValueError, match=r"sample 4 \(group 2\).*has 3 layers but the actor has 4"):
+        worker.prepare(0, samples)
+    samples = make_samples()
+    samples[6].rollout_routed_experts[2, 1, 0] = EXPERTS
+    with pytest.raises(ValueError, match=r"sample 6 \(group 3\).*outside \[0, 8\)"):
+        worker.prepare(0, samples)
+    with pytest.raises(ValueError, match="num_steps_per_rollout=2"):
+        worker.prepare(0, make_samples()[:1])
+    with pytest.raises(ValueError, match="needs a critic"):
+        MegatronWorker(
+            backend(), algorithm(advantage_estimator="ppo"), sampling(), with_critic=False
+        )
