@@ -69,7 +69,24 @@ def _rank_main(rank: int, port: int, tests_dir: str, queue) -> None:
 
     torch.set_num_threads(1)
     init_distributed(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
-    queue.put((rank, _run(rank)))
+    results = _run(rank)
+    results["split-group error"] = _split_group_error(rank)
+    queue.put((rank, results))
+
+
+def _split_group_error(rank: int) -> str:
+    """Both ranks hold samples of prompt group 3: `prepare` must refuse on every rank."""
+    from megatron_samples import algorithm, backend, make_samples, sampling
+
+    from ember_megatron_backend.worker import MegatronWorker
+
+    worker = MegatronWorker(backend(), algorithm(), sampling())
+    samples = make_samples(num_groups=2, first_group=2 + rank)  # groups 2, 3 and 3, 4
+    try:
+        worker.prepare(0, samples)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +117,11 @@ def test_two_ranks_log_the_same_metrics_as_one(dist_env, two_ranks, name):
     assert {"rollout/routing_agreement", "train/kl_loss", "train/grad_norm"} <= keys
     if name == "ppo":
         assert {"rollout/values", "train/value_loss", "train/tis"} <= keys
+
+
+def test_a_prompt_group_split_across_ranks_is_refused(two_ranks):
+    for rank in (0, 1):
+        assert two_ranks[rank]["split-group error"] == (
+            "prompt group 3 has samples on data-parallel ranks 0 and 1; each group must stay on "
+            "one rank (group baselines need it)"
+        )
