@@ -59,6 +59,30 @@ def test_rng_tracker_fork_is_reproducible_and_isolated(dist_env):
     assert not torch.equal(a, draw(8))
 
 
+def test_full_activation_recompute_runs_and_matches(dist_env):
+    from ember_core.types import Sample, pack_samples
+    from ember_megatron_backend.forward import model_inputs
+    from ember_megatron_backend.model import ModelConfig, build_model
+
+    def recompute(config) -> None:
+        config.recompute_granularity = "full"
+        config.recompute_method = "uniform"
+        config.recompute_num_layers = 1
+
+    cfg = ModelConfig.preset("tiny-moe").replace(num_layers=2)
+    samples = [Sample(tokens=list(range(3, 12)), response_length=4)]
+    inputs = model_inputs(pack_samples(samples))
+    grads = []
+    for adjust in (None, recompute):
+        model = build_model(cfg, seed=3, adjust_config=adjust)
+        model.train()
+        model(**inputs).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert model.config.recompute_granularity == "full"
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
 def test_init_distributed_single_process(dist_env):
     from megatron.core import parallel_state as ps
 

@@ -115,7 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
     convert.add_argument("src")
     convert.add_argument("dst")
-    convert.add_argument("--model", default=None, help="model preset for megatron-to-hf")
+    convert.add_argument(
+        "--model",
+        default=None,
+        help="megatron-to-hf: model preset, or a transformers directory with the shape",
+    )
     convert.set_defaults(func=cmd_convert)
     return parser
 

@@ -34,6 +34,12 @@ The spots (megatron-core 0.16.1, torch 2.14 CPU build):
    reduction itself (gloo all-reduce of the buffers) needs nothing. megatron-core's optimizer
    wrappers allocate on CUDA in many places, so CPU runs use torch's AdamW instead
    (``ember_megatron_backend.optimizer``).
+8. Activation recompute (``recompute_granularity``) runs through
+   ``tensor_parallel.random.CheckpointFunction``, which saves the CUDA generator state with
+   ``_get_cuda_rng_state`` in the forward and restores it with ``_set_cuda_rng_state`` before
+   recomputing in the backward; both initialise CUDA. Replaced by a no-op pair: on CPU there is
+   no CUDA generator, and the CPU generator and the tracker's named states (spot 3) are still
+   saved and restored by the same code, so a recompute draws what the forward drew.
 
 Model options that megatron-core only supports on CUDA are chosen in ``model.py``, not patched:
 ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a ``torch.cuda.Stream``
@@ -101,6 +107,8 @@ def apply_cpu_patches() -> None:
     transformer_utils.get_default_causal_mask = _default_causal_mask
     fused_softmax.get_default_causal_mask = _default_causal_mask  # imported there by name
     router.Router.gating = _router_gating
+    mcore_random._get_cuda_rng_state = _no_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
     patch_missing_te_names()
     _APPLIED = True
     _log.info("megatron-core CPU patches applied")
@@ -181,3 +189,12 @@ def _router_gating(self, input: torch.Tensor) -> torch.Tensor:
 
     router_dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
     return router_gating_linear(input, self.weight, self.bias, router_dtype)
+
+
+# Spot 8 ------------------------------------------------------------------------------------------
+def _no_cuda_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = False) -> None:
+    return None

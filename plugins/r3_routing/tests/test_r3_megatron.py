@@ -1,0 +1,338 @@
+"""R3 on a real megatron-core GPTModel and MegatronWorker on CPU, alone and with the KL checker.
+
+The four plugin combinations (neither, R3 only, checker only, both) run here, next to the plugin
+that changes the actor's forward: the checker's own tests cover its failures on a real worker
+without R3, and the checker itself never names R3 (the exemption reaches it through the hook).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig
+from ember_core.hookspecs import Phase, Role, hookimpl
+from ember_core.plugins import EmberPlugins
+from ember_core.types import Sample, pack_samples
+from ember_r3_routing import R3RoutingConfig
+from ember_r3_routing import plugin as r3_plugin
+
+pytest.importorskip("ember_megatron_backend", reason="drives the Megatron backend on CPU")
+pytest.importorskip("ember_ci_kl_checker", reason="the combinations include the KL checker")
+
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
+
+from ember_ci_kl_checker import KLCheckerConfig  # noqa: E402
+from ember_ci_kl_checker import plugin as checker_plugin  # noqa: E402
+from ember_megatron_backend.config import BackendConfig, OptimizerConfig  # noqa: E402
+from ember_megatron_backend.forward import model_inputs  # noqa: E402
+from ember_megatron_backend.model import build_model  # noqa: E402
+from ember_megatron_backend.parallel import destroy_distributed, init_distributed  # noqa: E402
+from ember_megatron_backend.worker import MegatronWorker  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning")
+
+LAYERS, EXPERTS, TOPK, VOCAB = 4, 8, 2, 256
+"""The tiny-moe preset's shape."""
+CHECKER_LOGGER = "ember_ci_kl_checker.plugin"
+PLUGINS = {"r3_routing": r3_plugin, "ci_kl_checker": checker_plugin}
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """The parts of a run config these plugins read: the training section and the CI switch."""
+
+    train: BackendConfig
+    plugins: list[str] = field(default_factory=list)
+    ci: CIConfig = field(default_factory=CIConfig)
+
+
+class Recompute:
+    """Turns on megatron-core's full activation recompute, one layer per checkpoint."""
+
+    @hookimpl
+    def ember_model_config(self, role: Role, model_config) -> None:
+        model_config.recompute_granularity = "full"
+        model_config.recompute_method = "uniform"
+        model_config.recompute_num_layers = 1
+
+
+@pytest.fixture(scope="session")
+def dist_env():
+    """torch.distributed (gloo, one process) and megatron-core's parallel state, kept for the
+    session like the backend tests' fixture (megatron-core's state is process-global)."""
+    torch.set_num_threads(2)
+    init_distributed()
+    yield
+    destroy_distributed()
+
+
+@contextlib.contextmanager
+def running(names: list[str], train: BackendConfig, *, extra=(), **sections) -> Iterator:
+    """A facade with `names` registered and configured as a CI run; all undone afterwards."""
+    plugins = EmberPlugins()
+    registered = []
+    try:
+        for name in names:
+            plugins.register(PLUGINS[name], name)
+            registered.append(name)
+        for k, obj in enumerate(extra):
+            plugins.register(obj, f"extra{k}")
+            registered.append(f"extra{k}")
+        plugins.check_pending()
+        config = RunConfig(train=train, plugins=list(names), ci=CIConfig(test=True))
+        plugins.configure(config, {n: s for n, s in sections.items() if n in names})
+        yield plugins
+    finally:
+        for name in registered:
+            plugins.unregister(name)
+        r3_plugin._config = None
+        checker_plugin._checker = None
+        RouterReplay.clear_global_router_replay_instances()
+
+
+def backend(**changes) -> BackendConfig:
+    settings = dict(
+        model="tiny-moe",
+        # Weights far enough from uniform that a change of experts moves the log-probs.
+        model_overrides={"init_method_std": 0.1},
+        optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
+        num_steps_per_rollout=2,
+        micro_batch_size=3,
+    )
+    settings.update(changes)
+    return BackendConfig(**settings)
+
+
+def random_experts(positions: int, generator: torch.Generator) -> torch.Tensor:
+    """Valid rollout experts [positions, layers, topk]: distinct ids per row, uint8."""
+    order = torch.rand(positions, LAYERS, EXPERTS, generator=generator).argsort(dim=-1)
+    return order[..., :TOPK].to(torch.uint8)
+
+
+def make_samples(count: int = 8, *, seed: int = 0) -> list[Sample]:
+    """Scored samples in groups of two whose rollout experts are random (the actor's own
+    routing picks other experts for most tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for k in range(count):
+        length = int(torch.randint(9, 17, (1,), generator=g))
+        response = int(torch.randint(3, length - 3, (1,), generator=g))
+        samples.append(
+            Sample(
+                tokens=torch.randint(0, VOCAB, (length,), generator=g).tolist(),
+                response_length=response,
+                index=k,
+                group_index=k // 2,
+                reward=float(torch.rand(1, generator=g)),
+                rollout_log_probs=(-3 * torch.rand(response, generator=g)).tolist(),
+                rollout_routed_experts=random_experts(length - 1, g),
+            )
+        )
+    return samples
+
+
+def routing_map(ids: torch.Tensor) -> torch.Tensor:
+    """[R, E] bool map of [R, k] expert ids."""
+    return torch.zeros(ids.shape[0], EXPERTS, dtype=torch.bool).scatter_(1, ids.long(), True)
+
+
+def rollout_map(samples: list[Sample], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rollout's routing map of one layer over the packed stream [T, E], and [T] True on
+    the rows that have rollout experts (every token but each sample's last)."""
+    maps, valid = [], []
+    for sample in samples:
+        experts = sample.rollout_routed_experts[:, layer]
+        maps += [routing_map(experts), torch.zeros(1, EXPERTS, dtype=torch.bool)]
+        valid += [torch.ones(len(experts), dtype=torch.bool), torch.zeros(1, dtype=torch.bool)]
+    return torch.cat(maps), torch.cat(valid)
+
+
+class RouterLog:
+    """Records every call of a model's TopKRouters: layer, grad mode, the routing map it used
+    and the top-k its own logits give (what it would pick without replay)."""
+
+    def __init__(self, model) -> None:
+        self.calls: list[tuple[int, bool, torch.Tensor, torch.Tensor]] = []
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.handles = [r.register_forward_hook(self.hook) for r in self.routers]
+
+    def hook(self, router, args, output) -> None:
+        with torch.no_grad():
+            logits = router.gating(args[0]).view(-1, EXPERTS)
+        natural = logits.topk(TOPK, dim=-1).indices
+        grad = torch.is_grad_enabled()
+        self.calls.append((router.layer_number - 1, grad, output[1].detach().clone(), natural))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+# -- the four combinations ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "names",
+    [[], ["r3_routing"], ["ci_kl_checker"], ["r3_routing", "ci_kl_checker"]],
+    ids=["neither", "r3_only", "checker_only", "both"],
+)
+def test_plugin_combinations_on_a_megatron_worker(dist_env, caplog, names):
+    caplog.set_level(logging.INFO, logger=CHECKER_LOGGER)
+    r3 = "r3_routing" in names
+    train = backend()
+    sections = {"r3_routing": R3RoutingConfig(), "ci_kl_checker": KLCheckerConfig()}
+    algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
+    samples = make_samples()
+    with running(names, train, **sections) as plugins:
+        worker = MegatronWorker(train, algorithm, SamplingConfig(temperature=0.8), plugins)
+        assert worker.ref is not None
+        batch = worker.prepare(0, samples)
+        rollout = worker.log_rollout_data(0, batch)
+        steps = worker.train(0, batch)  # the checker, when on, has checked every step here
+        again = worker.train(1, worker.prepare(1, samples))
+        if "ci_kl_checker" in names:
+            assert checker_plugin._checker.active  # ci.test reached the checker
+        if r3:
+            assert r3_plugin._config.num_layers == LAYERS  # the shape came from `train`
+
+    # Old and new actor log-probs of a rollout's first step share weights and experts.
+    for first in (steps[0], again[0]):
+        assert first["train/ppo_kl"] == 0.0 and first["train/pg_clipfrac"] == 0.0
+    gap = abs(rollout["rollout/log_probs"] - rollout["rollout/ref_log_probs"])
+    if r3:
+        # The actor replays the rollout's experts, the reference routes by itself.
+        assert gap > 1e-3, rollout
+        assert steps[0]["train/kl_loss"] > 1e-5, steps[0]
+        assert not torch.equal(torch.cat(batch.log_probs), torch.cat(batch.ref_log_probs))
+    else:
+        assert gap == 0.0 and steps[0]["train/kl_loss"] == 0.0
+        for actor, ref in zip(batch.log_probs, batch.ref_log_probs, strict=True):
+            assert torch.equal(actor, ref)
+    assert steps[1]["train/kl_loss"] > 0  # the first update moved the actor
+    # The routing agreement is measured on the actor's own top-k, replay or not.
+    assert rollout["rollout/routing_agreement"] < 0.2
+
+    lines = [r for r in caplog.records if r.name == CHECKER_LOGGER]
+    if names == ["r3_routing", "ci_kl_checker"]:
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+        message = lines[0].getMessage()
+        assert lines[0].levelno == logging.INFO
+        assert "stand down" in message and "exempted by r3_routing:" in message
+        assert r3_plugin.EXEMPTION_REASON in message
+    else:
+        assert lines == []
+
+
+# -- replay on a whole GPTModel -------------------------------------------------------------
+
+
+def test_actor_forwards_and_backward_recompute_use_the_rollout_experts(dist_env):
+    train = backend(micro_batch_size=3, num_steps_per_rollout=2)
+    samples = make_samples(10, seed=1)
+    algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
+    with running(["r3_routing"], train, extra=[Recompute()]) as plugins:
+        worker = MegatronWorker(train, algorithm, SamplingConfig(), plugins)
+        assert worker.actor.module.config.recompute_granularity == "full"
+        actor, ref = RouterLog(worker.actor), RouterLog(worker.ref)
+        batch = worker.prepare(0, samples)
+        scored = list(actor.calls)
+        actor.calls.clear()
+        worker.train(0, batch)
+        actor.close()
+        ref.close()
+
+    micro_batches = [[samples[i] for i in mb] for step in batch.steps for mb in step]
+    assert max(len(mb) for mb in micro_batches) == 3  # packed micro-batches of several samples
+    # Scoring: one no-grad forward per micro-batch, layers in order.
+    expected = [(mb, layer, False) for mb in micro_batches for layer in range(LAYERS)]
+    # Training: per micro-batch, the checkpointed forward (no grad inside each checkpoint),
+    # then its backward, which recomputes every layer with grad, last layer first.
+    trained = []
+    for mb in micro_batches:
+        trained += [(mb, layer, False) for layer in range(LAYERS)]
+        trained += [(mb, layer, True) for layer in reversed(range(LAYERS))]
+    for calls, plan in ((scored, expected), (actor.calls, trained)):
+        assert len(calls) == len(plan)
+        for (layer, grad, used, natural), (mb, want_layer, want_grad) in zip(
+            calls, plan, strict=True
+        ):
+            assert (layer, grad) == (want_layer, want_grad)
+            want, valid = rollout_map(mb, layer)
+            assert torch.equal(used[valid], want[valid])
+            # The rollout's experts are random: the router alone would pick others.
+            assert not torch.equal(routing_map(natural)[valid], want[valid])
+    # The reference routes by itself, under the same contexts.
+    assert ref.calls and all(torch.equal(used, routing_map(nat)) for _, _, used, nat in ref.calls)
+
+
+def assign_unpicked_experts(model, plugins, samples: list[Sample], inputs: dict) -> None:
+    """Give every MoE row of `samples` the experts its live router ranks lowest.
+
+    Layer l's input depends on the experts of layers < l only, so fixing one layer per forward,
+    in layer order with the earlier ones already replaying, makes every layer's replayed
+    experts ones its router would not pick at that point.
+    """
+    routers = sorted(
+        (m for m in model.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number
+    )
+    batch = types.SimpleNamespace(model=model, samples=samples)
+    for layer, router in enumerate(routers):
+        seen = []
+        handle = router.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0]))
+        try:
+            with torch.no_grad(), plugins.forward_context(Role.ACTOR, Phase.LOG_PROB, batch):
+                model(**inputs)
+            logits = router.gating(seen[0]).view(-1, EXPERTS)
+        finally:
+            handle.remove()
+        worst = logits.topk(TOPK, dim=-1, largest=False).indices
+        start = 0
+        for sample in samples:
+            count = sample.rollout_routed_experts.shape[0]
+            sample.rollout_routed_experts[:, layer] = worst[start : start + count]
+            start += count + 1  # the sample's last token has no rollout experts
+
+
+def test_experts_the_routers_would_not_pick_still_train_every_router(dist_env):
+    train = backend()
+    cfg = train.model_config()
+    samples = make_samples(3, seed=2)
+    inputs = model_inputs(pack_samples(samples))
+    grads = []
+    with running(["r3_routing"], train) as plugins:
+        for recompute in (False, True):
+
+            def adjust(config, recompute=recompute):
+                plugins.model_config(Role.ACTOR, config)
+                if recompute:
+                    Recompute().ember_model_config(Role.ACTOR, config)
+
+            model = build_model(cfg, seed=5, adjust_config=adjust)
+            if not recompute:
+                assign_unpicked_experts(model, plugins, samples, inputs)
+            model.train()
+            log = RouterLog(model)
+            batch = types.SimpleNamespace(model=model, samples=samples)
+            with plugins.forward_context(Role.ACTOR, Phase.TRAIN, batch):
+                loss = model(**inputs).square().mean()
+            with plugins.forward_context(Role.ACTOR, Phase.BACKWARD, batch):
+                loss.backward()
+            log.close()
+            assert len(log.calls) == (2 if recompute else 1) * LAYERS
+            for layer, _, used, natural in log.calls:
+                want, valid = rollout_map(samples, layer)
+                assert torch.equal(used[valid], want[valid])
+                # Not one replayed expert is among the router's own top-k.
+                assert not (routing_map(natural) & want)[valid].any()
+            grads.append([r.weight.grad.clone() for r in log.routers])
+    assert all(g.abs().sum() > 0 for g in grads[0])
+    for with_recompute, without in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(with_recompute, without)
