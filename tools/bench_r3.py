@@ -44,9 +44,11 @@ from ember_megatron_backend.parallel import destroy_distributed, init_distribute
 from ember_megatron_backend.worker import MegatronWorker
 from ember_r3_routing import R3RoutingConfig
 from ember_r3_routing import plugin as r3_plugin
-from ember_rollout.config import HFEngineConfig
+from ember_rollout.config import HFEngineConfig, ToyTaskConfig
 from ember_rollout.engine import GenerateRequest, SamplingParams
 from ember_rollout.hf_engine import HFEngine
+from ember_rollout.tokenizer import toy_tokenizer
+from ember_rollout.toy_task import make_toy_prompts
 
 R3 = "r3_routing"
 EXTREME = 0.5
@@ -60,10 +62,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rollouts", type=int, default=512, help="rollouts (samples)")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=16, help="random prompt tokens")
+    parser.add_argument(
+        "--toy-prompts",
+        action="store_true",
+        help="prompts of the default toy task (toy tokenizer) instead of random tokens",
+    )
     parser.add_argument("--response-len", type=int, default=32, help="max new tokens")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch")
-    parser.add_argument("--reps", type=int, default=6, help="timed steps per mode")
+    parser.add_argument("--reps", type=int, default=6, help="timed steps per mode (0: none)")
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")
     # One thread: on a shared machine, oversubscribed OpenMP threads make step times erratic.
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -164,12 +171,25 @@ def generate(args: argparse.Namespace, path: str, plugins: EmberPlugins) -> list
     vocab = engine.model_info.vocab_size
     g = torch.Generator().manual_seed(args.seed)
     fields = plugins.rollout_request_fields("hf")
+    groups = -(-args.rollouts // args.group_size)
+    stop: list[int] = []
+    if args.toy_prompts:
+        tokenizer = toy_tokenizer()
+        toy = ToyTaskConfig(num_prompts=groups, seed=args.seed)
+        prompts = [tokenizer.encode(r["prompt"]) for r in make_toy_prompts(toy)]
+        stop = [tokenizer.eos_token_id]
+    else:
+        prompts = [
+            torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(groups)
+        ]
     requests = []
     for k in range(args.rollouts):
-        if k % args.group_size == 0:
-            prompt = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
+        prompt = prompts[k // args.group_size]
         sampling = SamplingParams(
-            max_new_tokens=args.response_len, temperature=args.temperature, seed=args.seed + k
+            max_new_tokens=args.response_len,
+            temperature=args.temperature,
+            stop_token_ids=stop,
+            seed=args.seed + k,
         )
         requests.append(
             GenerateRequest(input_ids=prompt, sampling=sampling, fields=fields, name=f"sample {k}")
@@ -362,6 +382,8 @@ def time_steps(
     print(
         f"routing_agreement with replay (training {where}): {agree / total:.6f} ({agree}/{total})"
     )
+    if not args.reps:
+        return
     with replay(plugins, False):
         worker.train(0, off["batch"])
 

@@ -1,4 +1,4 @@
-"""End-to-end `ember train` runs on CPU through Ray: plugins in CI mode, data parallel, SIGKILL + resume."""
+"""End-to-end `ember train` on CPU through Ray: CI-mode plugins, data parallel, kill + resume."""
 
 from __future__ import annotations
 

@@ -250,6 +250,7 @@ def test_routing_agreement_is_measured_without_replay(dist_env):
     batch = worker.prepare(0, samples)
     metrics = worker.log_rollout_data(0, batch)
     assert metrics["rollout/routing_agreement"] == pytest.approx(expected, abs=1e-12)
+    assert metrics["rollout/replay_agreement"] == 1.0  # the experts used were the rollout's
     plugins.unregister("replay")
     plain = worker.prepare(0, samples)  # the replayed forward really used other experts
     assert not torch.equal(torch.cat(batch.log_probs), torch.cat(plain.log_probs))

@@ -219,6 +219,10 @@ def test_plugin_combinations_on_a_megatron_worker(dist_env, caplog, names):
     assert steps[1]["train/kl_loss"] > 0  # the first update moved the actor
     # The routing agreement is measured on the actor's own top-k, replay or not.
     assert rollout["rollout/routing_agreement"] < 0.2
+    if r3:
+        assert rollout["rollout/replay_agreement"] == 1.0
+    else:
+        assert "rollout/replay_agreement" not in rollout
 
     lines = [r for r in caplog.records if r.name == CHECKER_LOGGER]
     if names == ["r3_routing", "ci_kl_checker"]:

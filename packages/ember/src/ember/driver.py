@@ -308,9 +308,12 @@ def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[st
     if "rollout/train_rollout_logprob_abs_diff" in rollout:
         parts.append(f"mismatch {rollout['rollout/train_rollout_logprob_abs_diff']:.2e}")
     if "rollout/routing_agreement" in rollout:
-        parts.append(f"routing {rollout['rollout/routing_agreement']:.4f}")
-    if "perf/tokens_per_s" in rollout:
-        parts.append(f"{rollout['perf/tokens_per_s']:.0f} tok/s")
+        routing = f"routing {rollout['rollout/routing_agreement']:.4f}"
+        if "rollout/replay_agreement" in rollout:
+            routing += f" (replayed {rollout['rollout/replay_agreement']:.4f})"
+        parts.append(routing)
+    if "perf/rollout_tokens_per_s" in rollout:
+        parts.append(f"{rollout['perf/rollout_tokens_per_s']:.0f} tok/s")
     return " | ".join(parts)
 
 

@@ -25,6 +25,7 @@ ROLLOUT_KEYS = (
     "rollout/values",
     "rollout/train_rollout_logprob_abs_diff",
     "rollout/routing_agreement",
+    "rollout/replay_agreement",
 )
 """Every rollout metric, in the fixed order ranks reduce them in."""
 
@@ -81,7 +82,9 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
 
     Token quantities are first averaged over each sample's counted (loss-mask) response tokens;
     samples without a counted token do not enter those means. rollout/routing_agreement is the
-    mean over samples of each sample's fraction of agreeing (position, MoE layer) routings.
+    mean over samples of each sample's fraction of agreeing (position, MoE layer) routings;
+    rollout/replay_agreement, logged only when routers replay, is the same for the experts the
+    forward actually used.
     """
     means = SampleMeans(ROLLOUT_KEYS)
     masks = batch.loss_masks
@@ -107,4 +110,7 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
         agree, compared = batch.routing[:, 0], batch.routing[:, 1]
         has = compared > 0
         means.add("rollout/routing_agreement", agree[has] / compared[has])
+        replayed, replay_compared = batch.routing[:, 2], batch.routing[:, 3]
+        has = replay_compared > 0
+        means.add("rollout/replay_agreement", replayed[has] / replay_compared[has])
     return means.reduce(group)

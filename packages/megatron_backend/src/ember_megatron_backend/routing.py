@@ -5,7 +5,8 @@ top-k expert *set* in the training forward equals the set the engine reported, m
 replay. Forward hooks on every ``TopKRouter`` record the routing map during the old-log-prob
 actor forward. When a router replays (R3 on), its output is the replayed choice, so the hook
 recomputes the router's natural choice from its own logits (megatron-core's top-k routing
-without replay). Compared positions: every position the engine forwarded, i.e. the first
+without replay). When routers replay, ``rollout/replay_agreement`` is the same fraction for the
+experts the forward actually used (1.0 exactly when replay works). Compared positions: every position the engine forwarded, i.e. the first
 ``len(tokens) - 1`` tokens of each sample (prompt and response); dense layers are skipped.
 """
 
@@ -48,8 +49,9 @@ class RoutingRecorder:
 
         Args:
             mb: The micro-batch being forwarded.
-            out: [B, 2] float64 per rank-batch sample (routings that agree, routings compared);
-                rows `mb.indices` are incremented.
+            out: [B, 4] float64 per rank-batch sample: (natural routings that agree, routings
+                compared, replayed routings that agree, replayed routings compared); rows
+                `mb.indices` are incremented.
 
         Raises:
             ValueError: naming the sample whose routed experts do not fit the model.
@@ -72,10 +74,12 @@ class RoutingRecorder:
         self._maps = []
 
     def _hook(self, router: Any, args: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        routing_map = output[1]
+        used = output[1].detach()
         if router.router_replay is not None:
-            routing_map = _natural_routing(router, args[0])
-        self._maps.append((router.layer_number - 1, routing_map.detach()))
+            natural = _natural_routing(router, args[0]).detach()
+            self._maps.append((router.layer_number - 1, natural, used))
+        else:
+            self._maps.append((router.layer_number - 1, used, None))
 
     def _targets(self, mb: MicroBatch) -> tuple[Tensor, Tensor]:
         """The rollout experts of all samples [P, layers, k] and, per stream position, its row
@@ -119,14 +123,17 @@ class RoutingRecorder:
         row_flat = torch.where(rows >= 0, flat[rows.clamp(min=0)], torch.full_like(rows, -1))
         valid = row_flat >= 0
         owner = sample_of[rows.clamp(min=0)][valid]
-        counts = torch.zeros(len(mb.samples), 2, dtype=torch.float64)
-        for layer, routing_map in self._maps:
-            local = routing_map.reshape(rows.numel(), -1).cpu()[valid]  # [V, E] bool
+        counts = torch.zeros(len(mb.samples), 4, dtype=torch.float64)
+        for layer, natural, used in self._maps:
             ids = table[row_flat[valid], layer]  # [V, k]
-            rollout = torch.zeros_like(local).scatter_(1, ids, True)
-            agree = (rollout == local).all(dim=-1).to(torch.float64)
-            counts[:, 0].index_add_(0, owner, agree)
-            counts[:, 1].index_add_(0, owner, torch.ones_like(agree))
+            for column, routing_map in ((0, natural), (2, used)):
+                if routing_map is None:
+                    continue
+                local = routing_map.reshape(rows.numel(), -1).cpu()[valid]  # [V, E] bool
+                rollout = torch.zeros_like(local).scatter_(1, ids, True)
+                agree = (rollout == local).all(dim=-1).to(torch.float64)
+                counts[:, column].index_add_(0, owner, agree)
+                counts[:, column + 1].index_add_(0, owner, torch.ones_like(agree))
         return counts
 
 

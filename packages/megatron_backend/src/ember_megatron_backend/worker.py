@@ -232,7 +232,7 @@ class MegatronWorker:
         entropy: list[Any] = [None] * n
         ref_log_probs: list[Any] | None = [None] * n if self.ref is not None else None
         values: list[Any] | None = [None] * n if self.critic is not None else None
-        routing = torch.zeros(n, 2, dtype=torch.float64) if has_experts else None
+        routing = torch.zeros(n, 4, dtype=torch.float64) if has_experts else None
         temperature = self.sampling.temperature
         for indices in (mb for step in steps for mb in step):
             if self.ref is not None:
