@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 SHORT = [
     "--set", "rollout.rollout_batch_size=4",
     "--set", "rollout.n_samples_per_prompt=4",
+    "--set", "train.num_steps_per_rollout=2",
     "--set", "run.plot=false",
     "--set", "run.tensorboard=false",
 ]  # fmt: skip

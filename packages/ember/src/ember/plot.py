@@ -12,7 +12,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "kl": ("train/kl_loss", "train/ppo_kl"),
     "entropy": ("rollout/entropy", "train/entropy_loss"),
     "mismatch": ("rollout/train_rollout_logprob_abs_diff",),
-    "routing": ("rollout/routing_agreement",),
+    "routing": ("rollout/routing_agreement", "rollout/replay_agreement"),
 }
 """Each output file (`<name>.png`) and the metric keys it draws, where the run logged them."""
 
