@@ -111,21 +111,17 @@ def replay(plugins: EmberPlugins, on: bool) -> Iterator[None]:
 
 
 class RouterLog:
-    """Per router call of the actor: layer, the routing map used [T, E], the router's own map."""
+    """Per router call of the actor: its layer and the routing map it used [T, E]."""
 
     def __init__(self, model: Any) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.calls: list[tuple[int, Tensor, Tensor]] = []
+        self.calls: list[tuple[int, Tensor]] = []
         routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
         self.handles = [r.register_forward_hook(self._hook) for r in routers]
 
     def _hook(self, router: Any, args: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-        with torch.no_grad():
-            logits = router.gating(args[0]).view(-1, router.config.num_moe_experts)
-            own = torch.zeros_like(logits, dtype=torch.bool)
-            own.scatter_(1, logits.topk(router.topk, dim=-1).indices, True)
-        self.calls.append((router.layer_number - 1, output[1].detach().cpu(), own.cpu()))
+        self.calls.append((router.layer_number - 1, output[1].detach().cpu()))
 
     def close(self) -> None:
         for handle in self.handles:
@@ -146,21 +142,21 @@ def rollout_maps(samples: list[Sample], layers: int, experts: int) -> tuple[Tens
 
 
 def match_calls(
-    calls: list[tuple[int, Tensor, Tensor]],
+    calls: list[tuple[int, Tensor]],
     micro_batches: list[list[Sample]],
     per_micro_batch: int,
     layers: int,
     experts: int,
-) -> list[tuple[list[Sample], int, Tensor, Tensor, Tensor, Tensor]]:
+) -> list[tuple[list[Sample], int, Tensor, Tensor, Tensor]]:
     """Pair each router call with its micro-batch (calls come `per_micro_batch` at a time):
-    (samples, layer, used map, own map, rollout map, valid rows)."""
+    (samples, layer, used map, rollout map, valid rows)."""
     if len(calls) != per_micro_batch * len(micro_batches):
         raise RuntimeError(f"{len(calls)} router calls for {len(micro_batches)} micro-batches")
     out = []
     for k, samples in enumerate(micro_batches):
         want, valid = rollout_maps(samples, layers, experts)
-        for layer, used, own in calls[k * per_micro_batch : (k + 1) * per_micro_batch]:
-            out.append((samples, layer, used, own, want[:, layer], valid))
+        for layer, used in calls[k * per_micro_batch : (k + 1) * per_micro_batch]:
+            out.append((samples, layer, used, want[:, layer], valid))
     return out
 
 
@@ -216,14 +212,14 @@ def generate(args: argparse.Namespace, path: str, plugins: EmberPlugins) -> list
 
 
 def flipped_tokens(
-    samples: list[Sample], matched: list[tuple[list[Sample], int, Tensor, Tensor, Tensor, Tensor]]
+    samples: list[Sample], matched: list[tuple[list[Sample], int, Tensor, Tensor, Tensor]]
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """Per sample, [R] True where the token's predicting position disagrees in any layer; and
     per layer, the (disagreeing, compared) routing decision counts over all positions."""
     layers = 1 + max(layer for _, layer, *_ in matched)
     rows: dict[int, Tensor] = {}
     per_layer = torch.zeros(layers, 2, dtype=torch.long)
-    for mb, layer, used, _own, want, valid in matched:
+    for mb, layer, used, want, valid in matched:
         differs = (used != want).any(dim=-1) & valid  # [T]
         per_layer[layer, 0] += int(differs.sum())
         per_layer[layer, 1] += int(valid.sum())
@@ -244,7 +240,7 @@ def flipped_tokens(
 def used_agreement(matched: list[tuple[Any, ...]]) -> tuple[int, int]:
     """(position, layer) pairs whose used experts equal the engine's, and pairs compared."""
     agree = total = 0
-    for _mb, _layer, used, _own, want, valid in matched:
+    for _mb, _layer, used, want, valid in matched:
         agree += int((used == want).all(dim=-1)[valid].sum())
         total += int(valid.sum())
     return agree, total
@@ -325,6 +321,9 @@ def report_routing(off: dict, on: dict) -> Tensor:
     print(f"  routing_agreement without replay         {natural:.4f}")
     print(f"  decisions that differ, per layer         {rates}")
     print(f"  routing_agreement with replay (scoring)  {agree / total:.6f} ({agree}/{total})")
+    worker_view = on["metrics"].get("rollout/replay_agreement")
+    if worker_view is not None:
+        print(f"  the worker's rollout/replay_agreement    {worker_view:.6f}")
     print(
         f"response tokens {flip.numel()}, flipped (routing differs in >= 1 layer) "
         f"{int(flip.sum())} = {float(flip.float().mean()):.2%}"
@@ -348,6 +347,9 @@ def report_gaps(off: dict, on: dict, flip: Tensor) -> None:
             "  token mean, flipped tokens": float(a[flip].mean()),
             "  token mean, agreeing tokens": float(a[~flip].mean()),
             "  ratio flipped / agreeing": float(a[flip].mean() / a[~flip].mean()),
+            # Means of heavy-tailed gaps can hang on a single token; the medians show the bulk.
+            "  ratio of the medians": float(a[flip].median() / a[~flip].median()),
+            "  largest gap on a flipped token": float(a[flip].max()),
             "extreme tokens, all": float(extreme.double().mean()),
             "extreme tokens, flipped": float(extreme[flip].double().mean()),
         }

@@ -6,8 +6,9 @@ replay. Forward hooks on every ``TopKRouter`` record the routing map during the 
 actor forward. When a router replays (R3 on), its output is the replayed choice, so the hook
 recomputes the router's natural choice from its own logits (megatron-core's top-k routing
 without replay). When routers replay, ``rollout/replay_agreement`` is the same fraction for the
-experts the forward actually used (1.0 exactly when replay works). Compared positions: every position the engine forwarded, i.e. the first
-``len(tokens) - 1`` tokens of each sample (prompt and response); dense layers are skipped.
+experts the forward actually used (1.0 exactly when replay works). Compared positions: every
+position the engine forwarded, i.e. the first ``len(tokens) - 1`` tokens of each sample (prompt
+and response); dense layers are skipped.
 """
 
 from __future__ import annotations
