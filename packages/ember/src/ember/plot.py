@@ -31,11 +31,23 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir else run_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
-    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for record in read_metrics(run_dir):
+    # Every panel's x-axis is the rollout: a rollout's n train steps sit at id + k / n.
+    records = list(read_metrics(run_dir))
+    steps_per_rollout: dict[int, int] = defaultdict(int)
+    for record in records:
+        if record.get("kind") == "train":
+            steps_per_rollout[record["rollout_id"]] += 1
+    seen: dict[int, int] = defaultdict(int)
+    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for record in records:
+        rollout_id = record["rollout_id"]
+        x = float(rollout_id)
+        if record.get("kind") == "train":
+            x += seen[rollout_id] / steps_per_rollout[rollout_id]
+            seen[rollout_id] += 1
         for key, value in record.items():
             if "/" in key and isinstance(value, int | float):
-                series[key].append((record["step"], float(value)))
+                series[key].append((x, float(value)))
     panels = {name: [k for k in keys if series.get(k)] for name, keys in PANELS.items()}
     panels = {name: keys for name, keys in panels.items() if keys}
     if not panels:
@@ -50,7 +62,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
                 xs, ys = zip(*series[key], strict=True)
                 target.plot(xs, ys, marker="." if len(xs) < 50 else None, label=key)
             target.set_title(name)
-            target.set_xlabel("rollout" if keys[0].startswith("rollout/") else "step")
+            target.set_xlabel("rollout")
             target.grid(alpha=0.3)
             target.legend(fontsize=7)
         fig.tight_layout()
