@@ -15,7 +15,7 @@ import yaml
 from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig, from_dict, to_dict
 from ember_core.plugins import EmberPlugins, installed_plugins
 from ember_megatron_backend.config import BackendConfig
-from ember_rollout.config import DataConfig, EngineConfig, GroupSamplingConfig, RewardConfig
+from ember_rollout.config import RolloutSections
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +96,12 @@ class RaySection:
 
 
 @dataclass(kw_only=True, slots=True)
-class RunConfig:
-    """A whole run: the top level of a run config file."""
+class RunConfig(RolloutSections):
+    """A whole run: the top level of a run config file.
+
+    The rollout package's sections (`engine`, `data`, `reward`, `group_sampling`) come from
+    `RolloutSections`, so a run config is what `RolloutGenerator.from_config` reads.
+    """
 
     run: RunSection = field(default_factory=RunSection)
     """The run as a whole."""
@@ -109,14 +113,6 @@ class RunConfig:
     """RL objective."""
     train: BackendConfig = field(default_factory=BackendConfig)
     """Megatron training: model, parallelism, optimizer, steps."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    """Inference engine."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Prompt data."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """Reward function."""
-    group_sampling: GroupSamplingConfig = field(default_factory=GroupSamplingConfig)
-    """Dynamic filter and over-sampling."""
     plugins: list[str] = field(default_factory=list)
     """Plugins to enable by entry-point name; installed plugins stay off unless listed."""
     ci: CIConfig = field(default_factory=CIConfig)
