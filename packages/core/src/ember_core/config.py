@@ -158,7 +158,11 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _check(condition: bool, key: str, value: Any, expected: str) -> None:
+def check(condition: bool, key: str, value: Any, expected: str) -> None:
+    """Raise the one-line config error `key=value: expected ...` unless `condition` holds.
+
+    Sections call it from `__post_init__`; `from_dict` prefixes the section path to the key.
+    """
     if not condition:
         raise ValueError(f"{key}={value!r}: expected {expected}")
 
@@ -188,22 +192,22 @@ class SamplingConfig:
     """Seed of the rollout sampler."""
 
     def __post_init__(self) -> None:
-        _check(self.rollout_batch_size >= 1, "rollout_batch_size", self.rollout_batch_size, ">= 1")
-        _check(
+        check(self.rollout_batch_size >= 1, "rollout_batch_size", self.rollout_batch_size, ">= 1")
+        check(
             self.n_samples_per_prompt >= 1,
             "n_samples_per_prompt",
             self.n_samples_per_prompt,
             ">= 1",
         )
-        _check(
+        check(
             math.isfinite(self.temperature) and self.temperature > 0,
             "temperature",
             self.temperature,
             "a finite number > 0",
         )
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "0 < top_p <= 1")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1")
-        _check(self.max_response_len >= 1, "max_response_len", self.max_response_len, ">= 1")
+        check(0 < self.top_p <= 1, "top_p", self.top_p, "0 < top_p <= 1")
+        check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1")
+        check(self.max_response_len >= 1, "max_response_len", self.max_response_len, ">= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -258,16 +262,16 @@ class AlgorithmConfig:
         if self.kl_loss_type not in KL_ESTIMATORS:
             known = ", ".join(KL_ESTIMATORS.names())
             raise ValueError(f"kl_loss_type={self.kl_loss_type!r}: expected one of {known}")
-        _check(0 < self.gamma <= 1, "gamma", self.gamma, "0 < gamma <= 1")
-        _check(0 <= self.lambd <= 1, "lambd", self.lambd, "0 <= lambd <= 1")
-        _check(0 < self.eps_clip < 1, "eps_clip", self.eps_clip, "0 < eps_clip < 1")
-        _check(
+        check(0 < self.gamma <= 1, "gamma", self.gamma, "0 < gamma <= 1")
+        check(0 <= self.lambd <= 1, "lambd", self.lambd, "0 <= lambd <= 1")
+        check(0 < self.eps_clip < 1, "eps_clip", self.eps_clip, "0 < eps_clip < 1")
+        check(
             self.eps_clip_high is None or self.eps_clip_high > 0,
             "eps_clip_high",
             self.eps_clip_high,
             "> 0 or null",
         )
-        _check(
+        check(
             self.eps_clip_c is None or self.eps_clip_c > 1,
             "eps_clip_c",
             self.eps_clip_c,
@@ -275,15 +279,15 @@ class AlgorithmConfig:
         )
         for key in ("kl_loss_coef", "kl_coef", "entropy_coef"):
             value = getattr(self, key)
-            _check(math.isfinite(value) and value >= 0, key, value, "a finite number >= 0")
-        _check(self.tis_clip > 0, "tis_clip", self.tis_clip, "> 0")
-        _check(
+            check(math.isfinite(value) and value >= 0, key, value, "a finite number >= 0")
+        check(self.tis_clip > 0, "tis_clip", self.tis_clip, "> 0")
+        check(
             0 <= self.tis_clip_low < self.tis_clip,
             "tis_clip_low",
             self.tis_clip_low,
             f"0 <= tis_clip_low < tis_clip={self.tis_clip}",
         )
-        _check(self.value_clip > 0, "value_clip", self.value_clip, "> 0")
+        check(self.value_clip > 0, "value_clip", self.value_clip, "> 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -309,4 +313,4 @@ class CoreConfig:
 
     def __post_init__(self) -> None:
         for name in self.plugins:
-            _check(bool(name) and name.isidentifier(), "plugins", name, "plugin names")
+            check(bool(name) and name.isidentifier(), "plugins", name, "plugin names")

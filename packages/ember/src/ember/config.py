@@ -12,7 +12,14 @@ from typing import Any
 
 import yaml
 
-from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig, from_dict, to_dict
+from ember_core.config import (
+    AlgorithmConfig,
+    CIConfig,
+    SamplingConfig,
+    check,
+    from_dict,
+    to_dict,
+)
 from ember_core.plugins import EmberPlugins, installed_plugins
 from ember_megatron_backend.config import BackendConfig
 from ember_rollout.config import RolloutSections
@@ -22,11 +29,6 @@ logger = logging.getLogger(__name__)
 EXAMPLES_DIR = Path(__file__).resolve().parents[4] / "examples"
 DEFAULT_CONFIG = "default"
 """The example `ember train` runs with no config argument (examples/default.yaml)."""
-
-
-def _check(condition: bool, key: str, value: Any, expected: str) -> None:
-    if not condition:
-        raise ValueError(f"{key}={value!r}: expected {expected}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,12 +61,12 @@ class RunSection:
     """Write PNG curves to <dir>/plots at the end of the run."""
 
     def __post_init__(self) -> None:
-        _check(self.num_rollouts >= 1, "num_rollouts", self.num_rollouts, ">= 1")
-        _check(self.save_interval >= 0, "save_interval", self.save_interval, ">= 0")
-        _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, ">= 1")
-        _check(self.eval_interval >= 0, "eval_interval", self.eval_interval, ">= 0")
-        _check(self.eval_prompts >= 1, "eval_prompts", self.eval_prompts, ">= 1")
-        _check(self.eval_temperature > 0, "eval_temperature", self.eval_temperature, "> 0")
+        check(self.num_rollouts >= 1, "num_rollouts", self.num_rollouts, ">= 1")
+        check(self.save_interval >= 0, "save_interval", self.save_interval, ">= 0")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, ">= 1")
+        check(self.eval_interval >= 0, "eval_interval", self.eval_interval, ">= 0")
+        check(self.eval_prompts >= 1, "eval_prompts", self.eval_prompts, ">= 1")
+        check(self.eval_temperature > 0, "eval_temperature", self.eval_temperature, "> 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,10 +91,10 @@ class RaySection:
     """torch threads of each actor; None divides this machine's cores between them."""
 
     def __post_init__(self) -> None:
-        _check(self.data_parallel >= 1, "data_parallel", self.data_parallel, ">= 1")
-        _check(self.gpus_per_rank >= 0, "gpus_per_rank", self.gpus_per_rank, ">= 0")
-        _check(self.num_engines >= 1, "num_engines", self.num_engines, ">= 1")
-        _check(self.gpus_per_engine >= 0, "gpus_per_engine", self.gpus_per_engine, ">= 0")
+        check(self.data_parallel >= 1, "data_parallel", self.data_parallel, ">= 1")
+        check(self.gpus_per_rank >= 0, "gpus_per_rank", self.gpus_per_rank, ">= 0")
+        check(self.num_engines >= 1, "num_engines", self.num_engines, ">= 1")
+        check(self.gpus_per_engine >= 0, "gpus_per_engine", self.gpus_per_engine, ">= 0")
 
 
 @dataclass(kw_only=True, slots=True)

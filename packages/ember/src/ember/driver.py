@@ -14,6 +14,7 @@ from typing import Any
 import ray
 from tqdm import tqdm
 
+from ember import RAY_ENV
 from ember.config import RunConfig, default_run_dir, write_resolved
 from ember.metrics import METRICS_FILE, MetricsLogger
 from ember_core.types import Sample
@@ -23,9 +24,6 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 DRIVER_STATE = "driver.json"
-
-RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-"""Set before Ray starts: under `uv run`, workers must not re-resolve the environment."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,11 +71,6 @@ def split_by_rank(samples: list[Sample], n_per_prompt: int, ranks: int) -> list[
     return [[s for g in groups[r * per : (r + 1) * per] for s in g] for r in range(ranks)]
 
 
-def mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Rank 0's metrics: the backend already reduced them across data-parallel ranks."""
-    return dict(per_rank[0])
-
-
 class Driver:
     """Owns the Ray actors of one run and drives the loop of DESIGN section 2."""
 
@@ -90,7 +83,6 @@ class Driver:
     # -- setup -------------------------------------------------------------------------------
 
     def start_ray(self) -> None:
-        os.environ.update(RAY_ENV)
         if ray.is_initialized():
             return
         ray_cfg = self.config.ray
@@ -163,14 +155,11 @@ class Driver:
         shards = split_by_rank(
             batch.samples, self.config.rollout.n_samples_per_prompt, len(self.actors.train)
         )
-        rollout_metrics = mean_metrics(
-            ray.get(
-                [
-                    t.prepare.remote(rollout_id, s)
-                    for t, s in zip(self.actors.train, shards, strict=True)
-                ]
-            )
-        )
+        # Every rank returns the same metrics, already reduced across data-parallel ranks.
+        per_rank = [
+            t.prepare.remote(rollout_id, s) for t, s in zip(self.actors.train, shards, strict=True)
+        ]
+        rollout_metrics = ray.get(per_rank)[0]
         timings["perf/log_probs_time"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()

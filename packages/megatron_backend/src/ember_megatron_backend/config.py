@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 
+from ember_core.config import check
 from ember_megatron_backend.model import PRESETS, ModelConfig
 from ember_megatron_backend.parallel import ParallelConfig
 
@@ -20,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _fail(key: str, value: Any, expected: str) -> None:
-    raise ValueError(f"{key}={value!r}: expected {expected}")
+    check(False, key, value, expected)
 
 
 def _check_number(key: str, value: Any, *, low: float, low_ok: bool = True) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from ember_core.config import from_dict
+from ember_core.config import check, from_dict
 
 __all__ = [
     "DataConfig",
@@ -20,11 +20,6 @@ __all__ = [
     "ToyTaskConfig",
     "from_dict",
 ]
-
-
-def _check(condition: bool, key: str, value: Any, expected: str) -> None:
-    if not condition:
-        raise ValueError(f"{key}={value!r}: expected {expected}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,7 +63,7 @@ class TinyModelConfig:
     """Seed of the random initialisation, so every process builds the same weights."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.vocab_size is None or self.vocab_size >= 2, "vocab_size", self.vocab_size, ">= 2"
         )
         for key in (
@@ -83,26 +78,26 @@ class TinyModelConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, key)
-            _check(value >= 1, key, value, ">= 1")
-        _check(
+            check(value >= 1, key, value, ">= 1")
+        check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             "num_attention_heads",
             self.num_attention_heads,
             f"a multiple of num_key_value_heads={self.num_key_value_heads}",
         )
-        _check(
+        check(
             1 <= self.num_experts_per_tok <= self.num_experts,
             "num_experts_per_tok",
             self.num_experts_per_tok,
             f"1 <= k <= num_experts={self.num_experts}",
         )
-        _check(
+        check(
             all(0 <= i < self.num_layers for i in self.dense_layers),
             "dense_layers",
             self.dense_layers,
             f"layer indices in [0, {self.num_layers})",
         )
-        _check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
+        check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -127,15 +122,15 @@ class HFEngineConfig:
     """Shape of the built-in model (used when model_path is None)."""
 
     def __post_init__(self) -> None:
-        _check(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, ">= 1")
-        _check(
+        check(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, ">= 1")
+        check(
             self.num_threads is None or self.num_threads >= 1,
             "num_threads",
             self.num_threads,
             ">= 1 or null",
         )
-        _check(self.compact_every >= 0, "compact_every", self.compact_every, ">= 0 (0 = never)")
-        _check(
+        check(self.compact_every >= 0, "compact_every", self.compact_every, ">= 0 (0 = never)")
+        check(
             self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
             "device",
             self.device,
@@ -184,11 +179,11 @@ class SGLangEngineConfig:
 
     def __post_init__(self) -> None:
         for url in self.urls:
-            _check(url.startswith(("http://", "https://")), "urls", url, "http://host:port URLs")
-        _check(self.num_servers >= 1, "num_servers", self.num_servers, ">= 1")
-        _check(0 <= self.base_port < 65536, "base_port", self.base_port, "0 (free) or a port")
-        _check(self.tp_size >= 1, "tp_size", self.tp_size, ">= 1")
-        _check(
+            check(url.startswith(("http://", "https://")), "urls", url, "http://host:port URLs")
+        check(self.num_servers >= 1, "num_servers", self.num_servers, ">= 1")
+        check(0 <= self.base_port < 65536, "base_port", self.base_port, "0 (free) or a port")
+        check(self.tp_size >= 1, "tp_size", self.tp_size, ">= 1")
+        check(
             self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
             "mem_fraction_static",
             self.mem_fraction_static,
@@ -196,16 +191,16 @@ class SGLangEngineConfig:
         )
         for key in ("launch_timeout_s", "health_poll_s", "request_timeout_s"):
             value = getattr(self, key)
-            _check(math.isfinite(value) and value > 0, key, value, "a number > 0")
-        _check(self.max_retries >= 0, "max_retries", self.max_retries, ">= 0")
-        _check(self.retry_backoff_s >= 0, "retry_backoff_s", self.retry_backoff_s, ">= 0")
-        _check(
+            check(math.isfinite(value) and value > 0, key, value, "a number > 0")
+        check(self.max_retries >= 0, "max_retries", self.max_retries, ">= 0")
+        check(self.retry_backoff_s >= 0, "retry_backoff_s", self.retry_backoff_s, ">= 0")
+        check(
             self.retry_backoff_max_s >= self.retry_backoff_s,
             "retry_backoff_max_s",
             self.retry_backoff_max_s,
             f">= retry_backoff_s={self.retry_backoff_s}",
         )
-        _check(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, ">= 1")
+        check(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, ">= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -248,9 +243,9 @@ class ToyTaskConfig:
     """Seed of the generated prompts."""
 
     def __post_init__(self) -> None:
-        _check(self.num_prompts >= 1, "num_prompts", self.num_prompts, ">= 1")
-        _check(self.min_digits >= 1, "min_digits", self.min_digits, ">= 1")
-        _check(
+        check(self.num_prompts >= 1, "num_prompts", self.num_prompts, ">= 1")
+        check(self.min_digits >= 1, "min_digits", self.min_digits, ">= 1")
+        check(
             self.max_digits >= self.min_digits,
             "max_digits",
             self.max_digits,
@@ -286,8 +281,8 @@ class DataConfig:
     """The generated task (used when prompt_data is None)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.input_key), "input_key", self.input_key, "a non-empty key")
-        _check(
+        check(bool(self.input_key), "input_key", self.input_key, "a non-empty key")
+        check(
             self.max_prompt_len is None or self.max_prompt_len >= 1,
             "max_prompt_len",
             self.max_prompt_len,
@@ -310,8 +305,8 @@ class RewardConfig:
     """Reward calls in flight at once (async reward functions)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.reward_fn), "reward_fn", self.reward_fn, "a registered name")
-        _check(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, ">= 1")
+        check(bool(self.reward_fn), "reward_fn", self.reward_fn, "a registered name")
+        check(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, ">= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -328,13 +323,13 @@ class GroupSamplingConfig:
     """Too few kept groups after max_rounds: refill with dropped groups, return fewer, or raise."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.over_sampling_batch_size is None or self.over_sampling_batch_size >= 1,
             "over_sampling_batch_size",
             self.over_sampling_batch_size,
             ">= 1 or null",
         )
-        _check(self.max_rounds >= 1, "max_rounds", self.max_rounds, ">= 1")
+        check(self.max_rounds >= 1, "max_rounds", self.max_rounds, ">= 1")
 
 
 @dataclass(kw_only=True, slots=True)
