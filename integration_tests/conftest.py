@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,3 +15,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def served_root(tmp_path_factory) -> Path:
+    """Where `gpu_support.served_model` writes the models the SGLang tests serve (once each)."""
+    return tmp_path_factory.mktemp("served")

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from ember_rollout.config import TinyModelConfig
 from ember_rollout.models import write_tiny_checkpoint
+from ember_rollout.tokenizer import load_tokenizer, save_toy_tokenizer
 
 
 def convert(*args: str) -> subprocess.CompletedProcess:
@@ -41,3 +42,25 @@ def test_missing_source_is_named(tmp_path):
     run = convert("hf-to-megatron", str(tmp_path / "nope"), str(tmp_path / "out"))
     assert run.returncode == 2
     assert f"{tmp_path / 'nope'}: no such checkpoint" in run.stderr
+
+
+@pytest.mark.slow
+def test_megatron_to_hf_from_a_run_directory(tmp_path):
+    """A run directory converts from its newest complete checkpoint, shaped like its hf_init."""
+    run = tmp_path / "run"
+    hf = write_tiny_checkpoint(run / "hf_init", TinyModelConfig(vocab_size=17, num_layers=2))
+    save_toy_tokenizer(hf)
+    newest = run / "checkpoints" / "rollout_000009"
+    first = convert("hf-to-megatron", str(hf), str(newest / "train"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    (newest / "driver.json").write_text("{}")
+    (run / "checkpoints" / "rollout_000019" / "train").mkdir(parents=True)  # incomplete: skipped
+    for src in (run, newest):
+        out = tmp_path / f"from_{src.name}"
+        second = convert("megatron-to-hf", str(src), str(out))
+        assert second.returncode == 0, second.stderr[-2000:]
+        original = load_file(hf / "model.safetensors")
+        back = load_file(out / "model.safetensors")
+        assert sorted(back) == sorted(original)
+        assert all(back[name].equal(tensor) for name, tensor in original.items())
+        assert load_tokenizer(out).decode([3, 4]) == "12"  # the run's tokenizer came along

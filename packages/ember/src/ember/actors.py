@@ -10,10 +10,12 @@ from typing import Any
 import ray
 import torch
 
+from ember.quiet import quiet_libraries
 from ember_core.types import Sample
 
 
 def _set_threads(threads: int | None) -> None:
+    quiet_libraries()
     if threads:
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)

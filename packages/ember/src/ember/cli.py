@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 import yaml
+
+from ember.quiet import VERBOSE_ENV, quiet_libraries
 
 USAGE_ERROR = 2
 
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    quiet_libraries()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

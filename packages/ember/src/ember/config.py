@@ -26,7 +26,14 @@ from ember_rollout.config import RolloutSections
 
 logger = logging.getLogger(__name__)
 
-EXAMPLES_DIR = Path(__file__).resolve().parents[4] / "examples"
+
+def _examples_dir() -> Path:
+    """The copy inside the package once installed; the repository's examples/ in a checkout."""
+    packaged = Path(__file__).resolve().parent / "examples"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[4] / "examples"
+
+
+EXAMPLES_DIR = _examples_dir()
 DEFAULT_CONFIG = "default"
 """The example `ember train` runs with no config argument (examples/default.yaml)."""
 

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+"""Files of a transformers tokenizer directory that `megatron-to-hf` carries over."""
+
 
 def convert(direction: str, src: Path, dst: Path, *, preset: str | None = None) -> Path:
     """Convert a checkpoint and return the written path.
 
     `hf-to-megatron` reads a transformers checkpoint directory into a Megatron model and saves
     it as an Ember training checkpoint; `megatron-to-hf` reads an Ember training checkpoint and
-    writes a transformers directory that `AutoModelForCausalLM.from_pretrained` loads; its
-    model shape is `preset` (a preset name, or a transformers directory whose config.json has
-    the shape; default tiny-moe).
+    writes a transformers directory that `AutoModelForCausalLM.from_pretrained` loads. Its
+    source may also be a run directory (its newest complete checkpoint) or one of a run's
+    checkpoints (`checkpoints/rollout_NNNNNN`); its model shape is `preset` (a preset name, or
+    a transformers directory whose config.json has the shape), by default the run's initial
+    model (`hf_init`) when the source belongs to a run, else tiny-moe. The tokenizer files of
+    a shape directory are copied along, so the output loads with `AutoTokenizer` too.
     """
     from ember_core.config import AlgorithmConfig, SamplingConfig
     from ember_megatron_backend.config import BackendConfig
@@ -27,6 +41,13 @@ def convert(direction: str, src: Path, dst: Path, *, preset: str | None = None) 
             raise ValueError(f"{src}: not a transformers checkpoint (no config.json)")
         config = BackendConfig(hf_load=str(src))
     elif direction == "megatron-to-hf":
+        src, run_dir = training_checkpoint(src)
+        if (
+            preset is None
+            and run_dir is not None
+            and (run_dir / "hf_init" / "config.json").is_file()
+        ):
+            preset = str(run_dir / "hf_init")
         if preset and Path(preset).is_dir():
             config = BackendConfig(hf_load=preset)  # the shape comes from its config.json
         else:
@@ -42,6 +63,34 @@ def convert(direction: str, src: Path, dst: Path, *, preset: str | None = None) 
             return worker.save_checkpoint(dst)
         worker.load_checkpoint(src)
         worker.export_hf(dst)
+        if preset and Path(preset).is_dir():
+            _copy_tokenizer(Path(preset), dst)
         return dst
     finally:
         destroy_distributed()
+
+
+def training_checkpoint(src: Path) -> tuple[Path, Path | None]:
+    """The Ember training checkpoint that `src` names, and the run directory it belongs to.
+
+    `src` is a training checkpoint itself, a run's checkpoint (`rollout_NNNNNN`, whose
+    training state lives in `train/`), or a run directory (its newest complete checkpoint).
+    """
+    from ember.driver import latest_checkpoint
+
+    if (src / "checkpoints").is_dir():
+        newest = latest_checkpoint(src)
+        if newest is None:
+            raise ValueError(f"{src}: run directory without a complete checkpoint")
+        return newest / "train", src
+    if (src / "train").is_dir():
+        return src / "train", src.parent.parent
+    return src, None
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)

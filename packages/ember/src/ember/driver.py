@@ -17,6 +17,7 @@ from tqdm import tqdm
 from ember import RAY_ENV
 from ember.config import RunConfig, default_run_dir, write_resolved
 from ember.metrics import METRICS_FILE, MetricsLogger
+from ember.quiet import VERBOSE_ENV, verbose
 from ember_core.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class Driver:
             num_cpus=ray_cfg.num_cpus if ray_cfg.address is None else None,
             include_dashboard=False,
             log_to_driver=True,
-            runtime_env={"env_vars": dict(RAY_ENV)},
+            runtime_env={"env_vars": {**RAY_ENV, VERBOSE_ENV: "1" if verbose() else "0"}},
             logging_level=logging.WARNING,
         )
 
