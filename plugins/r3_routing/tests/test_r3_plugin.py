@@ -18,17 +18,6 @@ from ember_r3_routing import R3RoutingConfig
 from ember_r3_routing import plugin as r3_plugin
 
 
-@pytest.fixture
-def host(shape, reset_plugin):
-    plugins = EmberPlugins()
-    plugins.register(r3_plugin, "r3_routing")
-    plugins.configure(CoreConfig(plugins=["r3_routing"]), {"r3_routing": shape})
-    try:
-        yield plugins
-    finally:
-        plugins.unregister("r3_routing")
-
-
 def sglang_meta(experts: torch.Tensor) -> dict:
     """meta_info as SGLang returns it: base64 of the int32 bytes (little-endian)."""
     raw = experts.to(torch.int32).contiguous().numpy().astype("<i4").tobytes()

@@ -11,12 +11,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from r3_samples import NUM_EXPERTS, make_sample, small_shape
 
-from ember_core.config import CoreConfig
 from ember_core.heads import zigzag_split
 from ember_core.hookspecs import Phase, Role
-from ember_core.plugins import EmberPlugins
 from ember_core.types import pack_samples
-from ember_r3_routing import plugin as r3_plugin
 from ember_r3_routing.replay import configure_model, replay_targets
 
 pytest.importorskip("megatron.core", reason="replay drives megatron-core's TopKRouter")
@@ -105,15 +102,10 @@ def expected_maps(samples, shape, *, pad_to: int | None = None) -> list[torch.Te
 
 
 @pytest.fixture
-def host(shape, reset_plugin):
-    plugins = EmberPlugins()
-    plugins.register(r3_plugin, "r3_routing")
-    plugins.configure(CoreConfig(plugins=["r3_routing"]), {"r3_routing": shape})
-    try:
-        yield plugins
-    finally:
-        plugins.unregister("r3_routing")
-        RouterReplay.clear_global_router_replay_instances()
+def host(host):
+    """The conftest host; megatron-core's global router-replay registry is cleared after."""
+    yield host
+    RouterReplay.clear_global_router_replay_instances()
 
 
 def assert_idle(model: ToyMoE) -> None:

@@ -14,7 +14,8 @@ from ember.quiet import quiet_libraries
 from ember_core.types import Sample
 
 
-def _set_threads(threads: int | None) -> None:
+def _prepare_process(threads: int | None) -> None:
+    """What every actor process does first: quiet library chatter, then size torch's pool."""
     quiet_libraries()
     if threads:
         torch.set_num_threads(threads)
@@ -38,7 +39,7 @@ class TrainRank:
         init_method: str,
         threads: int | None,
     ) -> None:
-        _set_threads(threads)
+        _prepare_process(threads)
         from ember.config import load_config
         from ember_megatron_backend.parallel import init_distributed
         from ember_megatron_backend.worker import MegatronWorker
@@ -89,7 +90,7 @@ class RolloutEngine:
     """One rollout engine with its prompt stream, scorer and group sampling."""
 
     def __init__(self, config: dict[str, Any], *, model_path: str, threads: int | None) -> None:
-        _set_threads(threads)
+        _prepare_process(threads)
         from ember.config import load_config
         from ember_rollout import RolloutGenerator, build_engine
 

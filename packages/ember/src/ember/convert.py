@@ -4,17 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
-"""Files of a transformers tokenizer directory that `megatron-to-hf` carries over."""
-
 
 def convert(direction: str, src: Path, dst: Path, *, preset: str | None = None) -> Path:
     """Convert a checkpoint and return the written path.
@@ -89,8 +78,7 @@ def training_checkpoint(src: Path) -> tuple[Path, Path | None]:
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
-    import shutil
+    from ember_rollout.tokenizer import load_tokenizer
 
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+    if (src / "tokenizer_config.json").is_file() or (src / "tokenizer.json").is_file():
+        load_tokenizer(src).save_pretrained(dst)

@@ -203,6 +203,8 @@ class Driver:
 
     def save(self, rollout_id: int, accumulated_step: int) -> Path:
         """Write a checkpoint atomically: everything into a hidden directory, then one rename."""
+        from ember_megatron_backend.checkpoint import fsync_path, replace_dir
+
         assert self.actors is not None
         root = self.run_dir / CHECKPOINTS
         final = root / checkpoint_name(rollout_id)
@@ -216,10 +218,8 @@ class Driver:
             "engines": ray.get([e.state_dict.remote() for e in self.actors.engines]),
         }
         (tmp / DRIVER_STATE).write_text(json.dumps(state))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        replace_dir(tmp, final)
+        fsync_path(root)
         for old in complete_checkpoints(self.run_dir)[: -self.config.run.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
@@ -322,11 +322,3 @@ def _truncate_metrics(run_dir: Path, last_rollout: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
     os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

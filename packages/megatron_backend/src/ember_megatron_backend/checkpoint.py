@@ -71,12 +71,31 @@ def _unwrap(model: Any) -> Any:
     return model
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_dir(staging: Path, final: Path) -> None:
+    """Publish a fully written `staging` directory as `final`, replacing any old one.
+
+    The old directory is renamed aside before the new one takes its name and removed only
+    after, so a crash at any moment leaves a complete directory: the old one (at `final` or
+    `.<name>.old`) or the new one. Callers fsync the parent once their last rename is done.
+    """
+    fsync_path(staging)
+    if final.exists():
+        retired = final.with_name(f".{final.name}.old")
+        shutil.rmtree(retired, ignore_errors=True)
+        final.rename(retired)
+        staging.rename(final)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        staging.rename(final)
 
 
 def _write(obj: Any, path: Path) -> None:
@@ -166,19 +185,11 @@ def save_checkpoint(
     if _rank() == 0:
         meta = {**meta, "format": FORMAT, "tag": tag, "world_size": _world()}
         (staging / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        _fsync(staging)
-        if final.exists():
-            retired = root / f".{tag}.old"
-            shutil.rmtree(retired, ignore_errors=True)
-            final.rename(retired)
-            staging.rename(final)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            staging.rename(final)
+        replace_dir(staging, final)
         marker = root / f".{LATEST}.tmp"
         marker.write_text(tag + "\n")
         os.replace(marker, root / LATEST)
-        _fsync(root)
+        fsync_path(root)
     _barrier()
     return final
 
