@@ -1,4 +1,9 @@
-"""Two data-parallel ranks (two gloo processes) log what one rank logs on the same data."""
+"""Two data-parallel ranks (two gloo processes) log what one rank logs on the same data.
+
+The two ranks run under ``collective_check.NcclDeviceCheck``: every process group behaves like
+NCCL towards the backend's own collectives (they must hand it tensors on the rank's
+accelerator), so the comparison with one rank also shows the values survive that placement.
+"""
 
 from __future__ import annotations
 
@@ -65,12 +70,16 @@ def _rank_main(rank: int, port: int, tests_dir: str, queue) -> None:
     import sys
 
     sys.path.insert(0, tests_dir)
+    from collective_check import NcclDeviceCheck
+
     from ember_megatron_backend.parallel import init_distributed
 
     torch.set_num_threads(1)
     init_distributed(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
-    results = _run(rank)
-    results["split-group error"] = _split_group_error(rank)
+    with NcclDeviceCheck() as check:
+        results = _run(rank)
+        results["split-group error"] = _split_group_error(rank)
+    results["collectives"] = {"accepted": check.accepted, "refused": check.refused}
     queue.put((rank, results))
 
 
@@ -125,3 +134,19 @@ def test_a_prompt_group_split_across_ranks_is_refused(two_ranks):
             "prompt group 3 has samples on data-parallel ranks 0 and 1; each group must stay on "
             "one rank (group baselines need it)"
         )
+
+
+def test_every_backend_collective_runs_on_the_device_its_group_accepts(two_ranks):
+    """On GPUs every group is NCCL, which refuses CPU tensors; the worker's reductions (flags,
+    step plans, loss denominators, whitening, metrics) start on the CPU."""
+    for rank in (0, 1):
+        report = two_ranks[rank]["collectives"]
+        assert report["refused"] == []
+        assert {
+            "worker.MegatronWorker._all_ranks",
+            "batches.plan_steps",
+            "worker.MegatronWorker.train",
+            "worker._whiten_across",
+            "metrics.SampleMeans.reduce",
+            "metrics.reduce_sums",
+        } <= set(report["accepted"])

@@ -3,148 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
-import pickle
 import sys
 import textwrap
 
 import pytest
 import torch
 from aiohttp import web
+from sglang_fake import FakeSGLang, engine_for, request, run, sglang_answer
 
 from ember_core import hookimpl
 from ember_core.plugins import EmberPlugins
 from ember_core.types import SampleStatus
 from ember_rollout.config import EngineConfig, SGLangEngineConfig
-from ember_rollout.engine import (
-    EngineError,
-    GenerateRequest,
-    ModelInfo,
-    SamplingParams,
-    build_engine,
-)
-from ember_rollout.routing import encode_routed_experts
+from ember_rollout.engine import EngineError, ModelInfo, build_engine
 from ember_rollout.sglang_engine import SGLangEngine, free_port
-
-INFO = ModelInfo(
-    num_layers=2, topk=2, num_experts=4, moe_layers=(0, 1), vocab_size=50, context_len=64
-)
-
-
-def sglang_answer(body, *, finish="length", experts_rows=None):
-    """What SGLang's /generate returns for `body`: tokens 10, 11, ... with log-probs -0.5, ..."""
-    n = body["sampling_params"]["max_new_tokens"]
-    tokens = [10 + i for i in range(n)]
-    meta = {
-        "id": "5f1c",
-        "finish_reason": {"type": "length", "length": n}
-        if finish == "length"
-        else {"type": "stop", "matched": tokens[-1]},
-        "prompt_tokens": len(body["input_ids"]),
-        "weight_version": "default",
-        "output_token_logprobs": [[-0.5 - 0.1 * i, t, None] for i, t in enumerate(tokens)],
-        "completion_tokens": n,
-        "cached_tokens": 0,
-        "e2e_latency": 0.01,
-    }
-    if body.get("return_routed_experts"):
-        rows = len(body["input_ids"]) + n - 1 if experts_rows is None else experts_rows
-        experts = torch.arange(rows * 4, dtype=torch.int32).reshape(rows, 2, 2) % 4
-        meta["routed_experts"] = encode_routed_experts(experts)
-    return {
-        "text": "".join(chr(97 + t % 26) for t in tokens),
-        "output_ids": tokens,
-        "meta_info": meta,
-    }
-
-
-class FakeSGLang:
-    """An aiohttp server on 127.0.0.1 with scripted answers; records every request body."""
-
-    def __init__(self, respond=None, *, healthy=True):
-        self.bodies: list[dict] = []
-        self.respond = respond or (lambda body, hit: web.json_response(sglang_answer(body)))
-        self.healthy = healthy
-        self.weight_updates: list[tuple[str, dict]] = []
-
-    async def _generate(self, request):
-        body = await request.json()
-        self.bodies.append(body)
-        return self.respond(body, len(self.bodies))
-
-    async def _health(self, request):
-        return web.Response(status=200 if self.healthy else 503)
-
-    async def _update(self, request):
-        body = await request.json()
-        self.weight_updates.append((request.path, body))
-        if request.path == "/update_weights_from_tensor":
-            blob = base64.b64decode(body["serialized_named_tensors"][0])
-            body["decoded"] = pickle.loads(blob)
-        ok = body.get("model_path") != "/missing"
-        message = "Succeeded to update model weights." if ok else "no such checkpoint"
-        return web.json_response(
-            {"success": ok, "message": message, "num_paused_requests": 0}, status=200 if ok else 400
-        )
-
-    @contextlib.asynccontextmanager
-    async def running(self):
-        app = web.Application()
-        app.router.add_post("/generate", self._generate)
-        app.router.add_get("/health", self._health)
-        app.router.add_post("/update_weights_from_disk", self._update)
-        app.router.add_post("/update_weights_from_tensor", self._update)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            await runner.cleanup()
-
-
-def engine_for(urls, **kw):
-    config = SGLangEngineConfig(
-        urls=list(urls),
-        launch_timeout_s=kw.pop("launch_timeout_s", 5.0),
-        health_poll_s=0.05,
-        max_retries=kw.pop("max_retries", 2),
-        retry_backoff_s=0.01,
-        retry_backoff_max_s=0.02,
-        request_timeout_s=5.0,
-        **kw,
-    )
-    return SGLangEngine(config, model_info=INFO)
-
-
-def request(i=0, n=3, routed=False):
-    return GenerateRequest(
-        input_ids=[1, 2, 3],
-        sampling=SamplingParams(max_new_tokens=n, temperature=0.7, top_p=0.9, top_k=20),
-        fields={"return_routed_experts": True} if routed else {},
-        name=f"sample {i} (group 0)",
-    )
-
-
-def run(fake, body, *, n_servers=1, **kw):
-    """Start `n_servers` copies of `fake`, attach an engine, and run `body(engine)`."""
-
-    async def main():
-        async with contextlib.AsyncExitStack() as stack:
-            urls = [await stack.enter_async_context(fake.running()) for _ in range(n_servers)]
-            engine = engine_for(urls, **kw)
-            try:
-                await engine.start()
-                return await body(engine)
-            finally:
-                await engine.shutdown()
-
-    return asyncio.run(main())
 
 
 def test_payload_fields_and_parsing():
@@ -311,27 +186,47 @@ def test_server_going_down_mid_run_exhausts_bounded_retries():
     asyncio.run(main())
 
 
-def test_weight_updates_reach_every_server():
-    fake = FakeSGLang()
+# --------------------------------------------------------------------------------------------
+# Concurrency and timeouts
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_admitted_request_reaches_the_servers_at_once():
+    """2 servers x max_concurrency 80: all 160 requests are in flight together (aiohttp's
+    default connector would hold them to 100)."""
+    total = 160
+    everyone_arrived = asyncio.Event()
+
+    async def hold(fake):
+        if fake.in_flight == total:
+            everyone_arrived.set()
+        # released by the last arrival; the timeout only ends a failing run
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(everyone_arrived.wait(), 3.0)
+
+    fake = FakeSGLang(hold=hold)
 
     async def body(engine):
-        await engine.update_weights_from_disk("/ckpt/iter_3", weight_version="3")
-        tensors = [("model.embed_tokens.weight", torch.arange(6.0).reshape(2, 3))]
-        await engine.update_weights_from_tensors(tensors, weight_version="4")
-        with pytest.raises(
-            EngineError, match="update_weights_from_disk on .*HTTP 400.*no such checkpoint"
-        ):
-            await engine.update_weights_from_disk("/missing")
+        return await engine.generate([request(i, n=1) for i in range(total)])
 
-    run(fake, body, n_servers=2)
-    disk = [b for p, b in fake.weight_updates if p == "/update_weights_from_disk"]
-    assert disk[:2] == [{"model_path": "/ckpt/iter_3", "weight_version": "3"}] * 2
-    tensor = [b for p, b in fake.weight_updates if p == "/update_weights_from_tensor"]
-    assert len(tensor) == 2 and tensor[0]["weight_version"] == "4"
-    assert tensor[0]["flush_cache"] is True and tensor[0]["load_format"] is None
-    ((name, value),) = tensor[0]["decoded"]
-    assert name == "model.embed_tokens.weight"
-    assert torch.equal(value, torch.arange(6.0).reshape(2, 3))
+    outs = run(fake, body, n_servers=2, max_concurrency=80, request_timeout_s=30.0)
+    assert fake.peak == total
+    assert len(outs) == total and all(o.output_ids == [10] for o in outs)
+
+
+def test_time_queued_behind_max_concurrency_does_not_count_toward_the_timeout():
+    """6 requests of 0.3 s each through one slot: the last waits 1.5 s, sent, it takes 0.3 s."""
+
+    async def hold(fake):
+        await asyncio.sleep(0.3)
+
+    fake = FakeSGLang(hold=hold)
+
+    async def body(engine):
+        return await engine.generate([request(i, n=1) for i in range(6)])
+
+    outs = run(fake, body, max_concurrency=1, request_timeout_s=1.0, max_retries=0)
+    assert len(outs) == 6 and fake.peak == 1 and len(fake.bodies) == 6
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,7 +305,7 @@ def launch_config(tmp_path, **kw):
 def test_launches_servers_on_free_loopback_ports_with_plugin_args(tmp_path, fake_sglang_package):
     plugins = EmberPlugins()
     plugins.register(_ServerArgsPlugin(), "server_args")
-    engine = build_engine(launch_config(tmp_path), plugins=plugins)
+    engine = build_engine(launch_config(tmp_path, tp_size=2, base_gpu_id=1), plugins=plugins)
 
     async def main():
         async with engine:
@@ -423,15 +318,53 @@ def test_launches_servers_on_free_loopback_ports_with_plugin_args(tmp_path, fake
     assert all(p.poll() is not None for p in processes), "shutdown stops launched servers"
     assert len(set(urls)) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
     argvs = [json.loads(line) for line in fake_sglang_package.read_text().splitlines()]
-    for argv, url in zip(
-        sorted(argvs, key=lambda a: a[a.index("--port") + 1]),
-        sorted(urls, key=lambda u: u.rsplit(":", 1)[1]),
-        strict=True,
-    ):
+    by_port = {argv[argv.index("--port") + 1]: argv for argv in argvs}
+    assert len(by_port) == 2
+    gpus = []
+    for url in urls:  # in server order
+        argv = by_port[url.rsplit(":", 1)[1]]
         assert argv[argv.index("--model-path") + 1] == str(tmp_path)
         assert argv[argv.index("--host") + 1] == "127.0.0.1"
-        assert url.endswith(":" + argv[argv.index("--port") + 1])
         assert argv[-3:] == ["--log-level", "warning", "--enable-return-routed-experts"]
+        # SGLang puts TP rank r on GPU --base-gpu-id + r: server i owns GPUs 1 + 2i, 2 + 2i
+        assert argv.count("--base-gpu-id") == 1 and "--gpu-id-step" not in argv
+        base = int(argv[argv.index("--base-gpu-id") + 1])
+        tp = int(argv[argv.index("--tp-size") + 1])
+        gpus.append(list(range(base, base + tp)))
+    assert gpus == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize(
+    ("server_args", "num_servers", "message"),
+    [
+        (["--base-gpu-id", "2"], 1, "no --base-gpu-id .set sglang.base_gpu_id"),
+        (["--base-gpu-id=2"], 2, "no --base-gpu-id"),
+        (["--gpu-id-step", "2"], 2, "no --gpu-id-step with num_servers > 1"),
+    ],
+)
+def test_gpu_placement_flags_in_server_args_are_refused(server_args, num_servers, message):
+    with pytest.raises(ValueError, match=rf"server_args=.*expected {message}"):
+        SGLangEngineConfig(model_path="/m", num_servers=num_servers, server_args=server_args)
+
+
+def test_gpu_placement_flags_from_plugins_are_refused_and_one_server_may_step():
+    config = SGLangEngineConfig(model_path="/m", server_args=["--gpu-id-step", "2"])
+    command = SGLangEngine(config).server_command(30000)
+    assert command[command.index("--base-gpu-id") + 1] == "0"
+    engine = SGLangEngine(
+        SGLangEngineConfig(model_path="/m", num_servers=2, tp_size=4, base_gpu_id=0),
+        extra_server_args=["--base-gpu-id", "4"],
+    )
+    with pytest.raises(ValueError, match=r"rollout_server_args .* set --base-gpu-id"):
+        engine.server_command(30000, 1)
+    engine.extra_server_args = []
+    command = engine.server_command(30000, 1)
+    assert command[command.index("--base-gpu-id") + 1] == "4"
+
+
+def test_base_gpu_id_is_validated():
+    with pytest.raises(ValueError, match=r"base_gpu_id=-1: expected >= 0"):
+        SGLangEngineConfig(base_gpu_id=-1)
 
 
 def test_server_exiting_during_startup_is_reported(tmp_path, fake_sglang_package, monkeypatch):

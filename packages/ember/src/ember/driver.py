@@ -25,6 +25,25 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 DRIVER_STATE = "driver.json"
+HF_INIT = "hf_init"
+"""Run subdirectory with the trainer's initial weights as an HF checkpoint (and the tokenizer)."""
+PUSHED_WEIGHTS = "pushed_weights"
+"""Run subdirectory of the HF checkpoints the engines load weights from (disk transport)."""
+INITIAL_WEIGHT_VERSION = "-1"
+"""Weight version of the initial weights; after training rollout i the version is str(i)."""
+
+WEIGHT_TRANSPORTS: dict[str, str] = {"hf": "tensors", "sglang": "disk"}
+"""How the trainer's weights reach each engine kind (other kinds: disk, which every engine
+implements). tensors: rank 0's CPU copy through the Ray object store into the engine actor,
+for the embedded engine that holds the model in that actor. disk: the ranks write an HF
+checkpoint under the run directory and each engine loads it; SGLang servers are processes of
+their own, and sglang 0.5.23 /update_weights_from_tensor takes tensor handles (CUDA IPC), not
+CPU tensors from another process."""
+
+
+def weight_transport(engine_kind: str) -> str:
+    """The transport (`WEIGHT_TRANSPORTS`) that carries weights to engines of this kind."""
+    return WEIGHT_TRANSPORTS.get(engine_kind, "disk")
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,6 +100,11 @@ class Driver:
         self.config.run.dir = str(self.run_dir)
         self.actors: Actors | None = None
 
+    @property
+    def init_dir(self) -> Path:
+        """The trainer's initial weights, which the engines start from."""
+        return self.run_dir / HF_INIT
+
     # -- setup -------------------------------------------------------------------------------
 
     def start_ray(self) -> None:
@@ -96,31 +120,34 @@ class Driver:
             logging_level=logging.WARNING,
         )
 
-    def build(self) -> None:
+    def build(self, *, reuse_init: bool = False) -> None:
+        """Create the actors: training ranks, the initial-weights export, then the engines.
+
+        Args:
+            reuse_init: Keep an existing `hf_init` (on resume, where the checkpoint's weights
+                are pushed next anyway); otherwise it is written from the trainer's weights.
+        """
         from ember.actors import RolloutEngine, TrainRank
-        from ember_megatron_backend.parallel import free_port
 
         cfg = self.config
         ray_cfg = cfg.ray
         resolved = cfg.to_dict()
         cores = os.cpu_count() or 1
         threads = ray_cfg.threads_per_actor or max(1, cores // max(1, ray_cfg.data_parallel))
-        init_method = f"tcp://127.0.0.1:{free_port()}"
         # CPU actors reserve no Ray CPUs: training and rollout alternate (colocated), and the
         # thread count above is what shares the cores.
         train = [
             TrainRank.options(num_cpus=0, num_gpus=ray_cfg.gpus_per_rank).remote(
-                resolved,
-                rank=rank,
-                world_size=ray_cfg.data_parallel,
-                init_method=init_method,
-                threads=threads,
+                resolved, rank=rank, world_size=ray_cfg.data_parallel, threads=threads
             )
             for rank in range(ray_cfg.data_parallel)
         ]
-        ray.get([t.ready.remote() for t in train])
-        model_dir = self.run_dir / "hf_init"
-        if not (model_dir / "config.json").is_file():
+        # The rendezvous lives on rank 0's node, which need not be this one: ask rank 0 for
+        # its address before any rank initialises torch.distributed.
+        init_method = ray.get(train[0].rendezvous.remote())
+        ray.get([t.setup.remote(init_method) for t in train])
+        model_dir = self.init_dir
+        if not (reuse_init and _init_complete(model_dir)):
             ray.get([t.export_hf.remote(str(model_dir)) for t in train])
             self._save_tokenizer(model_dir)
         engines = [
@@ -139,10 +166,53 @@ class Driver:
     # -- one iteration -----------------------------------------------------------------------
 
     def push_weights(self, rollout_id: int) -> None:
+        """Load the actor's current weights into every engine, as version `str(rollout_id)`.
+
+        The transport follows the engine kind (`weight_transport`); either way the weights go
+        from the training ranks to the engines without passing through this process.
+        """
+        push = {"tensors": self._push_tensors, "disk": self._push_disk}
+        push[weight_transport(self.config.engine.kind)](rollout_id)
+
+    def _push_tensors(self, rollout_id: int) -> None:
         assert self.actors is not None
-        weights = ray.get([t.hf_weights.remote() for t in self.actors.train])[0]
-        ref = ray.put(weights)
-        ray.get([e.update_weights.remote(ref, str(rollout_id)) for e in self.actors.engines])
+        # Every rank takes part in the gathers; only rank 0 returns the (CPU) tensors. Ray
+        # resolves a top-level ObjectRef argument inside the receiving actor, so the engines
+        # fetch rank 0's result from the object store and this process never holds it.
+        refs = [t.hf_weights.remote() for t in self.actors.train]
+        version = str(rollout_id)
+        updates = [e.update_weights.remote(refs[0], version) for e in self.actors.engines]
+        ray.get(refs[1:] + updates)
+
+    def _push_disk(self, rollout_id: int) -> None:
+        assert self.actors is not None
+        # A fresh directory per version: a server never reads one that is being written, and
+        # the previous one goes only after every engine has loaded the new one.
+        root = self.run_dir / PUSHED_WEIGHTS
+        target = root / checkpoint_name(rollout_id)
+        ray.get([t.export_hf.remote(str(target)) for t in self.actors.train])
+        version = str(rollout_id)
+        ray.get(
+            [e.update_weights_from_disk.remote(str(target), version) for e in self.actors.engines]
+        )
+        for old in root.iterdir():
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load_initial_weights(self) -> None:
+        """Bring every engine that did not load `hf_init` itself (attached SGLang servers) to
+        the trainer's initial weights, so rollout 0 comes from them."""
+        assert self.actors is not None
+        engines = self.actors.engines
+        loaded = ray.get([e.loaded_model_path.remote() for e in engines])
+        path = str(self.init_dir)
+        ray.get(
+            [
+                e.update_weights_from_disk.remote(path, INITIAL_WEIGHT_VERSION)
+                for e, done in zip(engines, loaded, strict=True)
+                if not done
+            ]
+        )
 
     def iteration(self, rollout_id: int) -> tuple[dict[str, float], list[dict[str, float]], dict]:
         assert self.actors is not None
@@ -243,12 +313,14 @@ class Driver:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_resolved(cfg, self.run_dir)
         self.start_ray()
-        self.build()
-        start, accumulated = 0, 0
         checkpoint = latest_checkpoint(self.run_dir) if resume else None
+        self.build(reuse_init=checkpoint is not None)
+        start, accumulated = 0, 0
         if checkpoint is not None:
-            start, accumulated = self.restore(checkpoint)
+            start, accumulated = self.restore(checkpoint)  # the engines get its weights
             logger.info("resumed from %s at rollout %d", checkpoint, start)
+        else:
+            self.load_initial_weights()
         sink = MetricsLogger(
             self.run_dir,
             tensorboard=cfg.run.tensorboard,
@@ -305,6 +377,11 @@ def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[st
     if "perf/rollout_tokens_per_s" in rollout:
         parts.append(f"{rollout['perf/rollout_tokens_per_s']:.0f} tok/s")
     return " | ".join(parts)
+
+
+def _init_complete(model_dir: Path) -> bool:
+    """Whether the export of the initial weights finished, tokenizer included (saved last)."""
+    return all((model_dir / name).is_file() for name in ("config.json", "tokenizer_config.json"))
 
 
 def _truncate_metrics(run_dir: Path, last_rollout: int) -> None:

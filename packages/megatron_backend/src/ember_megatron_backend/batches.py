@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ember_core.types import PackedBatch, Sample, pack_samples
+from ember_megatron_backend import comm
 from ember_megatron_backend.forward import plan_micro_batches
 
 __all__ = ["MicroBatch", "RolloutBatch", "pack_micro_batch", "plan_steps", "split_evenly"]
@@ -145,7 +146,7 @@ def plan_steps(
     if group is None or dist.get_world_size(group) == 1:
         return steps
     counts = torch.tensor([len(s) for s in steps], dtype=torch.int64)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
     steps = [_split_to(local, int(n)) for local, n in zip(steps, counts, strict=True)]
     for k, (local, n) in enumerate(zip(steps, counts, strict=True)):
         if strict_counts and len(local) < n:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ember_megatron_backend import comm
 from ember_megatron_backend.optimizer import ModelOptimizer
 
 __all__ = [
@@ -62,7 +63,7 @@ def _world() -> int:
 
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        comm.barrier()
 
 
 def _unwrap(model: Any) -> Any:

@@ -146,7 +146,8 @@ class BackendConfig:
     max_tokens_per_micro_batch: int | None = None
     """Token budget per micro-batch instead of micro_batch_size."""
     seed: int = 1234
-    """Seed of fresh weights (actor, and the critic's value layer stays zero)."""
+    """Seed of every fresh weight, on CPU and GPU alike (actor, reference and critic trunk; the
+    critic's value layer starts at zero). ``parallel.seed`` drives the runtime streams."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype; bfloat16 keeps fp32 master weights in megatron-core's optimizer (GPU)."""
 

@@ -43,9 +43,8 @@ The spots (megatron-core 0.16.1, torch 2.14 CPU build):
 
 Model options that megatron-core only supports on CUDA are chosen in ``model.py``, not patched:
 ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a ``torch.cuda.Stream``
-in its constructor), ``use_cpu_initialization=True``, ``masked_softmax_fusion=False`` and
-local ``DotProductAttention`` (which refuses ``PackedSeqParams``, so packed "thd" batches use a
-block-diagonal causal mask instead).
+in its constructor), ``use_cpu_initialization=True`` and local ``DotProductAttention`` (which
+refuses ``PackedSeqParams``, so packed "thd" batches use a block-diagonal causal mask instead).
 """
 
 from __future__ import annotations

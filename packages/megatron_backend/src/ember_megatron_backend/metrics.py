@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ember_megatron_backend import comm
 from ember_megatron_backend.batches import RolloutBatch
 
 __all__ = ["ROLLOUT_KEYS", "SampleMeans", "reduce_sums", "rollout_metrics"]
@@ -53,7 +54,7 @@ class SampleMeans:
         """The means over all ranks of `group` (None: this rank only)."""
         acc = self._acc.clone()
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(acc, group=group)
+            comm.all_reduce(acc, group=group)
         return {
             key: float(acc[i, 0] / acc[i, 1]) for i, key in enumerate(self.keys) if acc[i, 1] > 0
         }
@@ -64,7 +65,7 @@ def reduce_sums(values: dict[str, Tensor | float], group: Any = None) -> dict[st
     keys = list(values)
     acc = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(acc, group=group)
+        comm.all_reduce(acc, group=group)
     return {k: float(v) for k, v in zip(keys, acc, strict=True)}
 
 

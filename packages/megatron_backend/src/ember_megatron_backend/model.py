@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,7 +244,11 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
         # PP > 1 there needs equal micro-batch lengths.
         variable_seq_lengths=gpu,
         use_cpu_initialization=not gpu,
-        masked_softmax_fusion=gpu,
+        # megatron-core 0.16.1 fusions/fused_softmax.py: with the fusion on, bf16/fp16 scores with
+        # 16 < sk <= 4096 take the fused path, which imports the compiled scaled_masked_softmax_cuda
+        # (no locked package ships it), and for our causal mask type runs the upper-triangular
+        # kernel, which ignores the packed block-diagonal mask. TE attention never reads the flag.
+        masked_softmax_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -305,7 +310,10 @@ def build_model(
         cfg: Model shape.
         critic: Replace the vocabulary output layer with a value output layer of size 1.
         dtype: Parameter dtype.
-        seed: Seed of the CPU generator used for weight init (CPU init draws from it).
+        seed: Seed of every initial weight: the CPU generator (CPU initialisation, MoE routers)
+            and, for the build only, megatron-core's model-parallel RNG tracker (GPU
+            initialisation), with its per-TP/EP-rank offsets; the tracker's streams seeded from
+            ``ParallelConfig.seed`` come back afterwards. None leaves all generators as they are.
         adjust_config: Called with the ``TransformerConfig`` before the model is built, to
             change it in place (the plugins' ``model_config`` hook goes through here).
 
@@ -313,17 +321,54 @@ def build_model(
         A megatron-core ``GPTModel``; its forward returns logits [B, S, V] (values [B, S, 1] for
         a critic) on the last pipeline stage.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
     from ember_megatron_backend.parallel import device
 
-    if seed is not None:
-        torch.manual_seed(seed)
     config = transformer_config(cfg, dtype=dtype)
     if adjust_config is not None:
         adjust_config(config)
-    model = GPTModel(
+    init_rng = _init_rng(seed) if seed is not None else contextlib.nullcontext()
+    with init_rng:
+        model = _gpt_model(config, cfg, critic=critic)
+    if critic and model.post_process:
+        model.output_layer = ValueOutputLayer(
+            cfg.hidden_size, sequence_parallel=config.sequence_parallel, dtype=dtype
+        )
+    return model.to(device())
+
+
+@contextlib.contextmanager
+def _init_rng(seed: int) -> Iterator[None]:
+    """Seed every generator weight initialisation draws from with `seed`, for one build.
+
+    megatron-core 0.16.1 tensor_parallel/layers.py ``_initialize_affine_weight_gpu``: with
+    ``use_cpu_initialization=False`` (GPUs) linear, embedding and expert weights are drawn inside
+    ``get_cuda_rng_tracker().fork()`` (the model-parallel or expert-parallel stream), which
+    ``model_parallel_cuda_manual_seed`` seeded from ``ParallelConfig.seed``; only the MoE router
+    (transformer/moe/router.py, CPU ``torch.empty``) and CPU initialisation draw from the CPU
+    generator. So the tracker is reseeded from `seed` by that same function (same per-TP/EP-rank
+    offsets), and its streams, and the GPU's default generator, are restored afterwards so that
+    ``ParallelConfig.seed`` keeps driving the runtime streams (dropout).
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved = tracker.get_states()
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    try:
+        yield
+    finally:
+        tracker.set_states(saved)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
+
+
+def _gpt_model(config: Any, cfg: ModelConfig, *, critic: bool) -> Any:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg),
         vocab_size=cfg.vocab_size,
@@ -335,11 +380,6 @@ def build_model(
         position_embedding_type="rope",
         rotary_base=cfg.rope_theta,
     )
-    if critic and model.post_process:
-        model.output_layer = ValueOutputLayer(
-            cfg.hidden_size, sequence_parallel=config.sequence_parallel, dtype=dtype
-        )
-    return model.to(device())
 
 
 def packed_causal_mask(cu_seqlens: Tensor, length: int | None = None) -> Tensor:

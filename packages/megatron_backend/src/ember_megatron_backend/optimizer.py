@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ember_core.algorithms import Registry
+from ember_megatron_backend import comm
 from ember_megatron_backend.config import OptimizerConfig
 from ember_megatron_backend.parallel import uses_gpu
 
@@ -206,8 +207,8 @@ class TorchAdamW(ModelOptimizer):
             sums[int(expert)] += param.grad.detach().double().square().sum()
         dense, expert = sums[:1].clone(), sums[1:].clone()
         if dist.is_initialized():
-            dist.all_reduce(dense, group=ps.get_model_parallel_group())
-            dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+            comm.all_reduce(dense, group=ps.get_model_parallel_group())
+            comm.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
         return float((dense + expert).sqrt())
 
     def state_dict(self) -> dict[str, Any]:

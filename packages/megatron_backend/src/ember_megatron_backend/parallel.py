@@ -35,7 +35,10 @@ class ParallelConfig:
     context_parallel: int = 1
     """CP: the sequence split across ranks (zigzag)."""
     seed: int = 1234
-    """Seed for megatron-core's named RNG streams (weight init, dropout)."""
+    """Seed of megatron-core's runtime RNG streams (its tracker's named streams and the GPU's
+    default generator, with megatron-core's per-TP/EP-rank offsets): dropout and any other
+    draw during training. Initial weights come from ``train.seed`` instead, which reseeds
+    these streams for the duration of each model build only."""
     timeout_minutes: int = 30
     """Collective timeout."""
 

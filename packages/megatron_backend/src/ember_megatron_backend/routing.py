@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from ember_megatron_backend import comm
 from ember_megatron_backend.batches import MicroBatch
 
 __all__ = ["RoutingRecorder"]
@@ -70,7 +70,7 @@ class RoutingRecorder:
             from megatron.core import parallel_state as ps
 
             # Each TP rank saw a slice of the stream: add the slices up.
-            dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
+            comm.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
         out[mb.indices] += counts
         self._maps = []
 

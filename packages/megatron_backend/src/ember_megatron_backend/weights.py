@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ember_megatron_backend import comm
 from ember_megatron_backend.hf_layout import (
     fuse_experts,
     hf_config,
@@ -341,9 +342,7 @@ def load_hf_checkpoint(model: Any, path: str | os.PathLike[str], cfg: ModelConfi
 def _all_gather(tensor: Tensor, size: int, group: Any) -> list[Tensor]:
     if size == 1:
         return [tensor]
-    pieces = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return pieces
+    return comm.all_gather(tensor, group)
 
 
 @torch.no_grad()
@@ -459,16 +458,20 @@ def export_hf_checkpoint(
     unwrapped = _unwrap(model)
     if dtype is None:
         dtype = next(unwrapped.parameters()).dtype
-    tensors = {
-        name: t.detach().to("cpu", dtype).clone()
-        for name, t in iter_hf_weights(unwrapped, cfg, dtype=dtype)
-    }
     pp_size = ps.get_pipeline_model_parallel_world_size()
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    # Every rank consumes the iterator (its gathers are collective); only the writer, and each
+    # pipeline stage when stages must be sent to it, keeps CPU copies.
+    keep = writer or pp_size > 1
+    tensors = {}
+    for name, t in iter_hf_weights(unwrapped, cfg, dtype=dtype):
+        if keep:
+            tensors[name] = t.detach().to("cpu", dtype).clone()
     if pp_size > 1:
         stages: list[dict[str, Tensor] | None] = [None] * pp_size
-        dist.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
+        comm.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
         tensors = {k: v for stage in stages for k, v in (stage or {}).items()}
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if not writer:
         return None
     missing = sorted(set(hf_shapes(cfg)) - set(tensors))
     assert not missing, f"export lacks {missing[:3]}"

@@ -23,7 +23,7 @@ from ember_core.config import AlgorithmConfig, SamplingConfig
 from ember_core.hookspecs import Phase, Role
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
-from ember_megatron_backend import checkpoint
+from ember_megatron_backend import checkpoint, comm
 from ember_megatron_backend.batches import RolloutBatch, pack_micro_batch, plan_steps
 from ember_megatron_backend.config import BackendConfig, is_hf_checkpoint
 from ember_megatron_backend.forward import forward_only
@@ -301,7 +301,7 @@ class MegatronWorker:
             return
         mine = sorted({s.group_index for s in samples})
         everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+        comm.all_gather_object(everyone, mine, group=group)
         owner: dict[int, int] = {}
         for rank, groups in enumerate(everyone):
             for g in groups:
@@ -317,7 +317,7 @@ class MegatronWorker:
         """Per flag: true on every rank (index 0) / on any rank (others)."""
         values = torch.tensor([int(not flags[0])] + [int(f) for f in flags[1:]])
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         return [not bool(values[0])] + [bool(v) for v in values[1:]]
 
     def log_rollout_data(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
@@ -354,7 +354,7 @@ class MegatronWorker:
             dtype=torch.float64,
         )
         if dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(local, group=dp_group)
+            comm.all_reduce(local, group=dp_group)
         totals = local.clamp_min(1.0)
         keys = actor_metric_keys(self.algorithm, batch)
         if self.critic is not None:
@@ -500,12 +500,12 @@ def _whiten_across(advantages: list[Tensor], masks: list[Tensor], group: Any) ->
         return whiten_advantages(advantages, masks)
     flat, mask = torch.cat(advantages).double(), torch.cat(masks).double()
     stats = torch.stack([(flat * mask).sum(), mask.sum()])
-    dist.all_reduce(stats, group=group)
+    comm.all_reduce(stats, group=group)
     if stats[1] == 0:
         return advantages
     mean = stats[0] / stats[1]
     square = ((flat - mean).square() * mask).sum()
-    dist.all_reduce(square, group=group)
+    comm.all_reduce(square, group=group)
     var = square / (stats[1] - 1).clamp_min(1)
     whitened = ((flat - mean) * torch.rsqrt(var + 1e-8)).float()
     return list(whitened.split([a.numel() for a in advantages]))

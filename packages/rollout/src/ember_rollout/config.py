@@ -138,6 +138,23 @@ class HFEngineConfig:
         )
 
 
+def gpu_placement_flags(args: list[str], num_servers: int) -> list[str]:
+    """The GPU-placement flags in launched servers' arguments that Ember sets itself, explained.
+
+    sglang 0.5.23 (entrypoints/engine.py) puts TP rank r of a server on GPU
+    `--base-gpu-id + r * --gpu-id-step` (defaults 0 and 1); Ember gives every launched server its
+    own `--base-gpu-id`, so a second one would fight it.
+    """
+    found = []
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag == "--base-gpu-id":
+            found.append("--base-gpu-id (set sglang.base_gpu_id)")
+        elif flag == "--gpu-id-step" and num_servers > 1:
+            found.append("--gpu-id-step with num_servers > 1 (each server takes tp_size GPUs)")
+    return found
+
+
 @dataclass(kw_only=True, slots=True)
 class SGLangEngineConfig:
     """SGLang servers, launched here or attached to by URL."""
@@ -145,7 +162,9 @@ class SGLangEngineConfig:
     urls: list[str] = field(default_factory=list)
     """Attach to these running servers (http://host:port); empty launches `num_servers` servers."""
     model_path: str | None = None
-    """Model the launched servers load; also read (config.json) for the routed-experts shape."""
+    """Model the launched servers load; also read (config.json) for the routed-experts shape.
+    Under `ember train` the trainer's initial export (`<run dir>/hf_init`) replaces it, so the
+    servers start from the weights the trainer loaded."""
     num_servers: int = 1
     """Servers to launch (ignored when attaching)."""
     host: str = "127.0.0.1"
@@ -153,11 +172,13 @@ class SGLangEngineConfig:
     base_port: int = 0
     """First port of launched servers (consecutive); 0 picks free ports."""
     tp_size: int = 1
-    """Tensor-parallel size of each launched server."""
+    """Tensor-parallel size of each server (of attached ones too: tensor updates need it)."""
+    base_gpu_id: int = 0
+    """First GPU of launched servers: server i gets `--base-gpu-id base_gpu_id + i * tp_size`."""
     mem_fraction_static: float | None = None
     """SGLang's --mem-fraction-static (GPU memory share for weights and KV cache); None: default."""
     server_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments for launched servers (plugins can add more)."""
+    """Extra command-line arguments for launched servers (plugins can add more); not the GPU ids."""
     python: str | None = None
     """Python interpreter that runs `-m sglang.launch_server`; None uses this one."""
     launch_timeout_s: float = 900.0
@@ -165,7 +186,7 @@ class SGLangEngineConfig:
     health_poll_s: float = 2.0
     """Seconds between health polls while waiting."""
     request_timeout_s: float = 600.0
-    """Seconds one HTTP request may take."""
+    """Seconds one HTTP request may take once sent (time queued behind max_concurrency is free)."""
     max_retries: int = 3
     """Retries of a request after a connection error or an HTTP 5xx answer."""
     retry_backoff_s: float = 0.5
@@ -183,6 +204,9 @@ class SGLangEngineConfig:
         check(self.num_servers >= 1, "num_servers", self.num_servers, ">= 1")
         check(0 <= self.base_port < 65536, "base_port", self.base_port, "0 (free) or a port")
         check(self.tp_size >= 1, "tp_size", self.tp_size, ">= 1")
+        check(self.base_gpu_id >= 0, "base_gpu_id", self.base_gpu_id, ">= 0")
+        misplaced = gpu_placement_flags(self.server_args, self.num_servers)
+        check(not misplaced, "server_args", self.server_args, "no " + "; no ".join(misplaced))
         check(
             self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
             "mem_fraction_static",

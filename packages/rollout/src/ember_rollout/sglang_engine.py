@@ -15,14 +15,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import aiohttp
 import torch
 
-from ember_rollout.config import SGLangEngineConfig
+from ember_rollout.config import SGLangEngineConfig, gpu_placement_flags
 from ember_rollout.engine import (
     ENGINES,
     Engine,
@@ -78,19 +78,74 @@ def model_info_from_dir(path: str | Path | None) -> ModelInfo | None:
     )
 
 
+IPC_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+"""Devices whose tensors can reach a separately launched SGLang server by handle.
+
+A CPU tensor pickles as a shared-memory fd that the receiver fetches from the sender's
+`multiprocessing.resource_sharer`, which only answers a client holding the sender's process
+authkey (multiprocessing/resource_sharer.py `get_connection`); a server launched on its own has
+another one. SGLang documents GPU tensors only for /update_weights_from_tensor.
+"""
+
+_STORAGE_DEVICE_ARG = 6
+"""Index of `storage_device` in the arguments of torch's `rebuild_cuda_tensor`."""
+
+
+def _reduce_tensor_by_device_uuid(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    """torch's tensor reducer, naming a CUDA tensor's device by UUID instead of index.
+
+    The server's processes may number GPUs differently from the sender. sglang 0.5.23 senders
+    (weight_sync/utils.py, utils/patch_torch.py) send the UUID, and its receiver maps a UUID (or
+    an index) back to its own device before opening the IPC handle.
+    """
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor and isinstance(args[_STORAGE_DEVICE_ARG], int):
+        uuid = str(torch.cuda.get_device_properties(args[_STORAGE_DEVICE_ARG]).uuid)
+        args = (*args[:_STORAGE_DEVICE_ARG], uuid, *args[_STORAGE_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
 def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Pickle (name, tensor) pairs as SGLang's /update_weights_from_tensor expects them.
 
-    The pickle carries shared-memory (CPU) or IPC (CUDA) handles rather than the data, so the
-    server must run on the same machine; base64 makes it fit in JSON.
+    The pickle carries CUDA IPC handles rather than the data, so the server must run on the same
+    machine; base64 makes it fit in JSON. Only torch and builtin globals appear in it, the ones
+    sglang 0.5.23's `SafeUnpickler` (utils/common.py) accepts.
     """
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers tensor reducers with ForkingPickler)
 
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(list(named_tensors))
+    pickler = ForkingPickler(buffer)
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor_by_device_uuid
+    pickler.dump([(name, tensor.detach()) for name, tensor in named_tensors])
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def ipc_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs as a list, if every tensor can be sent by handle.
+
+    Raises:
+        TypeError: A value is not a tensor; names it.
+        ValueError: A tensor is not on a device in `IPC_DEVICE_TYPES`; names the first one.
+    """
+    tensors = list(named_tensors)
+    for name, tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"update_weights_from_tensors: {name!r} is a {type(tensor).__name__}")
+        if tensor.device.type not in IPC_DEVICE_TYPES:
+            raise ValueError(
+                f"update_weights_from_tensors: {name!r} is on {tensor.device}, but a separately "
+                "launched SGLang server can only receive CUDA tensors (by IPC handle; a CPU "
+                "tensor's shared-memory fd cannot be passed to it). Move the tensors to a GPU "
+                "of the same machine, or save a checkpoint and call update_weights_from_disk(path)"
+            )
+    return tensors
 
 
 class SGLangEngine(Engine):
@@ -139,11 +194,24 @@ class SGLangEngine(Engine):
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def server_command(self, port: int) -> list[str]:
-        """The command line of one launched server."""
+    def server_command(self, port: int, index: int = 0) -> list[str]:
+        """The command line of launched server `index` (0-based).
+
+        Server i runs on GPUs `base_gpu_id + i * tp_size` and the `tp_size - 1` after it.
+
+        Raises:
+            ValueError: No model_path, or the plugins' arguments set the GPU placement.
+        """
         cfg = self.config
         if cfg.model_path is None:
             raise ValueError("sglang.model_path is required to launch servers (or set sglang.urls)")
+        misplaced = gpu_placement_flags(self.extra_server_args, cfg.num_servers)
+        if misplaced:
+            raise ValueError(
+                f"plugins' rollout_server_args {self.extra_server_args} set "
+                + "; ".join(misplaced)
+                + ": Ember places launched servers on GPUs itself"
+            )
         command = [
             cfg.python or sys.executable,
             "-m",
@@ -156,6 +224,9 @@ class SGLangEngine(Engine):
             str(port),
             "--tp-size",
             str(cfg.tp_size),
+            # sglang 0.5.23 entrypoints/engine.py: TP rank r runs on GPU base_gpu_id + r (step 1)
+            "--base-gpu-id",
+            str(cfg.base_gpu_id + index * cfg.tp_size),
         ]
         if cfg.mem_fraction_static is not None:
             command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
@@ -166,8 +237,12 @@ class SGLangEngine(Engine):
             return
         if not self.urls:
             self._launch()
+        # aiohttp 3.14 connector.py: a TCPConnector holds at most 100 connections by default, and
+        # client.py starts the `total` timer before waiting for one. Unlimited here, so a request
+        # our per-server semaphore admits is sent at once and its timeout starts with it.
+        connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         self._semaphores = [asyncio.Semaphore(self.config.max_concurrency) for _ in self.urls]
         try:
             await self.wait_healthy(self.config.launch_timeout_s)
@@ -182,7 +257,7 @@ class SGLangEngine(Engine):
             log_dir.mkdir(parents=True, exist_ok=True)
         for i in range(cfg.num_servers):
             port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
-            command = self.server_command(port)
+            command = self.server_command(port, i)
             log_path = log_dir / f"sglang-{i}-{port}.log" if log_dir else None
             sink = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
             logger.info("launching SGLang server %d: %s", i, " ".join(command))
@@ -308,25 +383,82 @@ class SGLangEngine(Engine):
                 f"{where}: POST {url} answered malformed JSON ({exc}): {body[:200]!r}"
             ) from None
 
+    async def _post_each(
+        self,
+        path: str,
+        payload: dict[str, Any] | Callable[[], dict[str, Any]],
+        *,
+        what: str,
+        urls: Sequence[str] | None = None,
+    ) -> list[EngineError | None]:
+        """POST to every server of `urls` (default: all) at once and wait for every answer.
+
+        A callable payload is built once per server. Each must answer {"success": true, ...}.
+
+        Returns:
+            Per server, in order: None, or the EngineError of its failure.
+        """
+
+        async def one(url: str) -> EngineError | None:
+            where = f"{what} on {url}"
+            try:
+                answer = await self._post(
+                    f"{url}{path}", payload() if callable(payload) else payload, where=where
+                )
+            except EngineError as exc:
+                return exc
+            if not isinstance(answer, dict) or not answer.get("success", False):
+                message = answer.get("message") if isinstance(answer, dict) else answer
+                return EngineError(f"{where} failed: {message}")
+            return None
+
+        return list(
+            await asyncio.gather(*(one(url) for url in self.urls if urls is None or url in urls))
+        )
+
     async def _post_all(
         self, path: str, payload: dict[str, Any] | Callable[[], dict[str, Any]], *, what: str
     ) -> None:
-        """POST to every server (a callable payload is built once per server); each must answer
-        {"success": true, ...}."""
-        answers = await asyncio.gather(
-            *(
-                self._post(
-                    f"{url}{path}",
-                    payload() if callable(payload) else payload,
-                    where=f"{what} on {url}",
-                )
-                for url in self.urls
-            )
+        """`_post_each` on every server, raising the first failure once all have answered."""
+        for error in await self._post_each(path, payload, what=what):
+            if error is not None:
+                raise error
+
+    @contextlib.asynccontextmanager
+    async def _weight_update_session(self) -> AsyncIterator[None]:
+        """Open a weight-update session on every server for the block, and always close it.
+
+        Every server whose begin succeeded is ended, whatever happens after. The first failure
+        is raised (a begin's, else the block's, else an end's); the others are logged.
+        """
+        # sglang 0.5.23 scheduler_components/weight_updater.py: tensor and distributed updates
+        # succeed only between begin_weight_update and end_weight_update; a begin while a session
+        # is open is refused, and so is an end without one.
+        began = await self._post_each(
+            "/begin_weight_update", {"selector": "all"}, what="begin_weight_update"
         )
-        for url, answer in zip(self.urls, answers, strict=True):
-            if not isinstance(answer, dict) or not answer.get("success", False):
-                message = answer.get("message") if isinstance(answer, dict) else answer
-                raise EngineError(f"{what} on {url} failed: {message}")
+        opened = [url for url, error in zip(self.urls, began, strict=True) if error is None]
+        try:
+            for error in began:
+                if error is not None:
+                    raise error
+            yield
+        except BaseException:
+            ended = await self._post_each(
+                "/end_weight_update", {}, what="end_weight_update", urls=opened
+            )
+            for error in ended:
+                if error is not None:
+                    logger.error(
+                        "while closing the weight-update session after a failure: %s", error
+                    )
+            raise
+        ended = await self._post_each(
+            "/end_weight_update", {}, what="end_weight_update", urls=opened
+        )
+        for error in ended:
+            if error is not None:
+                raise error
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -454,10 +586,19 @@ class SGLangEngine(Engine):
     async def update_weights_from_disk(
         self, path: str | Path, *, weight_version: str | None = None
     ) -> None:
+        """Every server loads the HF checkpoint at `path` (a path on the servers' machine).
+
+        sglang 0.5.23 loads from disk without a begin/end session (weight_updater.py restores
+        and post-processes the weights itself) and waits for running requests to finish first.
+        """
         await self.start()
-        payload: dict[str, Any] = {"model_path": str(path)}
-        if weight_version is not None:
-            payload["weight_version"] = weight_version
+        payload: dict[str, Any] = {
+            "model_path": str(path),
+            "load_format": None,  # the server's --load-format
+            "flush_cache": True,  # drop KV cache computed with the old weights
+            "abort_all_requests": False,
+            "weight_version": weight_version,
+        }
         await self._post_all("/update_weights_from_disk", payload, what="update_weights_from_disk")
 
     async def update_weights_from_tensors(
@@ -466,29 +607,33 @@ class SGLangEngine(Engine):
         *,
         weight_version: str | None = None,
     ) -> None:
-        """Send tensors by handle (same machine only), serialized once per server and TP rank.
+        """Send CUDA tensors by IPC handle (same machine only) inside a weight-update session.
 
-        A CPU tensor's shared-memory handle can be opened by one receiver only, so every rank
-        gets its own serialization.
+        Each server gets one serialization per TP rank: sglang 0.5.23 (managers/tp_worker.py)
+        lets every rank open only its own copy.
+
+        Raises:
+            ValueError: A tensor is not on a CUDA device; use `update_weights_from_disk`.
+            EngineError: A server refused the session or the update; the session is closed on
+                every server that opened it either way.
         """
+        tensors = ipc_tensors(named_tensors)
         await self.start()
-        tensors = list(named_tensors)
 
         def payload() -> dict[str, Any]:
-            body: dict[str, Any] = {
+            return {
                 "serialized_named_tensors": [
                     serialize_named_tensors(tensors) for _ in range(self.config.tp_size)
                 ],
                 "load_format": None,
                 "flush_cache": True,
+                "weight_version": weight_version,
             }
-            if weight_version is not None:
-                body["weight_version"] = weight_version
-            return body
 
-        await self._post_all(
-            "/update_weights_from_tensor", payload, what="update_weights_from_tensor"
-        )
+        async with self._weight_update_session():
+            await self._post_all(
+                "/update_weights_from_tensor", payload, what="update_weights_from_tensor"
+            )
 
 
 ENGINES.add("sglang", SGLangEngine)

@@ -1,0 +1,369 @@
+"""The driver's weight path: rendezvous, initial weights, pushes to the hf and sglang engines.
+
+The real `TrainRank` and `RolloutEngine` classes run in this process behind stand-in actor
+handles (a call runs at once; a top-level ObjectRef argument is resolved for the receiving
+actor, as Ray does), and the driver module's `ray` records every value `ray.get` hands to the
+driver. SGLang servers are `fake_sglang_server.py` subprocesses that speak SGLang's HTTP format
+and record what they load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import ember.actors
+import ember.driver
+from ember.config import load_config
+from ember.driver import Driver
+from ember_rollout.sglang_engine import free_port
+
+pytestmark = pytest.mark.slow
+
+FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
+NODE_IP = "127.0.0.2"
+"""The node address the rank-0 actor reports: a loopback address other than 127.0.0.1."""
+
+TINY = [
+    "train.model_overrides.num_layers=2",
+    "rollout.rollout_batch_size=2",
+    "rollout.n_samples_per_prompt=2",
+    "rollout.max_response_len=4",
+    "train.num_steps_per_rollout=1",
+    "run.num_rollouts=1",
+    "run.save_interval=0",
+    "run.tensorboard=false",
+    "run.plot=false",
+    "ray.threads_per_actor=1",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Ray stand-ins
+# --------------------------------------------------------------------------------------------
+
+
+class Ref:
+    """An ObjectRef of a call that has already run."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _resolve(arg: Any) -> Any:
+    return arg.value if isinstance(arg, Ref) else arg
+
+
+class Handle:
+    """An actor handle over an instance in this process; records each call's resolved args."""
+
+    def __init__(self, instance: Any) -> None:
+        self.instance = instance
+        self.calls: list[tuple[str, list[Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.instance, name)
+
+        def remote(*args: Any, **kwargs: Any) -> Ref:
+            args = [_resolve(a) for a in args]
+            self.calls.append((name, args))
+            return Ref(method(*args, **{k: _resolve(v) for k, v in kwargs.items()}))
+
+        return SimpleNamespace(remote=remote)
+
+
+class ActorClass:
+    """`SomeActor.options(...).remote(...)` building the real class in this process."""
+
+    def __init__(self, actor_class: Any) -> None:
+        self.cls = actor_class.__ray_actor_class__
+        self.handles: list[Handle] = []
+
+    def options(self, **_: Any) -> ActorClass:
+        return self
+
+    def remote(self, *args: Any, **kwargs: Any) -> Handle:
+        handle = Handle(self.cls(*args, **kwargs))
+        self.handles.append(handle)
+        return handle
+
+
+class DriverRay:
+    """The driver module's `ray`: records what `get` returns and every `put`."""
+
+    def __init__(self) -> None:
+        self.got: list[Any] = []
+        self.put_values: list[Any] = []
+
+    def get(self, refs: Any) -> Any:
+        value = [r.value for r in refs] if isinstance(refs, list) else refs.value
+        self.got.append(value)
+        return value
+
+    def put(self, value: Any) -> Ref:
+        self.put_values.append(value)
+        return Ref(value)
+
+    def is_initialized(self) -> bool:
+        return True
+
+
+def holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, list | tuple):
+        return any(holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(holds_tensor(v) for v in value.values())
+    return False
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """Actors in this process, the driver's `ray` recorded, the node IP and rendezvous seen."""
+    import ray.util
+
+    import ember_megatron_backend.parallel as parallel
+
+    fake = DriverRay()
+    train, engines = ActorClass(ember.actors.TrainRank), ActorClass(ember.actors.RolloutEngine)
+    monkeypatch.setattr(ember.driver, "ray", fake)
+    monkeypatch.setattr(ember.actors, "TrainRank", train)
+    monkeypatch.setattr(ember.actors, "RolloutEngine", engines)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: NODE_IP)
+    init_methods: list[str] = []
+    real_init = parallel.init_distributed
+
+    def init_distributed(*args: Any, init_method: str | None = None, **kwargs: Any) -> None:
+        init_methods.append(init_method)
+        real_init(*args, init_method=init_method, **kwargs)
+
+    monkeypatch.setattr(parallel, "init_distributed", init_distributed)
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    threads = torch.get_num_threads()
+    had_group = torch.distributed.is_initialized()  # another module's world of one, kept
+    drivers: list[Driver] = []
+    try:
+        yield SimpleNamespace(
+            ray=fake, train=train, engines=engines, init_methods=init_methods, drivers=drivers
+        )
+    finally:
+        for driver in drivers:
+            driver.shutdown()
+        torch.set_num_threads(threads)
+        if not had_group and torch.distributed.is_initialized():
+            parallel.destroy_distributed()
+
+
+def make_driver(ctx: Any, run_dir: Path, *overrides: str) -> Driver:
+    config, _ = load_config("default", overrides=[*TINY, *overrides])
+    driver = Driver(config, run_dir)
+    ctx.drivers.append(driver)
+    return driver
+
+
+def trainer_weights(driver: Driver) -> dict[str, torch.Tensor]:
+    worker = driver.actors.train[0].instance.worker
+    return {name: t.detach().clone() for name, t in worker.hf_weights()}
+
+
+def perturb(driver: Driver) -> None:
+    """Change the trainer's weights, as training would, so a push of stale ones shows."""
+    with torch.no_grad():
+        for param in driver.actors.train[0].instance.worker.actor.parameters():
+            param.add_(0.25)
+
+
+def sums(weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {name: float(t.double().sum()) for name, t in weights.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Fake SGLang servers
+# --------------------------------------------------------------------------------------------
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def launcher(tmp_path: Path) -> Path:
+    """An executable that `engine.sglang.python` can name: runs the fake server."""
+    script = tmp_path / "fake-python"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_SERVER}" "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def sglang_overrides(record: Path) -> list[str]:
+    return [
+        "engine.kind=sglang",
+        "engine.sglang.health_poll_s=0.05",
+        "engine.sglang.launch_timeout_s=60",
+        f"engine.sglang.server_args=[--record, {record}]",
+    ]
+
+
+@pytest.fixture
+def attached_server(tmp_path):
+    """A fake SGLang server started by someone else, from a checkpoint of its own."""
+    from ember_rollout.config import TinyModelConfig
+    from ember_rollout.models import write_tiny_checkpoint
+
+    own = write_tiny_checkpoint(tmp_path / "server_model", TinyModelConfig(vocab_size=17))
+    record = tmp_path / "attached.jsonl"
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(FAKE_SERVER), "--model-path", str(own), "--port", str(port)]
+        + ["--record", str(record)],
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("the fake SGLang server did not start")
+                time.sleep(0.05)
+        yield SimpleNamespace(url=url, record=record)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+# --------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------
+
+
+def test_only_rank_0_returns_weights_as_compact_cpu_copies():
+    gathered: list[str] = []
+    fused = torch.arange(12.0).reshape(3, 4)
+
+    class Worker:
+        def hf_weights(self):
+            for name, tensor in (("a", fused[:1]), ("b", fused[1:])):
+                gathered.append(name)
+                yield name, tensor
+
+    rank = ember.actors.TrainRank.__ray_actor_class__.__new__(
+        ember.actors.TrainRank.__ray_actor_class__
+    )
+    rank.worker = Worker()
+    rank.rank = 1
+    assert rank.hf_weights() is None
+    assert gathered == ["a", "b"]  # rank 1 still took part in every gather
+    rank.rank = 0
+    weights = dict(rank.hf_weights())
+    assert weights["b"].equal(fused[1:]) and weights["b"].device.type == "cpu"
+    # Its own storage, not a view that would pickle the whole fused parameter.
+    assert weights["b"].untyped_storage().nbytes() == 8 * 4
+    assert weights["b"].untyped_storage().data_ptr() != fused.untyped_storage().data_ptr()
+
+
+def test_hf_engine_gets_rank_0_tensors_without_the_driver_holding_them(in_process, tmp_path):
+    driver = make_driver(in_process, tmp_path)
+    driver.build()
+
+    # The process group met on the node rank 0 reported, not on a literal 127.0.0.1.
+    (init_method,) = in_process.init_methods
+    assert init_method.startswith(f"tcp://{NODE_IP}:")
+
+    perturb(driver)
+    wanted = trainer_weights(driver)
+    in_process.ray.got.clear()
+    driver.push_weights(0)
+
+    assert not any(holds_tensor(v) for v in in_process.ray.got)
+    assert not in_process.ray.put_values
+    engine = driver.actors.engines[0]
+    ((_, (named, version)),) = [c for c in engine.calls if c[0] == "update_weights"]
+    assert version == "0"
+    assert {name for name, _ in named} == set(wanted)
+    assert all(t.device.type == "cpu" and t.equal(wanted[name]) for name, t in named)
+    served = engine.instance.engine.model.get_input_embeddings().weight
+    embed = wanted["model.embed_tokens.weight"]
+    assert served.equal(embed.to(served.dtype))
+
+
+def test_sglang_launches_from_the_trainers_export_and_loads_pushes_from_disk(in_process, tmp_path):
+    record = tmp_path / "launched.jsonl"
+    driver = make_driver(
+        in_process,
+        tmp_path / "run",
+        *sglang_overrides(record),
+        f"engine.sglang.python={launcher(tmp_path)}",
+    )
+    driver.build()  # the preset has no HF checkpoint: the server starts from the export
+    initial = trainer_weights(driver)
+    (launch,) = records(record)
+    assert launch["model_path"] == str(driver.init_dir)
+    assert launch["sums"] == sums(initial)
+    engine = driver.actors.engines[0].instance
+    assert engine.engine.model_info.num_layers == 2
+    driver.load_initial_weights()
+    assert len(records(record)) == 1  # it serves them already
+
+    pushed = []
+    for rollout_id in (0, 1):
+        perturb(driver)
+        wanted = trainer_weights(driver)
+        in_process.ray.got.clear()
+        driver.push_weights(rollout_id)
+        assert not any(holds_tensor(v) for v in in_process.ray.got)
+        update = records(record)[-1]
+        assert update["route"] == "/update_weights_from_disk"
+        assert update["weight_version"] == str(rollout_id)
+        assert update["sums"] == sums(wanted)
+        pushed.append(Path(update["model_path"]))
+    assert pushed[0] != pushed[1] and pushed[1].parent == driver.run_dir / "pushed_weights"
+    assert list(pushed[1].parent.iterdir()) == [pushed[1]]  # the previous version is gone
+
+
+def test_attached_sglang_serves_the_trainers_weights_from_rollout_0_and_after_resume(
+    in_process, tmp_path, attached_server
+):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *sglang_overrides(tmp_path / "unused.jsonl"),
+        f"engine.sglang.urls=[{attached_server.url}]",
+        "engine.sglang.model_path=/nonexistent/model",
+        "run.save_interval=1",
+    ]
+    driver = make_driver(in_process, run_dir, *overrides)
+    driver.run()
+    log = records(attached_server.record)
+    routes = [(r["route"], r.get("weight_version")) for r in log]
+    first_generate = routes.index(("/generate", "-1"))
+    initial = log[1]
+    assert routes[1] == ("/update_weights_from_disk", "-1") and 1 < first_generate
+    assert initial["model_path"] == str(driver.init_dir)
+    assert initial["sums"] != log[0]["sums"]  # not what the server was started with
+    after_rollout_0 = log[-1]
+    assert routes[-1] == ("/update_weights_from_disk", "0")
+    assert ("/update_weights_from_tensor", None) not in routes
+    driver.shutdown()
+
+    # A resumed run pushes the checkpoint's weights before its first rollout, and no others.
+    resumed = make_driver(in_process, run_dir, *overrides, "run.num_rollouts=2")
+    resumed.run(resume=True)
+    log = records(attached_server.record)[len(routes) :]
+    routes = [(r["route"], r.get("weight_version")) for r in log]
+    assert routes[:2] == [("/update_weights_from_disk", "0"), ("/generate", "0")]
+    assert log[0]["sums"] == after_rollout_0["sums"]
