@@ -87,7 +87,8 @@ def test_gradient_accumulation_matches_one_micro_batch(dist_env, reduction):
     for _, steps in runs[1:]:
         for got, want in zip(steps, reference, strict=True):
             for key, value in want.items():
-                assert got[key] == pytest.approx(value, abs=1e-5), key
+                # fp32 sums in another order: grad norms (~15) agree to a few ulps of 1e-6.
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
     # Step 0 is on-policy (ratio 1), so pg_loss = mean of -A over the first mini-batch,
     # per sample then over samples ("sample") or over all counted tokens ("token").
     first = range(4)

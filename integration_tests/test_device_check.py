@@ -1,0 +1,111 @@
+"""The device check on the CPU: `tools/device_check.sh --cpu-dry-run` runs every part of the GPU
+check in CI-sized form, so the script that only a GPU runner runs for real cannot rot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ["environment", "train", "critic", "export", "r3"]
+
+
+def load_device_check():
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "tools/device_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while decorating
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_passes_every_part_with_its_figures(tmp_path):
+    out = tmp_path / "check" / "device_check.json"
+    run = subprocess.run(
+        ["bash", str(ROOT / "tools/device_check.sh"), "--cpu-dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
+    results = json.loads(out.read_text())
+    assert results["mode"] == "cpu-dry-run" and results["finished"] and results["passed"]
+    assert list(results["parts"]) == PARTS
+    for name, part in results["parts"].items():
+        assert part["passed"] and not part["failures"] and part["error"] is None, name
+        assert part["seconds"] > 0, name
+    log = (tmp_path / "check" / "device_check.log").read_text()
+    assert "device check (cpu-dry-run): PASSED" in log
+
+    figures = {name: part["figures"] for name, part in results["parts"].items()}
+    env = figures["environment"]
+    assert env["cuda_available"] is False and env["transformer_engine"] is False
+    assert {"r3_routing", "ci_kl_checker"} <= set(env["entry_point_plugins"])
+    assert env["unmet_requirements"] == []
+    assert env["versions"]["megatron-core"] == "0.16.1"
+
+    train = figures["train"]
+    assert train["optimizer"] == "torch_adamw" and train["param_dtype"] == "float32"
+    assert train["first_step_ppo_kl"] == 0.0 and train["first_step_kl_loss"] == 0.0
+    assert train["rollout_1_first_step_ppo_kl"] == 0.0
+    assert train["rollout_1_first_step_kl_loss"] > 0.0
+    assert [len(steps) for steps in train["steps"]] == [2, 2]
+    for step in (s for steps in train["steps"] for s in steps):
+        assert all(math.isfinite(v) for v in step.values()) and step["train/grad_norm"] > 0
+
+    critic = figures["critic"]
+    assert critic["max_abs_value_diff"] == 0.0 and critic["mean_abs_value"] > 0
+    assert critic["max_abs_actor_logprob_diff"] > 0
+
+    export = figures["export"]
+    assert export["architecture"] == ["Qwen3MoeForCausalLM"]
+    assert export["mean_abs_logprob_diff"] < export["tolerance_mean"]
+    assert export["max_abs_logprob_diff"] < 1e-3 and export["max_abs_logit_diff_sample_0"] < 1e-3
+
+    r3 = figures["r3"]
+    assert r3["samples"] == 4 * 4 and r3["response_tokens"] > 0
+    assert r3["routing_agreement_with_replay_scoring"] == 1.0
+    assert r3["routing_agreement_with_replay_training"] == 1.0
+    assert r3["replay_agreement_metric"] == 1.0
+    assert 0.0 <= r3["routing_agreement_without_replay"] <= 1.0
+    for key in ("without_replay", "with_replay"):
+        assert math.isfinite(r3[f"train_rollout_logprob_abs_diff_{key}"])
+
+
+def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    device_check = load_device_check()
+
+    def boom(part, sizes):
+        part.record(before="recorded")
+        raise RuntimeError("boom")
+
+    def unmet(part, sizes):
+        part.record(value=2)
+        part.expect(False, "value 2 is not 3")
+
+    def fine(part, sizes):
+        part.record(device=sizes.device)
+
+    monkeypatch.setattr(device_check, "PARTS", {"boom": boom, "unmet": unmet, "fine": fine})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main() hides CUDA; restored afterwards
+    out = tmp_path / "device_check.json"
+
+    assert device_check.main(["--cpu-dry-run", "--out", str(out)]) == 1
+    results = json.loads(out.read_text())
+    assert results["finished"] and not results["passed"]
+    parts = results["parts"]
+    assert list(parts) == ["boom", "unmet", "fine"]
+    assert not parts["boom"]["passed"] and parts["boom"]["figures"] == {"before": "recorded"}
+    assert "RuntimeError: boom" in parts["boom"]["error"]
+    assert not parts["unmet"]["passed"] and parts["unmet"]["failures"] == ["value 2 is not 3"]
+    assert parts["unmet"]["error"] is None
+    assert parts["fine"]["passed"] and parts["fine"]["figures"] == {"device": "cpu"}
+    printed = capsys.readouterr().out
+    assert "FAIL boom" in printed and "failed: value 2 is not 3" in printed
