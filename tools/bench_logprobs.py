@@ -1,16 +1,31 @@
-"""Benchmark PolicyHead's chunked log-probs against a naive full log_softmax + gather."""
+"""Benchmark PolicyHead's chunked log-probs against the plain PyTorch a user would write.
+
+Both sides do the same work on the same packed fp32 logits [T, V]: the log-prob of each response
+token under softmax(logits / temperature), over the rows that predict response tokens only
+(R of the T rows), and in the fwd+bwd pass also the entropy there and the gradient of the
+logits. The naive side selects those rows, `logits[rows]` ([R, V], cast to fp32), divides by
+the temperature, takes `log_softmax`, gathers the targets and computes the entropy as
+`-(p * log p).sum(-1)`; the other side is `PolicyHead.log_probs` (chunked over the same rows).
+
+Each repetition runs naive then chunked in one process, and for each run records its time and
+its extra peak RSS: the process's peak resident memory (VmHWM, reset before the run through
+/proc/self/clear_refs, Linux only) minus its resident memory just before it. The table prints the
+median of each over the repetitions; the ratios are the medians over repetitions of the
+chunked / naive ratio within a repetition, so load shared with other processes affects both
+sides of a ratio alike.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
-import json
 import os
-import resource
+import re
 import statistics
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,21 +34,30 @@ from ember_core.heads import DEFAULT_CHUNK_BYTES, PolicyHead
 VARIANTS = ("naive", "chunked")
 PASSES = ("forward", "fwd+bwd")
 TEMPERATURE = 0.7
+MEMORY_TARGET = 0.25
+"""Chunked forward: extra peak memory at most this fraction of the logits' size."""
+TIME_TARGET = 1.0
+"""Chunked forward: time at most this fraction of the naive one."""
+STATUS = Path("/proc/self/status")
+CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8192, help="packed tokens T")
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary size V")
     parser.add_argument("--samples", type=int, default=4, help="samples packed into T")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of each pass")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
-    parser.add_argument("--no-backward", action="store_true", help="skip the fwd+bwd lines")
-    parser.add_argument("--mode", choices=("all", "memory", "time"), default="all")
-    parser.add_argument("--variant", choices=VARIANTS, help="memory mode: the variant to run")
-    parser.add_argument("--pass", dest="pass_", choices=PASSES, default="forward")
-    return parser.parse_args(argv)
+    parser.add_argument("--no-backward", action="store_true", help="skip the fwd+bwd pass")
+    args = parser.parse_args(argv)
+    for key in ("rows", "vocab", "samples", "reps", "threads", "chunk_bytes"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')}={getattr(args, key)}: expected >= 1")
+    if args.rows < 2 * args.samples:
+        parser.error(f"--rows={args.rows}: expected at least 2 per sample ({args.samples})")
+    return args
 
 
 def packed_lengths(args: argparse.Namespace) -> tuple[list[int], list[int]]:
@@ -42,7 +66,7 @@ def packed_lengths(args: argparse.Namespace) -> tuple[list[int], list[int]]:
     total_lengths = [base] * args.samples
     total_lengths[-1] += args.rows - sum(total_lengths)
     fractions = (0.85, 0.7, 0.8, 0.9)
-    response_lengths = [int(n * fractions[i % 4]) for i, n in enumerate(total_lengths)]
+    response_lengths = [max(1, int(n * fractions[i % 4])) for i, n in enumerate(total_lengths)]
     return total_lengths, response_lengths
 
 
@@ -55,19 +79,21 @@ def make_batch(args: argparse.Namespace):
 
 
 def naive(logits_TV, tokens_T, total_lengths, response_lengths, with_entropy):
-    """Full-size log_softmax of the scaled logits, then per-sample gathers."""
-    log_probs_TV = torch.log_softmax(logits_TV / TEMPERATURE, dim=-1)
-    entropy_T = -(log_probs_TV.exp() * log_probs_TV).sum(-1) if with_entropy else None
-    log_probs, entropy = [], []
+    """What a user writes: the response rows' logits [R, V] in fp32, log_softmax, gather."""
+    rows, targets = [], []
     start = 0
     for length, response in zip(total_lengths, response_lengths, strict=True):
-        rows = slice(start + length - response - 1, start + length - 1)
-        targets = tokens_T[start + length - response : start + length]
-        log_probs.append(log_probs_TV[rows].gather(1, targets[:, None])[:, 0])
-        if with_entropy:
-            entropy.append(entropy_T[rows])
+        # Row j predicts token j + 1: rows [s + L - R - 1, s + L - 1) predict the response.
+        rows.append(torch.arange(start + length - response - 1, start + length - 1))
+        targets.append(tokens_T[start + length - response : start + length])
         start += length
-    return log_probs, entropy
+    log_probs_RV = torch.log_softmax(logits_TV[torch.cat(rows)].float() / TEMPERATURE, dim=-1)
+    log_probs_R = log_probs_RV.gather(1, torch.cat(targets)[:, None])[:, 0]
+    entropy_R = -(log_probs_RV.exp() * log_probs_RV).sum(-1) if with_entropy else None
+    return (
+        list(torch.split(log_probs_R, response_lengths)),
+        list(torch.split(entropy_R, response_lengths)) if with_entropy else [],
+    )
 
 
 def chunked(head, logits_TV, tokens_T, total_lengths, response_lengths, with_entropy):
@@ -76,7 +102,12 @@ def chunked(head, logits_TV, tokens_T, total_lengths, response_lengths, with_ent
 
 
 def run_once(variant, pass_, head, logits_TV, tokens_T, total_lengths, response_lengths):
-    """One forward (log-probs) or forward+backward (log-probs and entropy) pass."""
+    """One forward (log-probs) or forward+backward (log-probs and entropy) pass.
+
+    Returns:
+        The per-sample log-probs, the entropy (empty in the forward pass) and the gradient of
+        the logits (None in the forward pass).
+    """
     backward = pass_ == "fwd+bwd"
     logits_TV.requires_grad_(backward)
     logits_TV.grad = None
@@ -85,117 +116,144 @@ def run_once(variant, pass_, head, logits_TV, tokens_T, total_lengths, response_
         log_probs, entropy = naive(*batch)
     else:
         log_probs, entropy = chunked(head, *batch)
+    grad = None
     if backward:
         # Fixed upstream weights stand in for a policy-gradient loss plus an entropy bonus.
         loss = sum(lp.sum() * 1e-3 for lp in log_probs) - sum(h.sum() * 1e-4 for h in entropy)
         loss.backward()
+        grad = logits_TV.grad
     logits_TV.requires_grad_(False)
     logits_TV.grad = None
+    return log_probs, entropy, grad
 
 
-def warm_up(args: argparse.Namespace, head: PolicyHead, passes) -> None:
-    """Run every variant and pass once on a tiny batch (kernel and thread-pool start-up)."""
+def _peak_rss_kib() -> int:
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", STATUS.read_text(), re.M).group(1))
+
+
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+MALLOC_TRIM = _libc_malloc_trim()
+"""glibc's malloc_trim: hands freed heap pages back to the OS, so a run that reuses them counts
+them again in its own peak (without it, memory freed by the previous run is resident already)."""
+
+
+def reset_peak_rss() -> int | None:
+    """Reset the peak RSS to the current RSS and return it (KiB); None where the OS cannot."""
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
+    try:
+        CLEAR_REFS.write_text("5")
+        return _peak_rss_kib()
+    except (OSError, AttributeError):
+        return None
+
+
+def measure(variant, pass_, head, batch, memory: bool) -> tuple[float, int | None]:
+    """Seconds and extra peak RSS (bytes; None without `memory`) of one run."""
+    gc.collect()
+    before = reset_peak_rss() if memory else None
+    start = time.perf_counter()
+    outputs = run_once(variant, pass_, head, *batch)
+    elapsed = time.perf_counter() - start
+    extra = None if before is None else (_peak_rss_kib() - before) * 1024
+    del outputs
+    return elapsed, extra
+
+
+def benchmark(args: argparse.Namespace) -> dict:
+    """Time and extra peak memory of every (pass, variant) over `args.reps` repetitions."""
+    torch.set_num_threads(args.threads)
+    head = PolicyHead(TEMPERATURE, chunk_bytes=args.chunk_bytes)
+    passes = PASSES[:1] if args.no_backward else PASSES
+    memory = reset_peak_rss() is not None
+    # Warm up on a batch small enough that one-off allocations (thread pools, kernels) are made
+    # before any measured run.
     small = argparse.Namespace(**{**vars(args), "rows": 64, "vocab": 256, "samples": 2})
-    batch = make_batch(small)
     for pass_ in passes:
         for variant in VARIANTS:
-            run_once(variant, pass_, head, *batch)
-
-
-def max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def memory_mode(args: argparse.Namespace) -> None:
-    """Print, as JSON, the extra peak RSS of one pass of one variant beyond the logits."""
-    torch.set_num_threads(args.threads)
-    head = PolicyHead(TEMPERATURE, chunk_bytes=args.chunk_bytes)
-    # Warm up first, on a batch small enough that its own peak stays far below the one of
-    # allocating the logits, so one-off allocations are not counted.
-    warm_up(args, head, [args.pass_])
+            run_once(variant, pass_, head, *make_batch(small))
     batch = make_batch(args)
-    gc.collect()
-    baseline = max_rss_bytes()
-    run_once(args.variant, args.pass_, head, *batch)
-    print(json.dumps({"baseline": baseline, "extra": max_rss_bytes() - baseline}))
-
-
-def measure_memory(args: argparse.Namespace, variant: str, pass_: str) -> int:
-    command = [
-        sys.executable, __file__, "--mode", "memory", "--variant", variant, "--pass", pass_,
-        "--rows", str(args.rows), "--vocab", str(args.vocab), "--samples", str(args.samples),
-        "--threads", str(args.threads), "--chunk-bytes", str(args.chunk_bytes),
-    ]  # fmt: skip
-    result = subprocess.run(command, check=True, capture_output=True, text=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])["extra"]
-
-
-def measure_time(args: argparse.Namespace, passes) -> dict[tuple[str, str], list[float]]:
-    """Seconds per run for each (variant, pass), the variants alternating run by run."""
-    torch.set_num_threads(args.threads)
-    head = PolicyHead(TEMPERATURE, chunk_bytes=args.chunk_bytes)
-    warm_up(args, head, passes)
-    batch = make_batch(args)
-    times: dict[tuple[str, str], list[float]] = {}
+    runs: dict[tuple[str, str], list[tuple[float, int | None]]] = {}
     for pass_ in passes:
-        reps = args.reps if pass_ == "forward" else backward_reps(args)
-        for _ in range(reps):
+        for _ in range(args.reps):
             for variant in VARIANTS:
-                gc.collect()
-                start = time.perf_counter()
-                run_once(variant, pass_, head, *batch)
-                times.setdefault((variant, pass_), []).append(time.perf_counter() - start)
-    return times
+                runs.setdefault((pass_, variant), []).append(
+                    measure(variant, pass_, head, batch, memory)
+                )
+    return {"passes": passes, "memory": memory, "runs": runs}
 
 
-def backward_reps(args: argparse.Namespace) -> int:
-    return max(1, (args.reps + 1) // 2)  # the naive fwd+bwd is slow
+def summarize(result: dict) -> dict[str, dict[str, float | None]]:
+    """Medians per (pass, variant) and median chunked/naive ratios per pass."""
+    runs = result["runs"]
+    summary: dict[str, dict[str, float | None]] = {}
+    for pass_ in result["passes"]:
+        naive_runs, chunked_runs = runs[(pass_, "naive")], runs[(pass_, "chunked")]
+        row: dict[str, float | None] = {}
+        for name, values in (("naive", naive_runs), ("chunked", chunked_runs)):
+            row[f"{name}_time"] = statistics.median(t for t, _ in values)
+            row[f"{name}_extra"] = (
+                statistics.median(m for _, m in values) if result["memory"] else None
+            )
+        pairs = list(zip(naive_runs, chunked_runs, strict=True))
+        row["time_ratio"] = statistics.median(c[0] / n[0] for n, c in pairs)
+        # A run whose allocations all fit in pages already resident can show no extra at all
+        # (only at toy sizes): such a repetition has no memory ratio.
+        memory_ratios = [c[1] / n[1] for n, c in pairs if result["memory"] and n[1] > 0]
+        row["memory_ratio"] = statistics.median(memory_ratios) if memory_ratios else None
+        summary[pass_] = row
+    return summary
 
 
-def main() -> None:
-    args = parse_args()
-    if args.mode == "memory":
-        if args.variant is None:
-            sys.exit("--mode memory needs --variant")
-        memory_mode(args)
-        return
-    passes = PASSES[:1] if args.no_backward else PASSES
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float | None]]:
+    args = parse_args(argv)
     logits_bytes = args.rows * args.vocab * 4
     response_rows = sum(packed_lengths(args)[1])
     print(
-        f"PolicyHead (chunked) vs naive log_softmax(logits / T) + gather: T={args.rows}, "
-        f"V={args.vocab}, fp32 logits {logits_bytes / 2**30:.2f} GiB, {args.samples} samples, "
-        f"{response_rows} response rows, temperature {TEMPERATURE}, {args.threads} threads, "
-        f"chunk_bytes {args.chunk_bytes / 2**20:g} MiB"
+        f"PolicyHead (chunked) vs naive log_softmax(logits[rows] / T) + gather, both over the "
+        f"{response_rows} response rows of T={args.rows}: V={args.vocab}, fp32 logits "
+        f"{logits_bytes / 2**30:.2f} GiB, {args.samples} samples, temperature {TEMPERATURE}, "
+        f"{args.threads} threads, chunk_bytes {args.chunk_bytes / 2**20:g} MiB, "
+        f"median of {args.reps} repetitions"
     )
-    memory = {}
-    if args.mode == "all":
-        memory = {(v, p): measure_memory(args, v, p) for p in passes for v in VARIANTS}
-    runs = {key: sorted(values) for key, values in measure_time(args, passes).items()}
-    times = {key: statistics.median(values) for key, values in runs.items()}
-    print(f"{'pass':<8} {'variant':<8} {'extra peak RSS':>14} {'x logits':>9} "
-          f"{'median time':>12} {'min time':>9}  runs")  # fmt: skip
-    for p in passes:
-        for v in VARIANTS:
-            extra = memory.get((v, p))
+    result = benchmark(args)
+    summary = summarize(result)
+    print(f"{'pass':<8} {'variant':<8} {'median time':>12} {'extra peak RSS':>15} {'x logits':>9}")
+    for pass_, row in summary.items():
+        for variant in VARIANTS:
+            extra = row[f"{variant}_extra"]
             mib = "-" if extra is None else f"{extra / 2**20:.0f} MiB"
-            ratio = "-" if extra is None else f"{extra / logits_bytes:.3f}x"
-            print(f"{p:<8} {v:<8} {mib:>14} {ratio:>9} {times[(v, p)]:>10.3f} s "
-                  f"{runs[(v, p)][0]:>7.3f} s  {len(runs[(v, p)])}")  # fmt: skip
-    print("forward: log-probs only, no autograd; fwd+bwd: log-probs and entropy, backward of a "
-          "weighted sum (its extra includes the [T, V] gradient, 1.0x logits).")  # fmt: skip
-    print("Extra peak RSS: ru_maxrss of a fresh process after one pass minus after allocating the "
-          "logits; times alternate naive and chunked run by run.")  # fmt: skip
-    if memory:
-        mem_ratio = memory[("chunked", "forward")] / logits_bytes
-        verdict = "OK" if mem_ratio <= 0.25 else "MISSED"
-        print(f"forward extra-peak-memory ratio, chunked: {mem_ratio:.3f}x logits "
-              f"(target <= 0.25x) {verdict}")  # fmt: skip
-    for p in passes:
-        time_ratio = times[("chunked", p)] / times[("naive", p)]
-        verdict = "" if p != "forward" else (" OK" if time_ratio <= 1.0 else " MISSED")
-        target = " (target <= 1.0x)" if p == "forward" else ""
-        print(f"{p} time ratio chunked/naive: {time_ratio:.3f}x{target}{verdict}")
+            of_logits = "-" if extra is None else f"{extra / logits_bytes:.3f}x"
+            print(
+                f"{pass_:<8} {variant:<8} {row[f'{variant}_time']:>10.3f} s "
+                f"{mib:>15} {of_logits:>9}"
+            )
+    for pass_, row in summary.items():
+        memory = "-" if row["memory_ratio"] is None else f"{row['memory_ratio']:.3f}x"
+        print(f"{pass_} chunked/naive: time {row['time_ratio']:.3f}x, extra peak RSS {memory}")
+    print(
+        "forward: log-probs only, no autograd; fwd+bwd: log-probs and entropy, backward of a "
+        "weighted sum (its extra includes the [T, V] gradient, 1.0x logits)."
+    )
+    if not result["memory"]:
+        print("extra peak RSS: not measured (needs Linux's /proc/self/clear_refs)")
+        return summary
+    forward = summary["forward"]
+    mem = forward["chunked_extra"] / logits_bytes
+    time_ratio = forward["time_ratio"]
+    print(
+        f"forward targets: chunked extra peak RSS {mem:.3f}x logits (target <= "
+        f"{MEMORY_TARGET}x) {'OK' if mem <= MEMORY_TARGET else 'MISSED'}; time chunked/naive "
+        f"{time_ratio:.3f}x (target <= {TIME_TARGET}x) "
+        f"{'OK' if time_ratio <= TIME_TARGET else 'MISSED'}"
+    )
+    return summary
 
 
 if __name__ == "__main__":

@@ -124,6 +124,8 @@ def test_two_ranks_log_the_same_metrics_as_one(dist_env, two_ranks, name):
             )
     keys = set().union(*one)
     assert {"rollout/routing_agreement", "train/kl_loss", "train/grad_norm"} <= keys
+    # A maximum over both ranks' tokens (a sum of the two ranks' maxima would differ).
+    assert one[3]["rollout/log_probs_ref_max_abs_diff"] > 0  # rollout 1: the actor has moved
     if name == "ppo":
         assert {"rollout/values", "train/value_loss", "train/tis"} <= keys
 
@@ -148,5 +150,6 @@ def test_every_backend_collective_runs_on_the_device_its_group_accepts(two_ranks
             "worker.MegatronWorker.train",
             "worker._whiten_across",
             "metrics.SampleMeans.reduce",
+            "metrics.masked_max_abs_diff",
             "metrics.reduce_sums",
         } <= set(report["accepted"])

@@ -10,7 +10,7 @@ import pytest
 
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
 from ember_ci_kl_checker import plugin as checker_plugin
-from ember_core.config import CIConfig, CoreConfig, from_dict
+from ember_core.config import AlgorithmConfig, CIConfig, CoreConfig, from_dict
 from ember_core.hookspecs import KLExemption, hookimpl
 from ember_core.plugins import EmberPlugins, installed_plugins
 
@@ -22,13 +22,19 @@ ON_POLICY_STEP = {
     "train/ppo_kl": 0.0,
     "train/pg_clipfrac": 0.0,
     "train/kl_loss": 0.0,
+    "train/train_rollout_logprob_abs_diff": 0.004,
     "train/grad_norm": 1.7,
 }
 ON_POLICY_ROLLOUT = {
     "rollout/rewards": 0.5,
     "rollout/log_probs": -1.234567,
     "rollout/ref_log_probs": -1.234567,
+    "rollout/log_probs_ref_max_abs_diff": 0.0,
+    "rollout/rollout_log_probs": -1.23,
+    "rollout/train_rollout_logprob_abs_diff": 0.004,
 }
+WITHOUT_ENGINE_LOG_PROBS = {k: v for k, v in ON_POLICY_ROLLOUT.items() if "rollout_log" not in k}
+"""A rollout whose samples carry no engine log-probs (a generator that returns none)."""
 
 
 class Exempting:
@@ -62,9 +68,16 @@ def host():
         checker_plugin._checker = None
 
 
-def configure(host: EmberPlugins, *, ci_test: bool = True, disable: bool = False) -> None:
-    config = CoreConfig(plugins=host.enabled, ci=CIConfig(test=ci_test))
-    host.configure(config, {"ci_kl_checker": KLCheckerConfig(disable=disable)})
+def configure(
+    host: EmberPlugins, *, ci_test: bool = True, reference: bool = True, **section
+) -> None:
+    """Configure a CI run; `reference`: the config's KL loss asks for a reference model."""
+    config = CoreConfig(
+        plugins=host.enabled,
+        ci=CIConfig(test=ci_test),
+        algorithm=AlgorithmConfig(use_kl_loss=reference),
+    )
+    host.configure(config, {"ci_kl_checker": KLCheckerConfig(**section)})
 
 
 def test_passes_when_the_first_update_is_exactly_on_policy(host, caplog):
@@ -72,6 +85,7 @@ def test_passes_when_the_first_update_is_exactly_on_policy(host, caplog):
     configure(host)
     host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)
     host.after_train_step(0, 0, 0, ON_POLICY_STEP)
+    host.after_log_rollout_data(1, ON_POLICY_ROLLOUT)
     host.after_train_step(1, 0, 4, ON_POLICY_STEP)
     assert caplog.records == []
 
@@ -91,11 +105,12 @@ def test_first_step_ppo_kl_fails_with_the_metric_dict(host, value):
     assert isinstance(error, AssertionError)
 
 
-def test_ppo_kl_is_checked_only_when_pg_clipfrac_is_logged_too(host):
+def test_ppo_kl_is_checked_without_pg_clipfrac(host):
     configure(host)
     metrics = {**ON_POLICY_STEP, "train/ppo_kl": 0.01}
     del metrics["train/pg_clipfrac"]
-    host.after_train_step(0, 0, 0, metrics)
+    with pytest.raises(KLCheckError, match=r"\|train/ppo_kl\| = 1\.000e-02"):
+        host.after_train_step(0, 0, 0, metrics)
 
 
 def test_first_step_kl_loss_fails_with_the_metric_dict(host):
@@ -109,21 +124,24 @@ def test_first_step_kl_loss_fails_with_the_metric_dict(host):
     assert info.value.metrics == metrics
 
 
-def test_first_rollout_ref_log_probs_fail_with_the_metric_dict(host):
+def test_first_rollout_compares_actor_and_reference_per_token(host):
     configure(host)
-    metrics = {**ON_POLICY_ROLLOUT, "rollout/ref_log_probs": -1.2346}
+    # +d on one token and -d on another: the means agree exactly, so comparing
+    # rollout/log_probs with rollout/ref_log_probs (the old check) passes; the maximum does not.
+    metrics = {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 2e-3}
+    assert metrics["rollout/log_probs"] == metrics["rollout/ref_log_probs"]
     with pytest.raises(KLCheckError) as info:
         host.after_log_rollout_data(0, metrics)
     assert info.value.check == Check.ROLLOUT_REF_LOG_PROBS
     assert info.value.step == "rollout 0 (log_rollout_data)"
     assert info.value.metrics == metrics
-    assert "|rollout/log_probs - rollout/ref_log_probs| = 3.300e-05" in str(info.value)
+    assert "|rollout/log_probs_ref_max_abs_diff| = 2.000e-03, expected < 1e-08" in str(info.value)
 
 
-def test_later_steps_and_rollouts_are_not_checked(host):
+def test_later_steps_and_rollouts_are_not_checked_on_policy(host):
     configure(host)
     drifted_step = {**ON_POLICY_STEP, "train/ppo_kl": 0.02, "train/kl_loss": 0.03}
-    drifted_rollout = {**ON_POLICY_ROLLOUT, "rollout/ref_log_probs": -0.9}
+    drifted_rollout = {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 0.9}
     host.after_train_step(0, 1, 1, drifted_step)  # not the first step of the rollout
     host.after_train_step(5, 3, 23, drifted_step)
     host.after_log_rollout_data(1, drifted_rollout)
@@ -134,10 +152,142 @@ def test_later_steps_and_rollouts_are_not_checked(host):
         host.after_train_step(1, 0, 2, drifted_step)
 
 
-def test_missing_metrics_are_not_checked(host):
+def without(metrics: dict, key: str) -> dict:
+    return {k: v for k, v in metrics.items() if k != key}
+
+
+MISSING = {
+    "ppo_kl": (
+        "step",
+        without(ON_POLICY_STEP, "train/ppo_kl"),
+        Check.PPO_KL,
+        "train/ppo_kl is not logged; it must be: every actor update logs it",
+    ),
+    "kl_loss": (
+        "step",
+        without(ON_POLICY_STEP, "train/kl_loss"),
+        Check.KL_LOSS,
+        "train/kl_loss is not logged; it must be: the config uses a reference model "
+        "(algorithm.use_kl_loss=true)",
+    ),
+    "ref max": (
+        "rollout",
+        without(ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff"),
+        Check.ROLLOUT_REF_LOG_PROBS,
+        "rollout/log_probs_ref_max_abs_diff is not logged; it must be: the config uses a "
+        "reference model (algorithm.use_kl_loss=true)",
+    ),
+    "rollout mismatch": (
+        "rollout",
+        without(ON_POLICY_ROLLOUT, "rollout/train_rollout_logprob_abs_diff"),
+        Check.TRAIN_ROLLOUT_MISMATCH,
+        "rollout/train_rollout_logprob_abs_diff is not logged; it must be: rollout 0 carries "
+        "the engine's log-probs (rollout/rollout_log_probs)",
+    ),
+    "train mismatch": (
+        "step",
+        without(ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff"),
+        Check.TRAIN_ROLLOUT_MISMATCH,
+        "train/train_rollout_logprob_abs_diff is not logged; it must be: rollout 0 carries "
+        "the engine's log-probs (rollout/rollout_log_probs)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MISSING))
+def test_a_check_that_applies_fails_naming_its_missing_metric(host, case):
+    hook, metrics, check, detail = MISSING[case]
     configure(host)
-    host.after_train_step(0, 0, 0, {"train/loss": 1.0, "train/pg_loss": 1.0})
-    host.after_log_rollout_data(0, {"rollout/log_probs": -1.0})  # no reference model
+    with pytest.raises(KLCheckError) as info:
+        host.after_log_rollout_data(0, metrics if hook == "rollout" else ON_POLICY_ROLLOUT)
+        host.after_train_step(0, 0, 0, metrics)
+    assert info.value.check == check
+    assert info.value.detail == detail
+    assert info.value.metrics == metrics
+
+
+def test_a_later_rollout_with_engine_log_probs_needs_the_train_mismatch_too(host):
+    configure(host)
+    host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)
+    host.after_train_step(0, 0, 0, ON_POLICY_STEP)
+    host.after_log_rollout_data(1, WITHOUT_ENGINE_LOG_PROBS)
+    host.after_train_step(1, 1, 5, without(ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff"))
+    host.after_log_rollout_data(2, ON_POLICY_ROLLOUT)
+    with pytest.raises(KLCheckError, match="rollout 2 carries the engine's log-probs"):
+        host.after_train_step(
+            2, 1, 9, without(ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff")
+        )
+
+
+def test_checks_the_config_rules_out_are_said_once_and_need_no_metric(host, caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    configure(host, reference=False)
+    no_ref_step = without(ON_POLICY_STEP, "train/kl_loss")
+    no_ref_rollout = without(ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff")
+    host.after_log_rollout_data(0, without(no_ref_rollout, "rollout/ref_log_probs"))
+    host.after_train_step(0, 0, 0, no_ref_step)
+    # No engine log-probs in the rollout: the mismatch metrics are not needed either.
+    host.after_log_rollout_data(1, without(WITHOUT_ENGINE_LOG_PROBS, "rollout/ref_log_probs"))
+    host.after_train_step(1, 0, 1, without(no_ref_step, "train/train_rollout_logprob_abs_diff"))
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (
+            logging.INFO,
+            "ci_kl_checker: first_step_kl_loss and first_rollout_ref_log_probs do not apply: the "
+            "config uses no reference model (algorithm.use_kl_loss=false, algorithm.kl_coef=0, "
+            "no train.ref_load); they run only if their metrics are logged anyway",
+        )
+    ]
+    # A metric that is logged anyway is checked.
+    with pytest.raises(KLCheckError, match="first_step_kl_loss"):
+        host.after_train_step(0, 0, 0, {**ON_POLICY_STEP, "train/kl_loss": 0.5})
+    with pytest.raises(KLCheckError, match="first_rollout_ref_log_probs"):
+        host.after_log_rollout_data(
+            0, {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 0.5}
+        )
+
+
+@pytest.mark.parametrize(
+    ("config", "reasons"),
+    [
+        ({}, []),
+        ({"algorithm": {"use_kl_loss": True}}, ["algorithm.use_kl_loss=true"]),
+        ({"algorithm": {"kl_coef": 0.05}}, ["algorithm.kl_coef=0.05"]),
+        ({"algorithm": {"kl_coef": 0.0}, "train": {"ref_load": None}}, []),
+        ({"train": {"ref_load": "/ckpt/ref"}}, ["train.ref_load='/ckpt/ref'"]),
+        (CoreConfig(algorithm=AlgorithmConfig(use_kl_loss=True)), ["algorithm.use_kl_loss=true"]),
+    ],
+)
+def test_the_reference_rule_is_read_from_the_run_config(config, reasons):
+    assert checker_plugin.reference_reasons(config) == reasons
+
+
+@pytest.mark.parametrize("rollout_id", [0, 3])
+def test_a_mismatch_over_the_ceiling_fails_at_every_rollout_and_step(host, rollout_id):
+    configure(host)
+    over = {**ON_POLICY_ROLLOUT, "rollout/train_rollout_logprob_abs_diff": 0.13}
+    with pytest.raises(KLCheckError) as info:
+        host.after_log_rollout_data(rollout_id, over)
+    assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
+    assert info.value.detail == (
+        "rollout/train_rollout_logprob_abs_diff = 1.300e-01, expected <= 0.1 "
+        "(ci_kl_checker.train_rollout_logprob_abs_diff_threshold)"
+    )
+    step = {**ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff": 0.13}
+    with pytest.raises(KLCheckError, match=r"train/train_rollout_logprob_abs_diff = 1\.300e-01"):
+        host.after_train_step(rollout_id, 2, 4 * rollout_id + 2, step)
+
+
+def test_the_ceiling_is_configurable_inclusive_and_fails_nan(host):
+    configure(host, train_rollout_logprob_abs_diff_threshold=0.25)
+    at = {**ON_POLICY_ROLLOUT, "rollout/train_rollout_logprob_abs_diff": 0.25}
+    host.after_log_rollout_data(0, at)  # slime's rule: value <= ceiling passes
+    host.after_train_step(0, 1, 1, {**ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff": 0.25})
+    with pytest.raises(KLCheckError, match=r"= 2\.501e-01, expected <= 0\.25"):
+        host.after_log_rollout_data(0, {**at, "rollout/train_rollout_logprob_abs_diff": 0.2501})
+    with pytest.raises(KLCheckError, match=r"= nan, expected <= 0\.25"):
+        host.after_train_step(
+            0, 1, 1, {**ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff": math.nan}
+        )
 
 
 def test_exemptions_stand_the_actor_ref_checks_down_with_one_log_line(host, caplog):
@@ -145,18 +295,25 @@ def test_exemptions_stand_the_actor_ref_checks_down_with_one_log_line(host, capl
     host.add(Exempting("replayer", "the actor replays recorded decisions"), "replayer")
     host.add(Exempting("adapter", "only the actor carries the adapter"), "adapter")
     configure(host)
-    host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, "rollout/ref_log_probs": -1.3})
+    host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 0.3})
     host.after_train_step(0, 0, 0, {**ON_POLICY_STEP, "train/kl_loss": 0.002})
     host.after_train_step(1, 0, 1, {**ON_POLICY_STEP, "train/kl_loss": 0.002})
+    # An exempted check needs no metric.
+    host.after_log_rollout_data(0, without(ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff"))
+    host.after_train_step(0, 0, 0, without(ON_POLICY_STEP, "train/kl_loss"))
     assert len(caplog.records) == 1
     line = caplog.records[0].getMessage()
     assert caplog.records[0].levelno == logging.INFO
     assert "replayer: the actor replays recorded decisions" in line
     assert "adapter: only the actor carries the adapter" in line
     assert "first_step_kl_loss" in line and "first_rollout_ref_log_probs" in line
-    # ppo_kl compares the actor with itself, so no exemption covers it.
+    # ppo_kl compares the actor with itself, so no exemption covers it; nor the mismatch.
     with pytest.raises(KLCheckError, match="first_step_ppo_kl"):
         host.after_train_step(0, 0, 0, {**ON_POLICY_STEP, "train/ppo_kl": 0.002})
+    with pytest.raises(KLCheckError, match="train_rollout_mismatch_ceiling"):
+        host.after_train_step(
+            0, 1, 1, {**ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff": 1}
+        )
     assert len(caplog.records) == 1
 
 
@@ -176,13 +333,20 @@ def test_disable_turns_every_check_off_with_one_warning(host, caplog):
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     host.add(Exempting("replayer", "replays"), "replayer")
     configure(host, disable=True)
-    drifted_step = {**ON_POLICY_STEP, "train/ppo_kl": 0.1, "train/kl_loss": 0.1}
+    drifted_step = {
+        **ON_POLICY_STEP,
+        "train/ppo_kl": 0.1,
+        "train/kl_loss": 0.1,
+        "train/train_rollout_logprob_abs_diff": 3.0,
+    }
     host.after_train_step(0, 0, 0, drifted_step)
-    host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, "rollout/ref_log_probs": 0.0})
+    host.after_train_step(0, 0, 0, {"train/loss": 1.0})  # nothing is required either
+    host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 1.0})
+    host.after_log_rollout_data(0, {"rollout/rollout_log_probs": -1.0})
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (
             logging.WARNING,
-            "ci_kl_checker: disabled by ci_kl_checker.disable=true; no on-policy KL check runs",
+            "ci_kl_checker: disabled by ci_kl_checker.disable=true; none of its checks runs",
         )
     ]
 
@@ -199,7 +363,9 @@ def test_nothing_is_checked_outside_ci_mode(host, caplog):
     host.add(Counting(), "counting")
     configure(host, ci_test=False)
     host.after_train_step(0, 0, 0, {**ON_POLICY_STEP, "train/ppo_kl": 1.0, "train/kl_loss": 1.0})
-    host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, "rollout/log_probs": 0.0})
+    host.after_train_step(0, 0, 0, {"train/loss": 1.0})
+    host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 1})
+    host.after_log_rollout_data(0, {"rollout/rollout_log_probs": -1.0})
     assert caplog.records == [] and asked == []
 
 
@@ -226,6 +392,22 @@ def test_config_section_parses_and_validates():
         from_dict(KLCheckerConfig, {"disable": "maybe"}, prefix="ci_kl_checker")
     with pytest.raises(ValueError, match=r"disable='yes': expected true or false"):
         KLCheckerConfig(disable="yes")  # type: ignore[arg-type]
+    ceiling = "train_rollout_logprob_abs_diff_threshold"
+    assert KLCheckerConfig().train_rollout_logprob_abs_diff_threshold == 0.1
+    assert (
+        from_dict(KLCheckerConfig, {ceiling: "1e-3"}).train_rollout_logprob_abs_diff_threshold
+        == 1e-3
+    )
+    assert from_dict(KLCheckerConfig, {ceiling: 0}).train_rollout_logprob_abs_diff_threshold == 0.0
+    for bad in (-0.1, math.inf, math.nan):
+        with pytest.raises(
+            ValueError, match=rf"ci_kl_checker\.{ceiling}={bad!r}: expected a finite number >= 0"
+        ):
+            from_dict(KLCheckerConfig, {ceiling: bad}, prefix="ci_kl_checker")
+    with pytest.raises(ValueError, match=rf"{ceiling}=True: expected a finite number >= 0"):
+        KLCheckerConfig(train_rollout_logprob_abs_diff_threshold=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"ci_kl_checker\.{ceiling}: expected a number"):
+        from_dict(KLCheckerConfig, {ceiling: "low"}, prefix="ci_kl_checker")
 
 
 def sections_of_checker() -> dict[str, type]:

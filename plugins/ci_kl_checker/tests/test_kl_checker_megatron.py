@@ -1,5 +1,7 @@
-"""The checker on a real MegatronWorker (megatron-core on CPU) whose reference is another
-checkpoint than the actor's start: the first update is not on-policy and must fail in CI mode.
+"""The checker on a real MegatronWorker (megatron-core on CPU): each injected fault stops the run
+in CI mode with the check's message. The faults: a reference from another checkpoint, an
+actor/reference difference that cancels in the means, old log-probs that are not the actor's
+(a non-zero first-step ppo_kl), and engine log-probs farther from the trainer's than the ceiling.
 
 The passing cases (a reference copied from the actor, with and without routing replay) run in
 `plugins/r3_routing/tests/test_r3_megatron.py`, next to the plugin that changes the forward.
@@ -35,6 +37,9 @@ class RunConfig:
     """The parts of a run config the checker reads (and the backend section)."""
 
     train: BackendConfig
+    algorithm: AlgorithmConfig = field(
+        default_factory=lambda: AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
+    )
     plugins: list[str] = field(default_factory=lambda: ["ci_kl_checker"])
     ci: CIConfig = field(default_factory=lambda: CIConfig(test=True))
 
@@ -66,7 +71,8 @@ def other_checkpoint(dist_env, tmp_path_factory):
 
 
 @pytest.fixture
-def checker():
+def checker(dist_env):
+    """A facade with the checker registered (workers need the distributed state too)."""
     plugins = EmberPlugins()
     plugins.register(checker_plugin, "ci_kl_checker")
     try:
@@ -94,9 +100,9 @@ def make_samples(count: int = 4) -> list[Sample]:
 
 
 def worker_with(checker: EmberPlugins, train: BackendConfig, *, disable: bool) -> MegatronWorker:
-    checker.configure(RunConfig(train=train), {"ci_kl_checker": KLCheckerConfig(disable=disable)})
-    algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
-    return MegatronWorker(train, algorithm, SamplingConfig(), checker)
+    config = RunConfig(train=train)
+    checker.configure(config, {"ci_kl_checker": KLCheckerConfig(disable=disable)})
+    return MegatronWorker(train, config.algorithm, SamplingConfig(), checker)
 
 
 def test_a_reference_from_another_checkpoint_fails_both_checks(checker, other_checkpoint):
@@ -108,7 +114,8 @@ def test_a_reference_from_another_checkpoint_fails_both_checks(checker, other_ch
     assert error.check == Check.ROLLOUT_REF_LOG_PROBS
     assert error.step == "rollout 0 (log_rollout_data)"
     assert {"rollout/log_probs", "rollout/ref_log_probs", "rollout/rewards"} <= set(error.metrics)
-    assert abs(error.metrics["rollout/log_probs"] - error.metrics["rollout/ref_log_probs"]) > 1e-3
+    assert error.metrics["rollout/log_probs_ref_max_abs_diff"] > 1e-3
+    assert "|rollout/log_probs_ref_max_abs_diff| = " in str(error)
     assert repr(error.metrics) in str(error)
 
     # The train step reports its metrics before the check raises: ppo_kl passes, kl_loss fails.
@@ -127,12 +134,78 @@ def test_disable_turns_the_checks_off_with_one_warning(checker, other_checkpoint
     batch = worker.prepare(0, make_samples())
     rollout = worker.log_rollout_data(0, batch)
     (step,) = worker.train(0, batch)
-    assert abs(rollout["rollout/log_probs"] - rollout["rollout/ref_log_probs"]) > 1e-3
+    assert rollout["rollout/log_probs_ref_max_abs_diff"] > 1e-3
     assert step["train/kl_loss"] > 1e-3
     records = [r for r in caplog.records if r.name == LOGGER]
     assert [(r.levelno, r.getMessage()) for r in records] == [
         (
             logging.WARNING,
-            "ci_kl_checker: disabled by ci_kl_checker.disable=true; no on-policy KL check runs",
+            "ci_kl_checker: disabled by ci_kl_checker.disable=true; none of its checks runs",
         )
     ]
+
+
+def test_a_per_token_difference_that_cancels_in_the_means_stops_the_run(checker):
+    worker = worker_with(checker, backend(), disable=False)  # the reference copies the actor
+    batch = worker.prepare(0, make_samples())
+    assert all(torch.equal(a, r) for a, r in zip(batch.log_probs, batch.ref_log_probs, strict=True))
+    # +d and -d on two counted tokens of one sample. Both changes are exact in fp32 (d is a
+    # binary fraction), so every mean is unchanged and only the maximum sees them.
+    d = 2.0**-10
+    before = batch.ref_log_probs[1].clone()
+    batch.ref_log_probs[1][0] += d
+    batch.ref_log_probs[1][1] -= d
+    assert (batch.ref_log_probs[1] - before).tolist()[:2] == [d, -d]
+    with pytest.raises(KLCheckError) as info:
+        worker.log_rollout_data(0, batch)
+    error = info.value
+    assert error.check == Check.ROLLOUT_REF_LOG_PROBS
+    assert error.metrics["rollout/log_probs"] == error.metrics["rollout/ref_log_probs"]
+    assert error.metrics["rollout/log_probs_ref_max_abs_diff"] == d
+    assert "|rollout/log_probs_ref_max_abs_diff| = 9.766e-04, expected < 1e-08" in str(error)
+
+
+def test_old_log_probs_that_are_not_the_actors_fail_the_first_step_ppo_kl(checker):
+    worker = worker_with(checker, backend(), disable=False)
+    batch = worker.prepare(0, make_samples())
+    worker.log_rollout_data(0, batch)  # exactly on-policy so far
+    for old in batch.log_probs:
+        old -= 0.01
+    with pytest.raises(KLCheckError) as info:
+        worker.train(0, batch)
+    error = info.value
+    assert error.check == Check.PPO_KL
+    assert error.step == "rollout 0, step 0 (accumulated step 0)"
+    assert error.metrics["train/ppo_kl"] == pytest.approx(-0.01, abs=1e-6)
+    assert "|train/ppo_kl| = 1.000e-02, expected < 1e-08" in str(error)
+
+
+def with_engine_log_probs(worker: MegatronWorker, offset: float) -> list[Sample]:
+    """Samples whose engine log-probs are the trainer's own, shifted by `offset`."""
+    samples = make_samples()
+    for sample, log_probs in zip(samples, worker.prepare(0, samples).log_probs, strict=True):
+        sample.rollout_log_probs = (log_probs + offset).tolist()
+    return samples
+
+
+def test_engine_log_probs_beyond_the_ceiling_stop_the_run(checker):
+    worker = worker_with(checker, backend(), disable=False)
+    close = worker.prepare(0, with_engine_log_probs(worker, 0.05))
+    rollout = worker.log_rollout_data(0, close)
+    assert rollout["rollout/train_rollout_logprob_abs_diff"] == pytest.approx(0.05, abs=1e-6)
+    far = worker.prepare(0, with_engine_log_probs(worker, -0.25))
+    with pytest.raises(KLCheckError) as info:
+        worker.log_rollout_data(0, far)
+    error = info.value
+    assert error.check == Check.TRAIN_ROLLOUT_MISMATCH
+    assert error.step == "rollout 0 (log_rollout_data)"
+    assert error.detail == (
+        "rollout/train_rollout_logprob_abs_diff = 2.500e-01, expected <= 0.1 "
+        "(ci_kl_checker.train_rollout_logprob_abs_diff_threshold)"
+    )
+    # Each step's own mean is bounded too (slime's check of the train/ metric).
+    with pytest.raises(KLCheckError) as info:
+        worker.train(0, far)
+    assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
+    assert info.value.metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx(0.25)
+    assert info.value.metrics["train/ppo_kl"] == 0.0 and info.value.metrics["train/kl_loss"] == 0.0

@@ -47,9 +47,11 @@ PLUGINS = {"r3_routing": r3_plugin, "ci_kl_checker": checker_plugin}
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    """The parts of a run config these plugins read: the training section and the CI switch."""
+    """The parts of a run config these plugins read: the training section, the objective (the
+    checker reads whether it needs a reference model) and the CI switch."""
 
     train: BackendConfig
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     plugins: list[str] = field(default_factory=list)
     ci: CIConfig = field(default_factory=CIConfig)
 
@@ -75,7 +77,9 @@ def dist_env():
 
 
 @contextlib.contextmanager
-def running(names: list[str], train: BackendConfig, *, extra=(), **sections) -> Iterator:
+def running(
+    names: list[str], train: BackendConfig, *, algorithm=None, extra=(), **sections
+) -> Iterator:
     """A facade with `names` registered and configured as a CI run; all undone afterwards."""
     plugins = EmberPlugins()
     registered = []
@@ -87,7 +91,12 @@ def running(names: list[str], train: BackendConfig, *, extra=(), **sections) -> 
             plugins.register(obj, f"extra{k}")
             registered.append(f"extra{k}")
         plugins.check_pending()
-        config = RunConfig(train=train, plugins=list(names), ci=CIConfig(test=True))
+        config = RunConfig(
+            train=train,
+            algorithm=algorithm or AlgorithmConfig(),
+            plugins=list(names),
+            ci=CIConfig(test=True),
+        )
         plugins.configure(config, {n: s for n, s in sections.items() if n in names})
         yield plugins
     finally:
@@ -188,10 +197,13 @@ def test_plugin_combinations_on_a_megatron_worker(dist_env, caplog, names):
     caplog.set_level(logging.INFO, logger=CHECKER_LOGGER)
     r3 = "r3_routing" in names
     train = backend()
-    sections = {"r3_routing": R3RoutingConfig(), "ci_kl_checker": KLCheckerConfig()}
+    # make_samples' rollout log-probs are random draws, about 4.6 from the trainer's, not an
+    # engine's: the checker's mismatch ceiling is not what these combinations test.
+    checker = KLCheckerConfig(train_rollout_logprob_abs_diff_threshold=10.0)
+    sections = {"r3_routing": R3RoutingConfig(), "ci_kl_checker": checker}
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
     samples = make_samples()
-    with running(names, train, **sections) as plugins:
+    with running(names, train, algorithm=algorithm, **sections) as plugins:
         worker = MegatronWorker(train, algorithm, SamplingConfig(temperature=0.8), plugins)
         assert worker.ref is not None
         batch = worker.prepare(0, samples)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from r3_samples import make_sample, random_experts, small_shape
 
-from ember_core.config import CIConfig, CoreConfig
+from ember_core.config import AlgorithmConfig, CIConfig, CoreConfig
 from ember_core.hookspecs import Phase, Role
 from ember_core.plugins import EmberPlugins, installed_plugins
 from ember_core.types import Sample, SampleStatus
@@ -147,7 +147,11 @@ def test_kl_checker_stands_down_for_r3_with_one_line(shape, reset_plugin, caplog
     caplog.set_level(logging.INFO, logger="ember_ci_kl_checker")
     plugins = EmberPlugins.load(["r3_routing", "ci_kl_checker"])
     try:
-        config = CoreConfig(plugins=["r3_routing", "ci_kl_checker"], ci=CIConfig(test=True))
+        config = CoreConfig(
+            plugins=["r3_routing", "ci_kl_checker"],
+            ci=CIConfig(test=True),
+            algorithm=AlgorithmConfig(use_kl_loss=True),  # a reference model: the checks apply
+        )
         sections = {name: cls() for name, cls in plugins.config_sections().items()}
         sections["r3_routing"] = shape
         plugins.configure(config, sections)

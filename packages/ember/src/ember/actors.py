@@ -11,7 +11,7 @@ from typing import Any
 import ray
 import torch
 
-from ember.quiet import quiet_libraries
+from ember.quiet import quiet_libraries, verbose
 from ember_core.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 def _prepare_process(threads: int | None) -> None:
     """What every actor process does first: quiet library chatter, then size torch's pool."""
     quiet_libraries()
+    if not verbose():
+        # Ray logs an actor's failed __init__ with its traceback from inside the actor; the same
+        # error reaches the driver, which prints it as one line (whole with `ember -v`).
+        logging.getLogger("ray._raylet").setLevel(logging.CRITICAL)
     if threads:
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import yaml
 from ember.quiet import VERBOSE_ENV, quiet_libraries
 
 USAGE_ERROR = 2
+RUN_ERROR = 1
+"""Exit status of a run stopped by an error raised inside a Ray actor (other than bad input)."""
 
 
 def _split_plugins(value: str) -> list[str]:
@@ -20,8 +23,7 @@ def _split_plugins(value: str) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ember.config import load_config
-    from ember.driver import Driver
+    from ember.config import check_inputs, load_config
 
     run_dir = None
     config_source: str | dict | None = args.config
@@ -38,6 +40,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         config_source = yaml.safe_load(resolved.read_text())
     config, _ = load_config(config_source, overrides=args.set, plugins=args.plugins)
+    check_inputs(config)  # bad prompt files, reward names, paths: fail before Ray starts
+    from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
+
     driver = Driver(config, run_dir)
     try:
         out = driver.run(resume=bool(args.resume))
@@ -98,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--plugins", type=_split_plugins, default=None, metavar="A,B", help="plugins to enable"
     )
     train.add_argument(
-        "--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint"
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its newest complete checkpoint (an error if it has none)",
     )
     train.set_defaults(func=cmd_train)
 
@@ -127,6 +134,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def actor_error(exc: BaseException) -> tuple[str, int] | None:
+    """The one-line message and exit status of an error raised inside a Ray actor.
+
+    Returns None when `exc` did not come from an actor. A ValueError or FileNotFoundError (bad
+    input) keeps its message as is; other exceptions are named by type and by the actor method
+    that raised them.
+    """
+    exceptions = sys.modules.get("ray.exceptions")
+    if exceptions is None:  # Ray was never imported: nothing can come from an actor
+        return None
+    if isinstance(exc, exceptions.RayTaskError):
+        where, cause = _task_name(exc), exc.cause
+        while isinstance(cause, exceptions.RayTaskError):  # raised by an actor an actor called
+            where, cause = _task_name(cause), cause.cause
+        if isinstance(cause, ValueError | FileNotFoundError):
+            return str(cause), USAGE_ERROR
+        return f"{type(cause).__name__}: {cause} (in {where})", RUN_ERROR
+    if isinstance(exc, exceptions.RayActorError):
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        if not exc.actor_init_failed:
+            return lines[0] if lines else type(exc).__name__, RUN_ERROR
+        # The creation task's traceback ends with "ExceptionType: message".
+        last = lines[-1] if lines else ""
+        for bad_input in ("ValueError: ", "FileNotFoundError: "):
+            if last.startswith(bad_input):
+                return last.removeprefix(bad_input), USAGE_ERROR
+        return f"{last} (while starting an actor)", RUN_ERROR
+    return None
+
+
+def _task_name(exc: BaseException) -> str:
+    """The actor method a RayTaskError names ("RolloutEngine.generate"), from its message: the
+    instances Ray raises (subclassing the cause's type too) keep only the message."""
+    match = re.search(r"ray::([\w.]+)", str(exc))
+    return match[1] if match else "a Ray actor"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -135,14 +179,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
+    else:
+        # Once one actor's error stops the run, the others' errors reach no ray.get; Ray would
+        # log each as "Unhandled error" when its reference is dropped. -v shows them.
+        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     quiet_libraries()
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
-        if args.verbose:
+    except Exception as exc:
+        from_actor = actor_error(exc)
+        if args.verbose or (
+            from_actor is None and not isinstance(exc, ValueError | FileNotFoundError)
+        ):
             raise
-        print(f"ember {args.command}: error: {exc}", file=sys.stderr)
-        return USAGE_ERROR
+        message, status = from_actor or (str(exc), USAGE_ERROR)
+        print(f"ember {args.command}: error: {message}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

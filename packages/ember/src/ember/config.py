@@ -21,7 +21,7 @@ from ember_core.config import (
     to_dict,
 )
 from ember_core.plugins import EmberPlugins, installed_plugins
-from ember_megatron_backend.config import BackendConfig
+from ember_megatron_backend.config import BackendConfig, is_hf_checkpoint
 from ember_rollout.config import RolloutSections
 
 logger = logging.getLogger(__name__)
@@ -186,6 +186,30 @@ def resolve_config_path(config: str | None) -> Path:
     )
 
 
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML file; a syntax error becomes one line, `FILE:LINE:COLUMN: problem`.
+
+    Raises:
+        ValueError: The file does not parse; the message names where and what PyYAML expected.
+    """
+    path = Path(path)
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = exc.problem or exc.context or "not valid YAML"
+        if exc.problem and exc.context:
+            context = exc.context
+            if exc.context_mark is not None:
+                cm = exc.context_mark
+                context += f" at line {cm.line + 1}, column {cm.column + 1}"
+            problem += f" ({context})"
+        raise ValueError(f"{where}: {problem}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid YAML ({exc})") from None
+
+
 def load_config(
     config: str | Path | Mapping[str, Any] | None = None,
     *,
@@ -209,7 +233,7 @@ def load_config(
         data = dict(config)
     else:
         path = resolve_config_path(str(config) if config is not None else None)
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of sections at the top level")
         data.setdefault("run", {}).setdefault("name", path.stem)
@@ -246,6 +270,40 @@ def load_config(
     run_config.plugin_sections = sections
     host.configure(run_config, sections)
     return run_config, host
+
+
+def check_inputs(config: RunConfig) -> None:
+    """Check the inputs a run reads before any process starts, so bad input fails in seconds.
+
+    Reads the whole prompt file as the rollout actors will (every line parses and has the
+    configured keys), resolves the reward function, and checks that the tokenizer and
+    checkpoint directories exist (`hf_load` ones holding a transformers checkpoint). The config
+    itself and the plugin sections are already validated by `load_config`.
+
+    Raises:
+        ValueError: One line naming the key or the file (and line) and what was expected.
+    """
+    from ember_rollout.data import load_prompts
+    from ember_rollout.rewards import resolve_reward
+
+    load_prompts(config.data)
+    resolve_reward(config.reward.reward_fn)
+    directories = {
+        "data.tokenizer_path": config.data.tokenizer_path,
+        "train.ref_load": config.train.ref_load,
+        "train.hf_load": config.train.hf_load,
+        "train.critic.hf_load": config.train.critic.hf_load,
+    }
+    for key, value in directories.items():
+        if value is None:
+            continue
+        if not Path(value).is_dir():
+            raise ValueError(f"{key}={value!r}: no such directory")
+        if key.endswith("hf_load") and not is_hf_checkpoint(value):
+            raise ValueError(
+                f"{key}={value!r}: not a transformers checkpoint (expected config.json and "
+                "model.safetensors or its index)"
+            )
 
 
 def default_run_dir(config: RunConfig) -> Path:

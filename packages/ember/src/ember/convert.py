@@ -14,8 +14,10 @@ def convert(direction: str, src: Path, dst: Path, *, preset: str | None = None) 
     source may also be a run directory (its newest complete checkpoint) or one of a run's
     checkpoints (`checkpoints/rollout_NNNNNN`); its model shape is `preset` (a preset name, or
     a transformers directory whose config.json has the shape), by default the run's initial
-    model (`hf_init`) when the source belongs to a run, else tiny-moe. The tokenizer files of
-    a shape directory are copied along, so the output loads with `AutoTokenizer` too.
+    model (`hf_init`) when the source belongs to a run, else tiny-moe. The tokenizer of a shape
+    directory is saved along, with its special token ids in config.json and a
+    generation_config.json (`save_tokenizer_for_model`), so the output loads with
+    `AutoTokenizer` too and `generate()` stops at EOS.
     """
     from ember_core.config import AlgorithmConfig, SamplingConfig
     from ember_megatron_backend.config import BackendConfig
@@ -78,7 +80,7 @@ def training_checkpoint(src: Path) -> tuple[Path, Path | None]:
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
-    from ember_rollout.tokenizer import load_tokenizer
+    from ember_rollout.tokenizer import save_tokenizer_for_model
 
     if (src / "tokenizer_config.json").is_file() or (src / "tokenizer.json").is_file():
-        load_tokenizer(src).save_pretrained(dst)
+        save_tokenizer_for_model(src, dst)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from ember import RAY_ENV
 from ember.config import RunConfig, default_run_dir, write_resolved
-from ember.metrics import METRICS_FILE, MetricsLogger
+from ember.metrics import METRICS_FILE, MetricsLogger, metrics_lines
 from ember.quiet import VERBOSE_ENV, verbose
 from ember_core.types import Sample
 
@@ -66,6 +66,50 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def resume_checkpoint(run_dir: Path, num_engines: int) -> Path:
+    """The checkpoint a resumed run continues from: the newest complete one, checked against
+    the run's `ray.num_engines`. Reads files only, so it fails before Ray starts.
+
+    Raises:
+        ValueError: The directory holds no complete checkpoint, or the checkpoint holds the
+            state of a different number of rollout engines.
+    """
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ValueError(
+            f"{run_dir}: no complete checkpoint to resume from (no {CHECKPOINTS}/rollout_*/"
+            f"{DRIVER_STATE}); to start the run over, give its config.yaml a new run.dir"
+        )
+    _check_engines(checkpoint, _driver_state(checkpoint), num_engines)
+    return checkpoint
+
+
+def _driver_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / DRIVER_STATE).read_text())
+
+
+def _check_engines(checkpoint: Path, state: dict[str, Any], num_engines: int) -> None:
+    # Each engine owns a prompt stream and serves the rollouts whose id modulo the engine count
+    # is its index, so the saved positions mean nothing to a different number of engines.
+    saved = len(state["engines"])
+    if saved != num_engines:
+        raise ValueError(
+            f"{checkpoint}: saved with {saved} rollout engine(s), but ray.num_engines="
+            f"{num_engines}; resume with --set ray.num_engines={saved}"
+        )
+
+
+def _check_unused(run_dir: Path) -> None:
+    """Refuse to start a run afresh where one already logged metrics or saved checkpoints, so
+    that no rollout is logged twice and no other run's checkpoint is resumed by mistake."""
+    metrics = Path(run_dir) / METRICS_FILE
+    if (metrics.is_file() and metrics.stat().st_size) or complete_checkpoints(run_dir):
+        raise ValueError(
+            f"run.dir {run_dir} already holds a run (metrics or checkpoints); continue it with "
+            f"`ember train --resume {run_dir}` or choose another run.dir"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,7 +203,9 @@ class Driver:
         self.actors = Actors(train=train, engines=engines)
 
     def _save_tokenizer(self, model_dir: Path) -> None:
-        from ember_rollout.tokenizer import load_tokenizer
+        from ember_rollout.tokenizer import save_tokenizer_for_model
+
+        save_tokenizer_for_model(self.config.data.tokenizer_path, model_dir)
 
         load_tokenizer(self.config.data.tokenizer_path).save_pretrained(model_dir)
 
@@ -297,9 +343,10 @@ class Driver:
     def restore(self, checkpoint: Path) -> tuple[int, int]:
         """Load a checkpoint into the actors; returns (next rollout id, accumulated step)."""
         assert self.actors is not None
-        state = json.loads((checkpoint / DRIVER_STATE).read_text())
+        state = _driver_state(checkpoint)
+        _check_engines(checkpoint, state, len(self.actors.engines))
         ray.get([t.load.remote(str(checkpoint / "train")) for t in self.actors.train])
-        for engine, engine_state in zip(self.actors.engines, state["engines"], strict=False):
+        for engine, engine_state in zip(self.actors.engines, state["engines"], strict=True):
             ray.get(engine.load_state_dict.remote(engine_state))
         self.push_weights(state["rollout_id"])
         _truncate_metrics(self.run_dir, state["rollout_id"])
@@ -308,12 +355,25 @@ class Driver:
     # -- run ---------------------------------------------------------------------------------
 
     def run(self, *, resume: bool = False) -> Path:
-        """Run (or continue) the loop to `run.num_rollouts`; returns the run directory."""
+        """Run (or continue) the loop to `run.num_rollouts`; returns the run directory.
+
+        Args:
+            resume: Continue from the run directory's newest complete checkpoint.
+
+        Raises:
+            ValueError: Before Ray starts: `resume` and no complete checkpoint (or one saved
+                with another `ray.num_engines`); not `resume` and the directory already holds
+                a run's metrics or checkpoints.
+        """
         cfg = self.config
+        if resume:
+            checkpoint: Path | None = resume_checkpoint(self.run_dir, cfg.ray.num_engines)
+        else:
+            _check_unused(self.run_dir)
+            checkpoint = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_resolved(cfg, self.run_dir)
         self.start_ray()
-        checkpoint = latest_checkpoint(self.run_dir) if resume else None
         self.build(reuse_init=checkpoint is not None)
         start, accumulated = 0, 0
         if checkpoint is not None:
@@ -385,17 +445,27 @@ def _init_complete(model_dir: Path) -> bool:
 
 
 def _truncate_metrics(run_dir: Path, last_rollout: int) -> None:
-    """Drop records written after the checkpoint, so a resumed run does not log them twice."""
+    """Drop the records logged after the checkpoint of `last_rollout`, which the resumed run
+    logs again, so that the file holds every rollout once.
+
+    A last line cut off by the kill is dropped with a warning; any other damaged line stops the
+    resume with `FILE:LINE` (`metrics_lines`), since dropping it would lose a record silently.
+    """
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["rollout_id"] <= last_rollout:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):
+    for number, text, record in metrics_lines(path):
+        if record is None:
+            logger.warning("%s:%d: dropped a record cut off by the kill: %.60s", path, number, text)
             continue
+        rollout_id = record.get("rollout_id")
+        if isinstance(rollout_id, bool) or not isinstance(rollout_id, int):
+            raise ValueError(
+                f"{path}:{number}: rollout_id={rollout_id!r}, expected an integer in every record"
+            )
+        if rollout_id <= last_rollout:
+            kept.append(text)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
     os.replace(tmp, path)

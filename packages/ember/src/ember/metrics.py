@@ -91,14 +91,49 @@ def _plain(value: Any) -> Any:
 
 
 def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """The records of a run's metrics.jsonl; a torn last line (a killed writer) is skipped."""
+    """The records of a run's metrics.jsonl; a torn last line (a killed writer) is skipped.
+
+    Raises:
+        FileNotFoundError: The run directory has no metrics file.
+        ValueError: A line other than a torn last one is not a JSON object (names FILE:LINE).
+    """
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} an Ember run directory?)")
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
+    for _, _, record in metrics_lines(path):
+        if record is not None:
+            yield record
+
+
+def metrics_lines(path: Path) -> Iterator[tuple[int, str, dict[str, Any] | None]]:
+    """Each line of a metrics file as (line number, text without its newline, record).
+
+    `MetricsLogger` ends every record with a newline in the same write, so a line without one
+    can only be the last, cut off by a kill: it is yielded with record None when it does not
+    parse. Any other line that is not a JSON object was damaged after the fact.
+
+    Raises:
+        ValueError: `FILE:LINE: ...` for a corrupt line that is not a torn last line.
+    """
+    with Path(path).open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            text = line.removesuffix("\n")
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                if line.endswith("\n"):
-                    raise
+                record = json.loads(text)
+            except json.JSONDecodeError as exc:
+                if not line.endswith("\n"):
+                    yield number, text, None
+                    return
+                raise ValueError(
+                    f"{path}:{number}: not a metrics record ({exc.msg}: {_excerpt(text)})"
+                ) from None
+            if not isinstance(record, dict):
+                raise ValueError(
+                    f"{path}:{number}: not a metrics record (a JSON object was expected: "
+                    f"{_excerpt(text)})"
+                )
+            yield number, text, record
+
+
+def _excerpt(text: str, width: int = 60) -> str:
+    return repr(text if len(text) <= width else text[:width] + "...")

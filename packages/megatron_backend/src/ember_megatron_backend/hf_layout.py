@@ -292,6 +292,9 @@ def model_config_from_hf(config: Any, **overrides: Any) -> ModelConfig:
             moe_ffn_hidden_size=config.moe_intermediate_size,
             moe_router_topk=config.num_experts_per_tok,
             norm_topk_prob=bool(config.norm_topk_prob),
+            # The load-balancing loss coefficient, as megatron-core names it (mbridge maps it the
+            # same way); model_overrides.moe_aux_loss_coeff=0 trains without the loss.
+            moe_aux_loss_coeff=float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0),
         )
     fields.update(overrides)
     return ModelConfig(**fields)

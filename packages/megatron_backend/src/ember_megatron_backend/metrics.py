@@ -1,7 +1,8 @@
-"""Metrics reduced across data-parallel ranks: per-sample means of a rollout, sums of a step."""
+"""Metrics reduced across data-parallel ranks: a rollout's means and maxima, a step's sums."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,7 +13,14 @@ from torch import Tensor
 from ember_megatron_backend import comm
 from ember_megatron_backend.batches import RolloutBatch
 
-__all__ = ["ROLLOUT_KEYS", "SampleMeans", "reduce_sums", "rollout_metrics"]
+__all__ = [
+    "REF_MAX_ABS_DIFF",
+    "ROLLOUT_KEYS",
+    "SampleMeans",
+    "masked_max_abs_diff",
+    "reduce_sums",
+    "rollout_metrics",
+]
 
 ROLLOUT_KEYS = (
     "rollout/rewards",
@@ -28,7 +36,11 @@ ROLLOUT_KEYS = (
     "rollout/routing_agreement",
     "rollout/replay_agreement",
 )
-"""Every rollout metric, in the fixed order ranks reduce them in."""
+"""Every rollout metric that is a mean over samples, in the fixed order ranks reduce them in."""
+
+REF_MAX_ABS_DIFF = "rollout/log_probs_ref_max_abs_diff"
+"""max |log_prob - ref_log_prob| over the counted response tokens of every rank (a reference
+exists): the per-token comparison of actor and reference, which a difference of means can hide."""
 
 
 class SampleMeans:
@@ -69,6 +81,33 @@ def reduce_sums(values: dict[str, Tensor | float], group: Any = None) -> dict[st
     return {k: float(v) for k, v in zip(keys, acc, strict=True)}
 
 
+def masked_max_abs_diff(
+    a: list[Tensor], b: list[Tensor], masks: list[Tensor], group: Any = None
+) -> float | None:
+    """max |a - b| over the tokens whose mask is non-zero, on every rank of `group`.
+
+    Every rank of `group` must call it (one MAX all-reduce). A NaN difference counts as +inf,
+    so it survives the reduction (gloo's MAX may drop a NaN).
+
+    Args:
+        a, b: Per-sample per-token values ([R_i] each), paired by position.
+        masks: Per-sample loss masks ([R_i] each).
+        group: The process group (None: this rank only).
+
+    Returns:
+        The maximum, or None when no rank has a counted token.
+    """
+    local = torch.full((1,), -math.inf, dtype=torch.float64)
+    for x, y, m in zip(a, b, masks, strict=True):
+        counted = (x.double() - y.double()).abs()[m > 0]
+        if counted.numel():
+            local = torch.maximum(local, counted.nan_to_num(nan=math.inf).max())
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        comm.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    value = float(local[0])
+    return None if value == -math.inf else value
+
+
 def _masked_means(per_token: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Per-sample means over counted tokens, and which samples have any counted token."""
     pairs = zip(per_token, masks, strict=True)
@@ -79,13 +118,14 @@ def _masked_means(per_token: list[Tensor], masks: list[Tensor]) -> tuple[Tensor,
 
 
 def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
-    """The rollout/* metrics of DESIGN section 3 as means over the samples of all ranks.
+    """The rollout/* metrics of DESIGN section 3 as means over the samples of all ranks, and
+    `REF_MAX_ABS_DIFF` when a reference exists.
 
     Token quantities are first averaged over each sample's counted (loss-mask) response tokens;
     samples without a counted token do not enter those means. rollout/routing_agreement is the
     mean over samples of each sample's fraction of agreeing (position, MoE layer) routings;
     rollout/replay_agreement, logged only when routers replay, is the same for the experts the
-    forward actually used.
+    forward actually used. `REF_MAX_ABS_DIFF` is a maximum over the counted tokens of all ranks.
     """
     means = SampleMeans(ROLLOUT_KEYS)
     masks = batch.loss_masks
@@ -114,4 +154,9 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
         replayed, replay_compared = batch.routing[:, 2], batch.routing[:, 3]
         has = replay_compared > 0
         means.add("rollout/replay_agreement", replayed[has] / replay_compared[has])
-    return means.reduce(group)
+    metrics = means.reduce(group)
+    if batch.ref_log_probs is not None:  # the same on every rank: one config builds the models
+        largest = masked_max_abs_diff(batch.log_probs, batch.ref_log_probs, masks, group)
+        if largest is not None:
+            metrics[REF_MAX_ABS_DIFF] = largest
+    return metrics

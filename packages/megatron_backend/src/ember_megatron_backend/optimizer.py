@@ -13,6 +13,7 @@ megatron-core does) and the same weight-decay exemptions (1-D parameters and bia
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from ember_core.algorithms import Registry
 from ember_megatron_backend import comm
 from ember_megatron_backend.config import OptimizerConfig
 from ember_megatron_backend.parallel import uses_gpu
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "LR_DECAY_STYLES",
@@ -91,6 +94,9 @@ class StepResult:
     """Global L2 norm of the reduced gradients before clipping."""
     lr: float
     """Learning rate the step used."""
+    skipped: bool = False
+    """The optimizer left the weights unchanged (megatron-core found inf/NaN gradients under a
+    loss scaler); logged as ``train/skipped_step``."""
 
 
 class ModelOptimizer:
@@ -253,8 +259,18 @@ class MegatronAdam(ModelOptimizer):
         self._finalize_grads()
         lr = learning_rate(step_index, self.cfg)
         self._set_lr(self.optimizer.param_groups, lr)
-        _, grad_norm, _ = self.optimizer.step()
-        return StepResult(grad_norm=float("nan") if grad_norm is None else float(grad_norm), lr=lr)
+        # megatron-core 0.16.1 optimizer.py: step() -> (update_successful, grad_norm, num_zeros);
+        # (False, None, None) when the loss scaler found inf/NaN gradients: nothing was updated.
+        updated, grad_norm, _ = self.optimizer.step()
+        grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+        if not updated:
+            logger.warning(
+                "optimizer step %d skipped: megatron-core's optimizer found inf/NaN gradients "
+                "and left the weights unchanged (grad_norm=%s)",
+                step_index,
+                grad_norm,
+            )
+        return StepResult(grad_norm=grad_norm, lr=lr, skipped=not updated)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "state": _plain(self.optimizer.state_dict())}

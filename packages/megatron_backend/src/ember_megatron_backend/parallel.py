@@ -95,7 +95,8 @@ def init_distributed(
     and megatron-core's CUDA-only spots are patched (``ember_megatron_backend.cpu``). Rank and
     world size default to ``RANK``/``WORLD_SIZE`` from the environment; with neither set, a
     single-process group rendezvouses on a free port of 127.0.0.1. Calling it again after a
-    successful call is a no-op.
+    successful call with the same layout is a no-op; another layout is an error (call
+    ``destroy_distributed`` first).
 
     Args:
         parallel: Model-parallel sizes; defaults to no model parallelism.
@@ -105,7 +106,8 @@ def init_distributed(
             ``MASTER_ADDR`` is set, else a fresh ``tcp://127.0.0.1:<port>``.
 
     Raises:
-        ValueError: if the world size is not a multiple of the model-parallel sizes.
+        ValueError: if the world size is not a multiple of the model-parallel sizes, or if this
+            process is already initialised with another layout (both are named).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -113,6 +115,7 @@ def init_distributed(
 
     parallel = parallel or ParallelConfig()
     if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        _check_same_layout(parallel, rank, world_size)
         return
     gpu = uses_gpu()
     if gpu:
@@ -145,6 +148,39 @@ def init_distributed(
         distributed_timeout_minutes=parallel.timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(parallel.seed, force_reset_rng=True)
+
+
+def _layout(parallel: ParallelConfig, rank: int, world_size: int) -> str:
+    etp = parallel.expert_tensor_parallel or parallel.tensor_parallel
+    return (
+        f"rank {rank} of {world_size}, tensor_parallel={parallel.tensor_parallel}, "
+        f"pipeline_parallel={parallel.pipeline_parallel}, "
+        f"context_parallel={parallel.context_parallel}, "
+        f"expert_parallel={parallel.expert_parallel}, expert_tensor_parallel={etp}"
+    )
+
+
+def _check_same_layout(parallel: ParallelConfig, rank: int | None, world_size: int | None) -> None:
+    """Raise unless the initialised process group and parallel state match the request."""
+    from megatron.core import parallel_state as ps
+
+    current = ParallelConfig(
+        tensor_parallel=ps.get_tensor_model_parallel_world_size(),
+        pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
+        context_parallel=ps.get_context_parallel_world_size(),
+        expert_parallel=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel=ps.get_expert_tensor_parallel_world_size(),
+    )
+    have_rank, have_world = dist.get_rank(), dist.get_world_size()
+    want_rank = have_rank if rank is None else rank
+    want_world = have_world if world_size is None else world_size
+    have = _layout(current, have_rank, have_world)
+    want = _layout(parallel, want_rank, want_world)
+    if have != want:
+        raise ValueError(
+            f"init_distributed: this process is already initialised as {have}; asked for {want} "
+            "(call destroy_distributed() before changing the layout)"
+        )
 
 
 def destroy_distributed() -> None:

@@ -376,10 +376,12 @@ class MegatronWorker:
             metrics = reduce_sums({f"train/{k}": v for k, v in sums.items()}, dp_group)
             result = self.actor_optimizer.step(self.accumulated_step)
             metrics["train/grad_norm"], metrics["train/lr"] = result.grad_norm, result.lr
+            metrics["train/skipped_step"] = float(result.skipped)
             if self.critic_optimizer is not None:
                 result = self.critic_optimizer.step(self.accumulated_step)
                 metrics["train/critic_grad_norm"] = result.grad_norm
                 metrics["train/critic_lr"] = result.lr
+                metrics["train/critic_skipped_step"] = float(result.skipped)
             self.plugins.after_train_step(rollout_id, step_id, self.accumulated_step, metrics)
             self.accumulated_step += 1
             results.append(metrics)

@@ -58,18 +58,28 @@ def read_jsonl(
     """Read one prompt per line; blank lines are skipped.
 
     Raises:
-        ValueError: The file is missing or empty, a line is not a JSON object, or a key is
-            missing; the message names the file and line.
+        ValueError: The file is missing, unreadable or empty, a line is not UTF-8 or not a JSON
+            object, or a key is missing; the message names the file and line.
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"prompt_data={str(path)!r}: no such file")
+        raise ValueError(f"data.prompt_data={str(path)!r}: no such file")
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise ValueError(f"data.prompt_data={str(path)!r}: cannot read ({exc.strerror})") from None
+    with handle:
+        for lineno, raw in enumerate(handle, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{where}: not UTF-8 text (byte {exc.start + 1} of the line)"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -93,7 +103,7 @@ def read_jsonl(
                 )
             )
     if not records:
-        raise ValueError(f"prompt_data={str(path)!r}: no prompts in the file")
+        raise ValueError(f"data.prompt_data={str(path)!r}: no prompts in the file")
     return records
 
 

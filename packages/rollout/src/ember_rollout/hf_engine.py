@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,73 @@ class RouterCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+_EXPERT_NAME = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$"
+)
+"""A per-expert checkpoint name, stored fused as `<prefix>.gate_up_proj` / `<prefix>.down_proj`."""
+
+
+def _names_list(names: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def check_update_names(model: nn.Module, names: Sequence[str], *, partial: bool = False) -> None:
+    """Check the names of a weight update against `model` before anything is copied.
+
+    Args:
+        model: The transformers model the update is for.
+        names: HF checkpoint names: the model's own state-dict names or per-expert names.
+        partial: Allow leaving parameters out.
+
+    Raises:
+        ValueError: A name matches no parameter, or (unless `partial`) a parameter is missing.
+    """
+    state = model.state_dict(keep_vars=True)
+    covered: set[str] = set()
+    experts: dict[str, set[int]] = {}  # fused tensor -> experts covered (gate and up separately)
+    unknown = []
+    for name in names:
+        match = _EXPERT_NAME.match(name)
+        if name in state:
+            covered.add(name)
+        elif match is not None:
+            fused = f"{match['prefix']}.{'down' if match['proj'] == 'down' else 'gate_up'}_proj"
+            if fused not in state:
+                unknown.append(name)
+                continue
+            slot = 2 * int(match["expert"]) + (match["proj"] == "up")
+            experts.setdefault(fused, set()).add(slot)
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(
+            f"weight update: {_names_list(unknown)} match no parameter of the engine's model "
+            f"(its parameters include {_names_list([n for n, _ in model.named_parameters()], 3)})"
+        )
+    if partial:
+        return
+    missing = []
+    for name, param in model.named_parameters():  # tied weights appear once
+        if name in covered:
+            continue
+        match = re.fullmatch(r"(?P<prefix>.+\.experts)\.(?P<which>gate_up|down)_proj", name)
+        if match is None:
+            missing.append(name)
+            continue
+        have = experts.get(name, set())
+        projs = ("down",) if match["which"] == "down" else ("gate", "up")
+        for e in range(param.shape[0]):
+            for proj in projs:
+                if 2 * e + (proj == "up") not in have:
+                    missing.append(f"{match['prefix']}.{e}.{proj}_proj.weight")
+    if missing:
+        raise ValueError(
+            f"weight update leaves out {_names_list(missing)}: every parameter of the engine's "
+            "model must be sent (partial=True loads a subset)"
+        )
 
 
 @dataclass(slots=True)
@@ -195,15 +263,28 @@ class HFEngine(Engine):
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         *,
         weight_version: str | None = None,
+        partial: bool = False,
     ) -> None:
+        """Load weights given with their HF checkpoint names (see `load_hf_weights`).
+
+        The names are checked before anything is copied: one the model does not have is an
+        error, and so, unless `partial`, is a parameter of the model that the update leaves out
+        (a name mismatch between trainer and engine would otherwise keep stale weights).
+
+        Raises:
+            ValueError: Naming the unknown or the missing names (the first few, and how many).
+        """
         await self.start()
+        named = list(named_tensors)
         async with self._lock:
-            await asyncio.to_thread(load_hf_weights, self.model, named_tensors)
+            check_update_names(self.model, [name for name, _ in named], partial=partial)
+            await asyncio.to_thread(load_hf_weights, self.model, named)
             self.weight_version = weight_version
 
     async def update_weights_from_disk(
         self, path: str | Path, *, weight_version: str | None = None
     ) -> None:
+        """Load every weight of the model from an HF checkpoint directory (all must be there)."""
         await self.update_weights_from_tensors(iter_checkpoint(path), weight_version=weight_version)
 
     # -- generation ----------------------------------------------------------------------------

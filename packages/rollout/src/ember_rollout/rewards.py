@@ -68,17 +68,22 @@ def resolve_reward(name: str) -> RewardSpec:
             import, or an attribute that is not callable.
     """
     if ":" not in name:
-        return REWARDS.get(name)
+        try:
+            return REWARDS.get(name)
+        except ValueError as exc:
+            raise ValueError(
+                f"reward.reward_fn: {exc} (or package.module:function for your own)"
+            ) from None
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(
-            f"reward_fn={name!r}: cannot import module {module_name!r} ({exc})"
+            f"reward.reward_fn={name!r}: cannot import module {module_name!r} ({exc})"
         ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward_fn={name!r}: {module_name} has no callable {attr!r}")
+        raise ValueError(f"reward.reward_fn={name!r}: {module_name} has no callable {attr!r}")
     return RewardSpec(fn, bool(getattr(fn, GROUP_MARKER, False)))
 
 

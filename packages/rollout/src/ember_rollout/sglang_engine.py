@@ -58,23 +58,55 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def model_info_from_dir(path: str | Path | None) -> ModelInfo | None:
-    """Layers, top-k and context length from a local HF model's config.json, if there is one."""
+    """Layers, top-k, vocabulary and context length from a local HF model's config.json.
+
+    EOS ids come from config.json and generation_config.json together, as transformers
+    merges them. Returns None when `path` holds no config.json (an attached server's model).
+
+    Raises:
+        ValueError: A field the engine needs is missing or not an integer; names the field and
+            the file.
+    """
     if path is None or not (Path(path) / "config.json").is_file():
         return None
-    config = json.loads((Path(path) / "config.json").read_text())
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from None
     config = config.get("text_config", config)
+
+    def required(*keys: str) -> int:
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+        found = {k: config[k] for k in keys if k in config}
+        raise ValueError(
+            f"{file}: {' or '.join(keys)} is {'missing' if not found else found}; the sglang "
+            "engine needs it as a non-negative integer (it does not guess a default)"
+        )
+
+    num_layers = required("num_hidden_layers")
     topk = int(config.get("num_experts_per_tok") or 0)
-    num_layers = int(config["num_hidden_layers"])
+    num_experts = required("num_experts", "num_local_experts") if topk else 0
     dense = set(config.get("mlp_only_layers") or [])
-    eos = config.get("eos_token_id")
+    eos: set[int] = set()
+    sources = [config]
+    generation = Path(path) / "generation_config.json"
+    if generation.is_file():
+        sources.append(json.loads(generation.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        eos.update([value] if isinstance(value, int) else value or [])
     return ModelInfo(
         num_layers=num_layers,
         topk=topk,
-        num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0),
+        num_experts=num_experts,
         moe_layers=tuple(i for i in range(num_layers) if topk and i not in dense),
-        vocab_size=int(config.get("vocab_size", 0)),
-        context_len=int(config.get("max_position_embeddings") or 1 << 30),
-        eos_token_ids=tuple([eos] if isinstance(eos, int) else eos or []),
+        vocab_size=required("vocab_size"),
+        context_len=required("max_position_embeddings"),
+        eos_token_ids=tuple(sorted(eos)),
     )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +67,53 @@ def load_tokenizer(path: str | Path | None) -> Any:
 def toy_tokenizer() -> Any:
     """The toy tokenizer as loaded through `AutoTokenizer` (a fresh object per call)."""
     return load_tokenizer(None)
+
+
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""The token ids a model's config.json and generation_config.json carry for its tokenizer."""
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int | None]:
+    """The tokenizer's BOS, EOS and padding ids (None where it has no such token)."""
+    return {key: getattr(tokenizer, key, None) for key in SPECIAL_TOKEN_KEYS}
+
+
+def save_tokenizer_for_model(tokenizer_path: str | Path | None, model_dir: str | Path) -> None:
+    """Save a tokenizer next to an exported model, with the token ids the model needs to stop.
+
+    The model's config.json gets the tokenizer's BOS, EOS and padding ids where it has none,
+    and the directory gets a generation_config.json: a copy of the tokenizer directory's own
+    when there is one (a real model's sampling defaults and every EOS id), else one with those
+    ids. transformers then loads the directory as it is, and `generate()` and servers reading
+    it stop at EOS. The tokenizer files are written last: their presence marks the export
+    complete.
+
+    Args:
+        tokenizer_path: The tokenizer directory (`data.tokenizer_path`); None: the toy one.
+        model_dir: A directory holding the model's config.json.
+    """
+    from transformers import GenerationConfig
+
+    model_dir = Path(model_dir)
+    tokenizer = load_tokenizer(tokenizer_path)
+    ids = special_token_ids(tokenizer)
+    config_file = model_dir / "config.json"
+    config = json.loads(config_file.read_text())
+    for key, value in ids.items():
+        if config.get(key) is None and value is not None:
+            config[key] = value
+    _write_atomically(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    source = Path(tokenizer_path) / "generation_config.json" if tokenizer_path else None
+    if source is not None and source.is_file():
+        shutil.copyfile(source, model_dir / "generation_config.json")
+    else:
+        GenerationConfig(**{k: config.get(k) for k in SPECIAL_TOKEN_KEYS}).save_pretrained(
+            model_dir
+        )
+    tokenizer.save_pretrained(model_dir)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

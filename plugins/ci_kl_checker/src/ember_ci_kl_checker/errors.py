@@ -1,4 +1,4 @@
-"""The error a failed CI on-policy check raises."""
+"""The error a failed CI check raises."""
 
 from __future__ import annotations
 
@@ -15,11 +15,16 @@ class Check(enum.StrEnum):
     KL_LOSS = "first_step_kl_loss"
     """|train/kl_loss| < tolerance at the first step of the run, unless exempted."""
     ROLLOUT_REF_LOG_PROBS = "first_rollout_ref_log_probs"
-    """|rollout/log_probs - rollout/ref_log_probs| < tolerance at rollout 0, unless exempted."""
+    """rollout/log_probs_ref_max_abs_diff (max over tokens of |actor - reference| log-prob)
+    < tolerance at rollout 0, unless exempted."""
+    TRAIN_ROLLOUT_MISMATCH = "train_rollout_mismatch_ceiling"
+    """train/ and rollout/train_rollout_logprob_abs_diff <= the configured ceiling, at every
+    step and rollout."""
 
 
 class KLCheckError(AssertionError):
-    """A CI on-policy check failed: the first update did not start exactly on-policy.
+    """A CI check failed: the first update did not start exactly on-policy, trainer and engine
+    disagree by more than the ceiling, or a metric a check needs was not logged.
 
     Attributes:
         check: Which check failed (a `Check` value).

@@ -1,9 +1,8 @@
-"""The ci_kl_checker plugin: exact on-policy checks of a run's first update, in CI mode only."""
+"""The ci_kl_checker plugin: exact on-policy checks and a train/rollout mismatch ceiling in CI."""
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,13 +16,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TOLERANCE = 1e-8
-"""A checked quantity passes when its absolute value is strictly below this."""
+"""An on-policy quantity passes when its absolute value is strictly below this."""
 
 PPO_KL = "train/ppo_kl"
-PG_CLIPFRAC = "train/pg_clipfrac"
 KL_LOSS = "train/kl_loss"
-LOG_PROBS = "rollout/log_probs"
-REF_LOG_PROBS = "rollout/ref_log_probs"
+REF_MAX_ABS_DIFF = "rollout/log_probs_ref_max_abs_diff"
+"""max |actor - reference| log-prob over a rollout's counted response tokens (all ranks)."""
+ROLLOUT_LOG_PROBS = "rollout/rollout_log_probs"
+"""Logged when the rollout's samples carry the engine's log-probs."""
+TRAIN_MISMATCH = "train/train_rollout_logprob_abs_diff"
+ROLLOUT_MISMATCH = "rollout/train_rollout_logprob_abs_diff"
+_PPO_KL_REQUIRED = "every actor update logs it"
+
+
+def _get(node: Any, key: str) -> Any:
+    if node is None:
+        return None
+    return node.get(key) if isinstance(node, Mapping) else getattr(node, key, None)
+
+
+def _flag(config: Any, section: str, key: str) -> bool:
+    value = _get(_get(config, section), key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"{section}.{key}={value!r}: expected true or false")
+    return value
 
 
 def ci_test_enabled(config: Any) -> bool:
@@ -32,34 +50,61 @@ def ci_test_enabled(config: Any) -> bool:
     Raises:
         ValueError: `ci.test` is present but not a bool.
     """
+    return _flag(config, "ci", "test")
 
-    def get(node: Any, key: str) -> Any:
-        return node.get(key) if isinstance(node, Mapping) else getattr(node, key, None)
 
-    ci = get(config, "ci")
-    test = get(ci, "test") if ci is not None else None
-    if test is None:
-        return False
-    if not isinstance(test, bool):
-        raise ValueError(f"ci.test={test!r}: expected true or false")
-    return test
+def reference_reasons(config: Any) -> list[str]:
+    """What in a run config (an object or a mapping) makes the trainer build a reference model:
+    the rule of ``MegatronWorker`` (a KL loss, a KL reward penalty, or ``train.ref_load``).
+
+    Returns:
+        One ``key=value`` per reason; empty when the run has no reference model.
+    """
+    reasons = []
+    if _flag(config, "algorithm", "use_kl_loss"):
+        reasons.append("algorithm.use_kl_loss=true")
+    kl_coef = _get(_get(config, "algorithm"), "kl_coef")
+    if kl_coef is not None and float(kl_coef) > 0:
+        reasons.append(f"algorithm.kl_coef={kl_coef}")
+    ref_load = _get(_get(config, "train"), "ref_load")
+    if ref_load is not None:
+        reasons.append(f"train.ref_load={ref_load!r}")
+    return reasons
 
 
 class KLChecker:
     """The checks of one run, its switches resolved once at configure time.
+
+    A check that applies runs or fails naming the metric it misses. Whether it applies comes
+    from the run config (the actor/reference checks need a reference model), from the rollout
+    (the mismatch ceiling needs the engine's log-probs), or from the exemptions other plugins
+    report. A metric that is logged is checked even where the check is not required.
 
     Args:
         active: Whether checks run at all (`ci.test` and not `ci_kl_checker.disable`).
         exemptions: Returns the enabled plugins' exemptions (the facade's
             `kl_check_exemptions`); asked once, at the first check that can be exempted, so
             every plugin is configured by then.
+        reference: Why the config uses a reference model (`reference_reasons`); empty: none.
+        ceiling: The mismatch ceiling (`train_rollout_logprob_abs_diff_threshold`).
     """
 
-    def __init__(self, *, active: bool, exemptions: Callable[[], Sequence[KLExemption]]) -> None:
+    def __init__(
+        self,
+        *,
+        active: bool,
+        exemptions: Callable[[], Sequence[KLExemption]],
+        reference: Sequence[str] = (),
+        ceiling: float = KLCheckerConfig().train_rollout_logprob_abs_diff_threshold,
+    ) -> None:
         self.active = active
+        self.reference = list(reference)
+        self.ceiling = ceiling
         self._exemptions_source = exemptions
         self._exemptions: list[KLExemption] | None = None
         self._announced = False
+        self._engine_log_probs: set[int] = set()
+        """Rollouts whose `log_rollout_data` showed the engine's log-probs."""
 
     def exemptions(self) -> list[KLExemption]:
         """The exemptions the enabled plugins reported (asked once, then cached)."""
@@ -70,32 +115,53 @@ class KLChecker:
     def after_train_step(
         self, rollout_id: int, step_id: int, accumulated_step_id: int, metrics: Mapping[str, Any]
     ) -> None:
-        """Check the first step of each rollout (ppo_kl) and of the run (kl_loss)."""
+        """Check ppo_kl at the first step of each rollout, kl_loss at the first step of the run,
+        and the mismatch ceiling at every step."""
         if not self.active:
             return
         where = f"rollout {rollout_id}, step {step_id} (accumulated step {accumulated_step_id})"
         # Old and new actor log-probs come from the same weights (and, under routing replay,
         # the same experts) at the first step of a rollout, so their KL is exactly zero.
-        if step_id == 0 and PPO_KL in metrics and PG_CLIPFRAC in metrics:
-            self._expect_zero(Check.PPO_KL, PPO_KL, metrics[PPO_KL], where, metrics)
+        if step_id == 0:
+            self._expect_zero(Check.PPO_KL, PPO_KL, metrics, where, _PPO_KL_REQUIRED)
         # Actor and reference hold the same weights only before the first update.
-        if accumulated_step_id == 0 and KL_LOSS in metrics and not self._exempted():
-            self._expect_zero(Check.KL_LOSS, KL_LOSS, metrics[KL_LOSS], where, metrics)
+        if accumulated_step_id == 0 and self._applies(KL_LOSS, metrics):
+            self._expect_zero(Check.KL_LOSS, KL_LOSS, metrics, where, self._reference_reason())
+        self._engine_log_probs = {r for r in self._engine_log_probs if r >= rollout_id}
+        engine = rollout_id in self._engine_log_probs
+        if engine or TRAIN_MISMATCH in metrics:
+            self._expect_ceiling(TRAIN_MISMATCH, metrics, where, self._engine_reason(rollout_id))
 
     def after_log_rollout_data(self, rollout_id: int, metrics: Mapping[str, Any]) -> None:
-        """Check that actor and reference agree on the first rollout's log-probs."""
-        if not self.active or rollout_id != 0:
-            return
-        if LOG_PROBS not in metrics or REF_LOG_PROBS not in metrics or self._exempted():
+        """At rollout 0, check that actor and reference agree on every counted token's
+        log-prob; at every rollout, check the mismatch ceiling."""
+        if not self.active:
             return
         where = f"rollout {rollout_id} (log_rollout_data)"
-        try:
-            gap = float(metrics[LOG_PROBS]) - float(metrics[REF_LOG_PROBS])
-        except (TypeError, ValueError):
-            gap = math.nan
-        self._expect_zero(
-            Check.ROLLOUT_REF_LOG_PROBS, f"{LOG_PROBS} - {REF_LOG_PROBS}", gap, where, metrics
-        )
+        if rollout_id == 0 and self._applies(REF_MAX_ABS_DIFF, metrics):
+            self._expect_zero(
+                Check.ROLLOUT_REF_LOG_PROBS,
+                REF_MAX_ABS_DIFF,
+                metrics,
+                where,
+                self._reference_reason(),
+            )
+        if ROLLOUT_LOG_PROBS in metrics:
+            self._engine_log_probs.add(rollout_id)
+        if ROLLOUT_LOG_PROBS in metrics or ROLLOUT_MISMATCH in metrics:
+            self._expect_ceiling(ROLLOUT_MISMATCH, metrics, where, self._engine_reason(rollout_id))
+
+    def _applies(self, name: str, metrics: Mapping[str, Any]) -> bool:
+        """Whether an actor/reference check runs: a reference by config (or its metric logged
+        anyway), and no plugin's exemption."""
+        return (bool(self.reference) or name in metrics) and not self._exempted()
+
+    def _reference_reason(self) -> str:
+        return f"the config uses a reference model ({', '.join(self.reference)})"
+
+    @staticmethod
+    def _engine_reason(rollout_id: int) -> str:
+        return f"rollout {rollout_id} carries the engine's log-probs ({ROLLOUT_LOG_PROBS})"
 
     def _exempted(self) -> bool:
         exemptions = self.exemptions()
@@ -113,17 +179,41 @@ class KLChecker:
         return bool(exemptions)
 
     @staticmethod
-    def _expect_zero(
-        check: Check, name: str, value: Any, where: str, metrics: Mapping[str, Any]
-    ) -> None:
+    def _number(
+        check: Check, name: str, metrics: Mapping[str, Any], where: str, required: str
+    ) -> float:
+        if name not in metrics:
+            raise KLCheckError(
+                check, where, metrics, f"{name} is not logged; it must be: {required}"
+            )
         try:
-            number = float(value)
+            return float(metrics[name])
         except (TypeError, ValueError):
-            raise KLCheckError(check, where, metrics, f"{name}={value!r} is not a number") from None
+            detail = f"{name}={metrics[name]!r} is not a number"
+            raise KLCheckError(check, where, metrics, detail) from None
+
+    def _expect_zero(
+        self, check: Check, name: str, metrics: Mapping[str, Any], where: str, required: str
+    ) -> None:
+        number = self._number(check, name, metrics, where, required)
         # NaN fails too: `abs(nan) < TOLERANCE` is False.
         if not abs(number) < TOLERANCE:
             raise KLCheckError(
                 check, where, metrics, f"|{name}| = {abs(number):.3e}, expected < {TOLERANCE:g}"
+            )
+
+    def _expect_ceiling(
+        self, name: str, metrics: Mapping[str, Any], where: str, required: str
+    ) -> None:
+        check = Check.TRAIN_ROLLOUT_MISMATCH
+        number = self._number(check, name, metrics, where, required)
+        if not number <= self.ceiling:  # NaN fails
+            raise KLCheckError(
+                check,
+                where,
+                metrics,
+                f"{name} = {number:.3e}, expected <= {self.ceiling:g} "
+                f"({SECTION}.train_rollout_logprob_abs_diff_threshold)",
             )
 
 
@@ -160,14 +250,26 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
             f"sections[{SECTION!r}] must be a KLCheckerConfig, got {type(section).__name__}"
         )
     ci_test = ci_test_enabled(config)
+    reference = reference_reasons(config)
     if section.disable:
         logger.warning(
-            "ci_kl_checker: disabled by %s.disable=true; no on-policy KL check runs%s",
+            "ci_kl_checker: disabled by %s.disable=true; none of its checks runs%s",
             SECTION,
             "" if ci_test else " (ci.test is false, so none would have run anyway)",
         )
+    elif ci_test and not reference:
+        logger.info(
+            "ci_kl_checker: %s and %s do not apply: the config uses no reference model "
+            "(algorithm.use_kl_loss=false, algorithm.kl_coef=0, no train.ref_load); they run "
+            "only if their metrics are logged anyway",
+            Check.KL_LOSS,
+            Check.ROLLOUT_REF_LOG_PROBS,
+        )
     _checker = KLChecker(
-        active=ci_test and not section.disable, exemptions=plugins.kl_check_exemptions
+        active=ci_test and not section.disable,
+        exemptions=plugins.kl_check_exemptions,
+        reference=reference,
+        ceiling=section.train_rollout_logprob_abs_diff_threshold,
     )
 
 

@@ -1,0 +1,245 @@
+"""Runs `ember train` in child processes that a test can SIGKILL at a named point of the loop.
+
+A real `ember train` costs about a minute of Ray start and actor imports per launch on 2 cores,
+and a kill + resume test launches five times. Here a server process imports everything once
+and forks one child per launch; each child runs `ember.cli.main` with the real `TrainRank` and
+`RolloutEngine` classes in its own process behind stand-in actor handles (as
+test_weight_push.py does), so killing the child kills the driver and its actors at once, as a
+SIGKILL of `ember train` takes its Ray actors with it. The server only imports before it
+forks: a process that has run parallel torch ops is not safe to fork (OpenMP's thread pool).
+
+Kill points (`POINT:ROLLOUT`), each a SIGKILL of the child from inside the loop:
+- `rollout:R`: during rollout R's generation, as the engine hands its first sample to the
+  plugins (`ember_process_sample`; the sample's weight version tells the rollout, so R >= 1);
+- `train:R`: during rollout R's training, after its first optimizer step
+  (`ember_after_train_step`);
+- `checkpoint:R`: while the checkpoint of rollout R is being written, once its training state
+  and driver state are in the hidden directory and before the rename that publishes it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import ray.util
+
+import ember.actors
+import ember.cli
+import ember.driver
+import ember_megatron_backend.checkpoint
+from ember_core import hookimpl
+from ember_core.plugins import EmberPlugins
+
+POINTS = ("rollout", "train", "checkpoint")
+PRELOAD = (
+    "ember_megatron_backend.worker",
+    "ember_rollout.hf_engine",
+    "megatron.core",
+    "megatron.core.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.transformer.moe.router",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "safetensors.torch",
+)
+"""What the server imports before forking, so that no child imports it again: modules the
+actors import lazily (megatron-core alone takes about 10 s on 2 cores without cached bytecode)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Test side
+# --------------------------------------------------------------------------------------------
+
+
+class Launcher:
+    """The fork server, seen from the test: `launch` runs one `ember train` to its end."""
+
+    def __init__(self, log: Path) -> None:
+        """Start the server (its imports take about 20 s on 2 cores); its output goes to `log`."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        with open(log, "w") as stderr:
+            self.server = subprocess.Popen(
+                [sys.executable, "-c", "import resume_harness; resume_harness.serve()"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=env,
+            )
+
+    def launch(self, argv: list[str], log: Path, kill: str | None = None) -> int:
+        """Run `ember ARGV` in a fresh child; returns its exit code (-9: killed at `kill`).
+
+        Args:
+            argv: The `ember` command line.
+            log: File that receives the child's stdout and stderr.
+            kill: `POINT:ROLLOUT` at which the child SIGKILLs itself, or None.
+        """
+        assert self.server.stdin is not None and self.server.stdout is not None
+        request = {"argv": argv, "log": str(log), "kill": kill}
+        self.server.stdin.write(json.dumps(request) + "\n")
+        self.server.stdin.flush()
+        answer = self.server.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the fork server exited ({self.server.wait()})")
+        return int(answer)
+
+    def close(self) -> None:
+        assert self.server.stdin is not None
+        self.server.stdin.close()
+        self.server.wait(timeout=30)
+
+
+# --------------------------------------------------------------------------------------------
+# Server and child side
+# --------------------------------------------------------------------------------------------
+
+
+def serve() -> None:
+    """Fork one child per request line from stdin; answer with its exit code."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _child(**request)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+
+
+CHILD_TIMEOUT_S = 300
+"""A child still running after this long is stopped by SIGALRM (exit code -14), not waited on."""
+
+
+def _child(argv: list[str], log: str, kill: str | None) -> int:
+    signal.alarm(CHILD_TIMEOUT_S)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    _stand_in_for_ray()
+    if kill is not None:
+        _arm(kill)
+    return ember.cli.main(argv)
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAt:
+    """A plugin that kills the process at a rollout or training point."""
+
+    def __init__(self, point: str, rollout_id: int) -> None:
+        self.point, self.rollout_id = point, rollout_id
+
+    @hookimpl
+    def ember_process_sample(self, sample: Any) -> None:
+        if self.point == "rollout" and sample.metadata["weight_version"] == str(
+            self.rollout_id - 1
+        ):
+            _die()
+
+    @hookimpl
+    def ember_after_train_step(self, rollout_id: int, step_id: int) -> None:
+        if self.point == "train" and (rollout_id, step_id) == (self.rollout_id, 0):
+            _die()
+
+
+def _arm(kill: str) -> None:
+    point, _, rollout = kill.partition(":")
+    assert point in POINTS and rollout.isdigit(), kill
+    rollout_id = int(rollout)
+    assert point != "rollout" or rollout_id >= 1, "rollout 0's samples carry no weight version"
+    if point == "checkpoint":
+        final_name = ember.driver.checkpoint_name(rollout_id)
+        real = ember_megatron_backend.checkpoint.replace_dir
+
+        def replace_dir(staging: Path, final: Path) -> None:
+            # The driver's publishing rename (the training ranks' own renames go elsewhere).
+            if final.name == final_name and final.parent.name == ember.driver.CHECKPOINTS:
+                _die()
+            real(staging, final)
+
+        ember_megatron_backend.checkpoint.replace_dir = replace_dir
+        return
+    real_load = EmberPlugins.load.__func__  # type: ignore[attr-defined]
+
+    def load(cls: type[EmberPlugins], enabled: Any) -> EmberPlugins:
+        plugins = real_load(cls, enabled)
+        plugins.register(KillAt(point, rollout_id), "kill_at")
+        plugins.check_pending()
+        return plugins
+
+    EmberPlugins.load = classmethod(load)  # type: ignore[method-assign,assignment]
+
+
+class _Ref:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _Handle:
+    """An actor handle over an instance in this process: `.method.remote()` runs at once."""
+
+    def __init__(self, instance: Any) -> None:
+        self.instance = instance
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.instance, name)
+
+        class Remote:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> _Ref:
+                args = tuple(a.value if isinstance(a, _Ref) else a for a in args)
+                return _Ref(method(*args, **kwargs))
+
+        return Remote
+
+
+class _ActorClass:
+    def __init__(self, actor_class: Any) -> None:
+        self.cls = actor_class.__ray_actor_class__
+
+    def options(self, **_: Any) -> _ActorClass:
+        return self
+
+    def remote(self, *args: Any, **kwargs: Any) -> _Handle:
+        return _Handle(self.cls(*args, **kwargs))
+
+
+class _Ray:
+    @staticmethod
+    def get(refs: Any) -> Any:
+        return [r.value for r in refs] if isinstance(refs, list) else refs.value
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+
+def _stand_in_for_ray() -> None:
+    ember.driver.ray = _Ray  # type: ignore[assignment]
+    ember.actors.TrainRank = _ActorClass(ember.actors.TrainRank)  # type: ignore[misc]
+    ember.actors.RolloutEngine = _ActorClass(ember.actors.RolloutEngine)  # type: ignore[misc]
+    ray.util.get_node_ip_address = lambda: "127.0.0.1"

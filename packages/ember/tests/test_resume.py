@@ -1,0 +1,187 @@
+"""Resume and fresh starts refuse what they cannot do right, before Ray starts; metrics.jsonl
+keeps every rollout once, and its damaged lines are dropped only where a kill explains them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+import ember.driver
+from ember.cli import main
+from ember.config import load_config, write_resolved
+from ember.driver import Actors, Driver, _truncate_metrics
+from ember.metrics import read_metrics
+
+
+def record(kind: str, rollout_id: int, step: int) -> str:
+    return json.dumps({"kind": kind, "rollout_id": rollout_id, "step": step, "train/loss": 0.5})
+
+
+def rows(rollouts: int) -> list[str]:
+    """The lines of `rollouts` rollouts with two train steps each."""
+    out = []
+    for i in range(rollouts):
+        out += [record("rollout", i, i), record("train", i, 2 * i), record("train", i, 2 * i + 1)]
+    return out
+
+
+def run_dir(tmp_path: Path, *overrides: str) -> Path:
+    """A run directory as `ember train` leaves it: config.yaml and three rollouts of metrics."""
+    path = tmp_path / "run"
+    path.mkdir()
+    config, _ = load_config("default", overrides=[f"run.dir={path}", *overrides])
+    write_resolved(config, path)
+    (path / "metrics.jsonl").write_text("".join(f"{line}\n" for line in rows(3)))
+    return path
+
+
+def checkpoint(run: Path, rollout_id: int, engines: int, *, name: str | None = None) -> Path:
+    path = run / "checkpoints" / (name or f"rollout_{rollout_id:06d}")
+    (path / "train").mkdir(parents=True)
+    state = {"rollout_id": rollout_id, "accumulated_step": 2 * rollout_id + 2}
+    state["engines"] = [{"dataset": {"epoch": 0, "position": 2}}] * engines
+    (path / "driver.json").write_text(json.dumps(state))
+    return path
+
+
+def error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------
+# --resume and fresh starts
+# --------------------------------------------------------------------------------------------
+
+
+def test_resume_without_a_complete_checkpoint_is_an_error_before_ray(tmp_path, capsys):
+    run = run_dir(tmp_path)
+    before = (run / "metrics.jsonl").read_bytes()
+    # A checkpoint killed while being written is not one to resume from.
+    checkpoint(run, 1, 1, name=".rollout_000001.tmp")
+    assert main(["train", "--resume", str(run)]) == 2
+    assert error_line(capsys) == (
+        f"ember train: error: {run}: no complete checkpoint to resume from (no "
+        "checkpoints/rollout_*/driver.json); to start the run over, give its config.yaml a new "
+        "run.dir"
+    )
+    assert not ray.is_initialized()
+    assert (run / "metrics.jsonl").read_bytes() == before  # nothing appended, nothing dropped
+
+
+def test_resume_with_another_number_of_engines_names_both_before_ray(tmp_path, capsys):
+    run = run_dir(tmp_path)
+    saved = checkpoint(run, 1, engines=1)
+    assert main(["train", "--resume", str(run), "--set", "ray.num_engines=2"]) == 2
+    assert error_line(capsys) == (
+        f"ember train: error: {saved}: saved with 1 rollout engine(s), but ray.num_engines=2; "
+        "resume with --set ray.num_engines=1"
+    )
+    assert not ray.is_initialized()
+
+
+def test_restore_refuses_another_number_of_engines(tmp_path, monkeypatch):
+    """`Driver.restore` itself checks: it used to load the one saved state into the first of
+    two engines and leave the second where it started."""
+    run = run_dir(tmp_path)
+    saved = checkpoint(run, 1, engines=1)
+    calls: list[str] = []
+
+    def handle(name: str) -> SimpleNamespace:
+        def method(attr: str) -> SimpleNamespace:
+            return SimpleNamespace(remote=lambda *a, **k: calls.append(f"{name}.{attr}"))
+
+        return SimpleNamespace(load=method("load"), load_state_dict=method("load_state_dict"))
+
+    monkeypatch.setattr(ember.driver, "ray", SimpleNamespace(get=lambda refs: refs))
+    config, _ = load_config("default", overrides=[f"run.dir={run}", "ray.num_engines=2"])
+    driver = Driver(config, run)
+    driver.actors = Actors(train=[handle("rank0")], engines=[handle("e0"), handle("e1")])
+    with pytest.raises(
+        ValueError, match=r"saved with 1 rollout engine\(s\), but ray.num_engines=2"
+    ):
+        driver.restore(saved)
+    assert calls == []  # nothing was loaded
+
+
+def test_a_fresh_run_in_a_used_directory_is_refused(tmp_path, capsys):
+    run = run_dir(tmp_path)
+    before = (run / "metrics.jsonl").read_bytes()
+    assert main(["train", "--set", f"run.dir={run}"]) == 2
+    assert error_line(capsys) == (
+        f"ember train: error: run.dir {run} already holds a run (metrics or checkpoints); "
+        f"continue it with `ember train --resume {run}` or choose another run.dir"
+    )
+    assert (run / "metrics.jsonl").read_bytes() == before
+    assert not ray.is_initialized()
+
+
+# --------------------------------------------------------------------------------------------
+# metrics.jsonl on resume
+# --------------------------------------------------------------------------------------------
+
+
+class Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_resume_drops_the_records_after_the_checkpoint_and_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = rows(4)
+    path.write_text("".join(f"{line}\n" for line in lines) + '{"kind": "rollout", "rollout_i')
+    seen = Messages()
+    logging.getLogger("ember.driver").addHandler(seen)
+    try:
+        _truncate_metrics(tmp_path, 1)
+    finally:
+        logging.getLogger("ember.driver").removeHandler(seen)
+    assert path.read_text() == "".join(f"{line}\n" for line in lines[:6])  # rollouts 0 and 1
+    (warning,) = seen.messages
+    assert warning.startswith(f"{path}:13: dropped a record cut off by the kill")
+
+
+def test_a_complete_last_record_without_its_newline_is_kept(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = rows(2)
+    path.write_text("\n".join(lines))  # a kill between the record and its newline
+    _truncate_metrics(tmp_path, 1)
+    assert path.read_text() == "".join(f"{line}\n" for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ('{"kind": "rollout", "rollout_id": 1, "st', "Unterminated string"),
+        ("", "Expecting value"),
+        ("[1, 2]", "a JSON object was expected"),
+        ('{"kind": "rollout", "step": 1}', "rollout_id=None, expected an integer"),
+    ],
+)
+def test_a_damaged_line_before_the_last_stops_the_resume(tmp_path, bad, why):
+    path = tmp_path / "metrics.jsonl"
+    lines = rows(3)
+    lines[4] = bad
+    path.write_text("".join(f"{line}\n" for line in lines))
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:5: .*{why}"):
+        _truncate_metrics(tmp_path, 1)
+    assert path.read_bytes() == before
+
+
+def test_reading_metrics_names_a_damaged_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{record('rollout', 0, 0)}\nnot json\n{record('rollout', 1, 1)}\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: not a metrics record"):
+        list(read_metrics(tmp_path))
