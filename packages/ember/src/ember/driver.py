@@ -207,8 +207,6 @@ class Driver:
 
         save_tokenizer_for_model(self.config.data.tokenizer_path, model_dir)
 
-        load_tokenizer(self.config.data.tokenizer_path).save_pretrained(model_dir)
-
     # -- one iteration -----------------------------------------------------------------------
 
     def push_weights(self, rollout_id: int) -> None:
