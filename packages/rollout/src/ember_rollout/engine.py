@@ -177,7 +177,8 @@ class Engine(abc.ABC):
         *,
         weight_version: str | None = None,
     ) -> None:
-        """Load weights given with their HF checkpoint names (a subset is fine)."""
+        """Load weights given with their HF checkpoint names; an engine may refuse names it does
+        not know, or a set that leaves weights out (the embedded engine does, naming them)."""
 
     @abc.abstractmethod
     async def update_weights_from_disk(

@@ -487,7 +487,7 @@ class HFEngine(Engine):
     def generate_uncached(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         """Generate one request at a time, re-running the full sequence every step (no cache).
 
-        The slow reference the batched path is measured and checked against: same sampler, same
+        The slow reference the batched path is checked against: same sampler, same
         seeds, but no padding, no batching and no KV cache.
         """
         if self.model is None:
