@@ -12,7 +12,7 @@ import pluggy
 import pytest
 
 from ember_core import hookspecs
-from ember_core.hookspecs import ConfigSection, KLExemption, Phase, Role, hookimpl
+from ember_core.hookspecs import ConfigSection, ExemptionScope, KLExemption, Phase, Role, hookimpl
 from ember_core.plugins import EmberPlugins, installed_plugins
 from ember_core.types import Sample
 
@@ -290,6 +290,31 @@ def test_hook_ember_kl_check_exemptions(plugins):
     assert plugins.kl_check_exemptions() == [
         KLExemption("r3_routing", "actor replays rollout routing")
     ]
+    # An exemption excuses any difference unless it says routing only.
+    assert plugins.kl_check_exemptions()[0].scope == ExemptionScope.ANY
+
+
+def test_hook_ember_replayed_reference_forward(plugins):
+    asked = []
+
+    class Asks:
+        @hookimpl
+        def ember_replayed_reference_forward(self, rollout_id):
+            asked.append(rollout_id)
+            return rollout_id == 0
+
+    class Quiet:
+        @hookimpl
+        def ember_replayed_reference_forward(self):
+            return None
+
+    assert plugins.replayed_reference_forward(0) is False
+    plugins.add(Quiet(), "quiet")
+    assert plugins.replayed_reference_forward(0) is False
+    plugins.add(Asks(), "asks")
+    assert plugins.replayed_reference_forward(0) is True
+    assert plugins.replayed_reference_forward(3) is False
+    assert asked == [0, 3]
 
 
 def test_hook_ember_after_train_step(plugins):

@@ -11,7 +11,7 @@ import pytest
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
 from ember_ci_kl_checker import plugin as checker_plugin
 from ember_core.config import AlgorithmConfig, CIConfig, CoreConfig, from_dict
-from ember_core.hookspecs import KLExemption, hookimpl
+from ember_core.hookspecs import ExemptionScope, KLExemption, hookimpl
 from ember_core.plugins import EmberPlugins, installed_plugins
 
 LOGGER = "ember_ci_kl_checker.plugin"
@@ -40,8 +40,10 @@ WITHOUT_ENGINE_LOG_PROBS = {k: v for k, v in ON_POLICY_ROLLOUT.items() if "rollo
 class Exempting:
     """Stands in for a plugin that changes the actor's forward relative to the reference's."""
 
-    def __init__(self, plugin: str, reason: str) -> None:
-        self.exemption = KLExemption(plugin, reason)
+    def __init__(
+        self, plugin: str, reason: str, scope: ExemptionScope = ExemptionScope.ANY
+    ) -> None:
+        self.exemption = KLExemption(plugin, reason, scope)
 
     @hookimpl
     def ember_kl_check_exemptions(self) -> KLExemption:
@@ -315,6 +317,57 @@ def test_exemptions_stand_the_actor_ref_checks_down_with_one_log_line(host, capl
             0, 1, 1, {**ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff": 1}
         )
     assert len(caplog.records) == 1
+
+
+REPLAYED = "rollout/ref_replayed_log_probs_max_abs_diff"
+
+
+@pytest.mark.parametrize(
+    ("scopes", "reference", "asks"),
+    [
+        ([ExemptionScope.ROUTING], True, True),
+        ([ExemptionScope.ROUTING, ExemptionScope.ROUTING], True, True),
+        ([ExemptionScope.ROUTING, ExemptionScope.ANY], True, False),
+        ([ExemptionScope.ANY], True, False),
+        ([], True, False),
+        ([ExemptionScope.ROUTING], False, False),
+    ],
+    ids=["routing", "two_routing", "routing_and_any", "any", "none", "no_reference"],
+)
+def test_a_routing_only_exemption_asks_for_the_replayed_reference_at_rollout_0(
+    host, scopes, reference, asks
+):
+    for k, scope in enumerate(scopes):
+        host.add(Exempting(f"p{k}", "routes differently", scope), f"p{k}")
+    configure(host, reference=reference)
+    assert host.replayed_reference_forward(0) is asks
+    assert host.replayed_reference_forward(1) is False
+    rollout = {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 0.3}
+    if asks:
+        with pytest.raises(KLCheckError, match=f"{REPLAYED} is not logged") as info:
+            host.after_log_rollout_data(0, rollout)
+        assert info.value.check == Check.ROLLOUT_REF_REPLAYED_LOG_PROBS
+        with pytest.raises(KLCheckError) as info:
+            host.after_log_rollout_data(0, {**rollout, REPLAYED: 2e-8})
+        assert info.value.detail == f"|{REPLAYED}| = 2.000e-08, expected < 1e-08"
+        host.after_log_rollout_data(0, {**rollout, REPLAYED: 0.0})
+    elif scopes:
+        host.after_log_rollout_data(0, rollout)  # exempted, and nothing replaces the check
+    # A later rollout never needs it; a logged one is still checked at rollout 0.
+    host.after_log_rollout_data(1, rollout)
+    with pytest.raises(KLCheckError, match=Check.ROLLOUT_REF_REPLAYED_LOG_PROBS):
+        host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, REPLAYED: float("nan")})
+
+
+@pytest.mark.parametrize("switch", ["disable", "not_ci"])
+def test_no_replayed_reference_is_asked_for_when_the_checker_is_off(host, switch):
+    host.add(Exempting("r", "routes differently", ExemptionScope.ROUTING), "r")
+    if switch == "disable":
+        configure(host, disable=True)
+    else:
+        configure(host, ci_test=False)
+    assert host.replayed_reference_forward(0) is False
+    host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, REPLAYED: 5.0})
 
 
 def test_plugins_that_report_no_exemption_change_nothing(host):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig
-from ember_core.hookspecs import Phase, Role, hookimpl
+from ember_core.hookspecs import ExemptionScope, KLExemption, Phase, Role, hookimpl
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample, pack_samples
 from ember_r3_routing import R3RoutingConfig
@@ -29,7 +29,7 @@ pytest.importorskip("ember_ci_kl_checker", reason="the combinations include the 
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
 
-from ember_ci_kl_checker import KLCheckerConfig  # noqa: E402
+from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError  # noqa: E402
 from ember_ci_kl_checker import plugin as checker_plugin  # noqa: E402
 from ember_megatron_backend.config import BackendConfig, OptimizerConfig  # noqa: E402
 from ember_megatron_backend.forward import model_inputs  # noqa: E402
@@ -78,9 +78,10 @@ def dist_env():
 
 @contextlib.contextmanager
 def running(
-    names: list[str], train: BackendConfig, *, algorithm=None, extra=(), **sections
+    names: list[str], train: BackendConfig, *, algorithm=None, extra=(), ci=True, **sections
 ) -> Iterator:
-    """A facade with `names` registered and configured as a CI run; all undone afterwards."""
+    """A facade with `names` registered and configured as a CI run (`ci`: the `ci.test`
+    switch); all undone afterwards."""
     plugins = EmberPlugins()
     registered = []
     try:
@@ -95,7 +96,7 @@ def running(
             train=train,
             algorithm=algorithm or AlgorithmConfig(),
             plugins=list(names),
-            ci=CIConfig(test=True),
+            ci=CIConfig(test=ci),
         )
         plugins.configure(config, {n: s for n, s in sections.items() if n in names})
         yield plugins
@@ -245,6 +246,125 @@ def test_plugin_combinations_on_a_megatron_worker(dist_env, caplog, names):
         assert r3_plugin.EXEMPTION_REASON in message
     else:
         assert lines == []
+
+
+# -- the checker's replayed reference ----------------------------------------------------------
+
+BOTH = ["r3_routing", "ci_kl_checker"]
+REPLAYED = "rollout/ref_replayed_log_probs_max_abs_diff"
+LOOSE = KLCheckerConfig(train_rollout_logprob_abs_diff_threshold=10.0)
+"""make_samples' rollout log-probs are random draws, not an engine's: no mismatch ceiling."""
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(dist_env, tmp_path_factory):
+    """An HF checkpoint of the actor after one rollout of training: a wrong reference."""
+    with running([], backend()) as plugins:
+        worker = MegatronWorker(backend(), AlgorithmConfig(), SamplingConfig(), plugins)
+        worker.train(0, worker.prepare(0, make_samples(seed=3)))
+        return str(worker.export_hf(tmp_path_factory.mktemp("trained")))
+
+
+class ForwardCount:
+    """Counts the forwards of one model."""
+
+    def __init__(self, model) -> None:
+        self.count = 0
+        model.register_forward_hook(self.hook)
+
+    def hook(self, module, args, output) -> None:
+        self.count += 1
+
+
+def micro_batches(batch) -> int:
+    return sum(len(step) for step in batch.steps)
+
+
+def test_under_r3_the_reference_replaying_the_rollout_routing_matches_the_actor(dist_env):
+    train = backend()
+    algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
+    samples = make_samples()
+    with running(BOTH, train, algorithm=algorithm, ci_kl_checker=LOOSE) as plugins:
+        worker = MegatronWorker(train, algorithm, SamplingConfig(temperature=0.8), plugins)
+        ref = RouterLog(worker.ref)
+        batch = worker.prepare(0, samples)
+        rollout = worker.log_rollout_data(0, batch)  # the check passes
+        steps = worker.train(0, batch)
+    # Exactly the actor's old log-probs, token by token, once the reference routes as the
+    # rollout did; its own forward (the KL loss's) still routes by itself and differs.
+    for actor, replayed in zip(batch.log_probs, batch.ref_replayed_log_probs, strict=True):
+        assert torch.equal(actor, replayed)
+    assert rollout[REPLAYED] == 0.0
+    assert rollout["rollout/log_probs_ref_max_abs_diff"] > 1e-3
+    assert steps[0]["train/kl_loss"] > 1e-5
+    # Per micro-batch: the normal forward routes naturally, the check-only one replays.
+    calls = [(layer, used, natural) for layer, _, used, natural in ref.calls]
+    per_forward = LAYERS
+    assert len(calls) == 2 * micro_batches(batch) * per_forward
+    for k in range(0, len(calls), 2 * per_forward):
+        normal, check = calls[k : k + per_forward], calls[k + per_forward : k + 2 * per_forward]
+        assert all(torch.equal(used, routing_map(nat)) for _, used, nat in normal)
+        assert any(not torch.equal(used, routing_map(nat)) for _, used, nat in check)
+
+
+def test_under_r3_a_trained_reference_stops_the_run_at_rollout_0(dist_env, trained_checkpoint):
+    train = backend(ref_load=trained_checkpoint)
+    algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
+    with running(BOTH, train, algorithm=algorithm, ci_kl_checker=LOOSE) as plugins:
+        worker = MegatronWorker(train, algorithm, SamplingConfig(), plugins)
+        batch = worker.prepare(0, make_samples())
+        with pytest.raises(KLCheckError) as info:
+            worker.log_rollout_data(0, batch)
+    error = info.value
+    assert error.check == Check.ROLLOUT_REF_REPLAYED_LOG_PROBS
+    assert error.step == "rollout 0 (log_rollout_data)"
+    assert error.metrics[REPLAYED] > 1e-3
+    assert f"|{REPLAYED}| = " in str(error) and "expected < 1e-08" in str(error)
+
+
+class AnyDifference:
+    """A plugin whose exemption is not about routing: the checker cannot restore exactness."""
+
+    @hookimpl
+    def ember_kl_check_exemptions(self) -> KLExemption:
+        return KLExemption("adapter", "only the actor carries an adapter", ExemptionScope.ANY)
+
+
+@pytest.mark.parametrize(
+    ("ci", "disable", "extra", "extra_forward"),
+    [
+        (True, False, (), True),
+        (False, False, (), False),
+        (True, True, (), False),
+        (True, False, (AnyDifference(),), False),
+    ],
+    ids=["ci", "not_ci", "disabled", "exemption_not_about_routing"],
+)
+def test_the_replayed_reference_forward_runs_only_at_rollout_0_of_a_routing_exempt_ci_run(
+    dist_env, trained_checkpoint, ci, disable, extra, extra_forward
+):
+    # A wrong reference: wherever the replayed check does not run, nothing stops the run.
+    train = backend(ref_load=trained_checkpoint)
+    algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
+    checker = KLCheckerConfig(disable=disable, train_rollout_logprob_abs_diff_threshold=10.0)
+    with running(BOTH, train, algorithm=algorithm, extra=extra, ci=ci, ci_kl_checker=checker) as (
+        plugins
+    ):
+        worker = MegatronWorker(train, algorithm, SamplingConfig(), plugins)
+        forwards = ForwardCount(worker.ref)
+        counts, logged = [], []
+        for rollout_id in (0, 1):
+            batch = worker.prepare(rollout_id, make_samples(seed=rollout_id))
+            counts.append(forwards.count / micro_batches(batch))
+            forwards.count = 0
+            if extra_forward and rollout_id == 0:
+                with pytest.raises(KLCheckError, match=Check.ROLLOUT_REF_REPLAYED_LOG_PROBS):
+                    worker.log_rollout_data(rollout_id, batch)
+                continue
+            logged.append(REPLAYED in worker.log_rollout_data(rollout_id, batch))
+            worker.train(rollout_id, batch)  # kl_loss > 0 stands down or is not checked
+    assert counts == ([2.0, 1.0] if extra_forward else [1.0, 1.0])
+    assert not any(logged)
 
 
 # -- replay on a whole GPTModel -------------------------------------------------------------

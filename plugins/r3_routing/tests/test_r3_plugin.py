@@ -87,10 +87,17 @@ def test_exemption_says_why_actor_and_reference_differ(host):
 def test_reference_and_critic_passes_are_left_alone(host):
     for role in (Role.REF, Role.CRITIC):
         for phase in Phase:
+            if role == Role.REF and phase == Phase.REPLAY_CHECK:
+                continue  # the check-only forward replays (test_r3_replay)
             assert r3_plugin.ember_forward_context(role=role, phase=phase, batch=None) is None
             # A replaying context would read batch.model and fail on a bare object.
             with host.forward_context(role, phase, batch=object()):
                 pass
+    # The reference's check-only forward does replay: it reads the batch.
+    assert r3_plugin.ember_forward_context(Role.REF, Phase.REPLAY_CHECK, None) is not None
+    with pytest.raises(AttributeError, match="model"):
+        with host.forward_context(Role.REF, Phase.REPLAY_CHECK, batch=object()):
+            pass
 
 
 def test_configure_requires_the_model_shape(reset_plugin):
@@ -155,13 +162,19 @@ def test_kl_checker_stands_down_for_r3_with_one_line(shape, reset_plugin, caplog
         sections = {name: cls() for name, cls in plugins.config_sections().items()}
         sections["r3_routing"] = shape
         plugins.configure(config, sections)
+        # R3 excuses routing only: the checker asks for the replayed reference at rollout 0.
+        assert plugins.replayed_reference_forward(0)
+        assert not plugins.replayed_reference_forward(1)
         first_step = {"train/ppo_kl": 0.0, "train/pg_clipfrac": 0.0, "train/kl_loss": 0.004}
-        plugins.after_log_rollout_data(
-            0, {"rollout/log_probs": -1.0, "rollout/ref_log_probs": -1.1}
-        )
+        rollout = {"rollout/log_probs": -1.0, "rollout/ref_log_probs": -1.1}
+        replayed = "rollout/ref_replayed_log_probs_max_abs_diff"
+        with pytest.raises(AssertionError, match=f"{replayed} is not logged"):
+            plugins.after_log_rollout_data(0, rollout)
+        plugins.after_log_rollout_data(0, {**rollout, replayed: 0.0})
         plugins.after_train_step(0, 0, 0, first_step)
         [record] = caplog.records
         assert f"r3_routing: {r3_plugin.EXEMPTION_REASON}" in record.getMessage()
+        assert "first_rollout_ref_replayed_log_probs at rollout 0" in record.getMessage()
         with pytest.raises(AssertionError, match="first_step_ppo_kl"):
             plugins.after_train_step(0, 0, 0, {"train/ppo_kl": 0.01, "train/pg_clipfrac": 0.0})
     finally:

@@ -118,16 +118,17 @@ def assert_idle(model: ToyMoE) -> None:
 # -- model config ----------------------------------------------------------------------------
 
 
-def test_replay_is_on_for_the_actor_only(host):
+def test_replay_is_built_for_the_actor_and_the_reference_only(host):
     actor, ref, critic = transformer_config(), transformer_config(), transformer_config()
-    ref.moe_enable_routing_replay = True  # even a config shared with the actor is reset
+    critic.moe_enable_routing_replay = True  # even a config shared with the actor is reset
     host.model_config(Role.ACTOR, actor)
     host.model_config(Role.REF, ref)
     host.model_config(Role.CRITIC, critic)
-    assert actor.moe_enable_routing_replay is True
-    assert ref.moe_enable_routing_replay is False and critic.moe_enable_routing_replay is False
+    assert actor.moe_enable_routing_replay is True and ref.moe_enable_routing_replay is True
+    assert critic.moe_enable_routing_replay is False
     assert ToyMoE(actor, [0, 2]).routers[0].router_replay is not None
-    assert ToyMoE(ref, [0, 2]).routers[0].router_replay is None
+    assert ToyMoE(ref, [0, 2]).routers[0].router_replay is not None
+    assert ToyMoE(critic, [0, 2]).routers[0].router_replay is None
 
 
 @pytest.mark.parametrize(
@@ -188,18 +189,34 @@ def test_log_prob_pass_routes_every_token_as_the_rollout_did(host, shape):
     assert all(torch.equal(a, b) for a, b in zip(model.maps, live, strict=True))
 
 
-def test_reference_model_keeps_its_own_routing(host, shape):
+def batch_of(model, samples):
+    return types.SimpleNamespace(model=model, samples=samples)
+
+
+def test_reference_routes_by_itself_except_in_its_replay_check(host, shape):
     ref = build(Role.REF)
     samples = [make_sample(6, shape, seed=3)]
     hidden = torch.randn(6, 1, HIDDEN)
-    batch = types.SimpleNamespace(model=ref, samples=samples)
+    batch = batch_of(ref, samples)
+    natural = len(ref.routers)
     with torch.no_grad():
         ref(hidden)
-        with host.forward_context(Role.REF, Phase.LOG_PROB, batch):
+        for phase in (Phase.LOG_PROB, Phase.TRAIN):
+            with host.forward_context(Role.REF, phase, batch):
+                ref(hidden)
+        with host.forward_context(Role.REF, Phase.REPLAY_CHECK, batch):
             ref(hidden)
-    assert all(torch.equal(a, b) for a, b in zip(ref.maps[:2], ref.maps[2:], strict=True))
+        ref(hidden)  # and normal again afterwards
+    maps = [ref.maps[k : k + natural] for k in range(0, len(ref.maps), natural)]
+    first, *scoring, check, after = maps
+    for other in (*scoring, after):
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+    for used, expected in zip(check, expected_maps(samples, shape), strict=True):
+        assert torch.equal(used, expected)  # the engine's choice at every forwarded position
+    assert not all(torch.equal(a, b) for a, b in zip(first, check, strict=True))
+    critic = build(Role.CRITIC)
     with pytest.raises(RuntimeError, match="no router with replay on"):
-        with host.forward_context(Role.ACTOR, Phase.LOG_PROB, batch):
+        with host.forward_context(Role.ACTOR, Phase.LOG_PROB, batch_of(critic, samples)):
             pass
 
 

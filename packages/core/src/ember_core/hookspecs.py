@@ -42,6 +42,10 @@ class Phase(enum.StrEnum):
     """The forward of a training step, whose graph backward will use."""
     BACKWARD = "backward"
     """The backward of a training step, including any activation recompute it triggers."""
+    REPLAY_CHECK = "replay_check"
+    """A check-only forward of the reference that routes every MoE layer as the rollout engine
+    did (CI mode, rollout 0, on request of `ember_replayed_reference_forward`). Its log-probs
+    feed no loss; they are compared with the actor's old log-probs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +56,25 @@ class ConfigSection:
     cls: type
 
 
+class ExemptionScope(enum.StrEnum):
+    """What kind of actor/reference difference a `KLExemption` excuses."""
+
+    ROUTING = "routing"
+    """Only which experts the MoE layers pick: a reference forward that replays the rollout's
+    routing must agree with the actor exactly again."""
+    ANY = "any"
+    """Any difference: no extra forward can restore an exact comparison."""
+
+
 @dataclass(frozen=True, slots=True)
 class KLExemption:
     """A plugin's statement that the initial actor/reference KL is not expected to be zero."""
 
     plugin: str
     reason: str
+    scope: ExemptionScope = ExemptionScope.ANY
+    """What the exemption excuses; ROUTING lets a checker compare a routing-replayed reference
+    forward with the actor instead of standing down."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,8 +187,26 @@ def ember_kl_check_exemptions() -> KLExemption | None:
     """Say why the initial actor/reference KL is not expected to be exactly zero.
 
     Returns:
-        An exemption naming the plugin and the reason, or None when this plugin does not change
-        the actor's forward relative to the reference's.
+        An exemption naming the plugin, the reason and its scope (`ExemptionScope`), or None
+        when this plugin does not change the actor's forward relative to the reference's.
+    """
+
+
+@hookspec
+def ember_replayed_reference_forward(rollout_id: int) -> bool | None:
+    """Ask the backend for one extra, check-only forward of the reference at this rollout.
+
+    When any plugin answers True, the backend scores the rollout a second time with the
+    reference under `Phase.REPLAY_CHECK` (a routing-replay plugin makes its routers pick the
+    rollout's experts there), keeps the reference's normal forward for every loss, and logs
+    `rollout/ref_replayed_log_probs_max_abs_diff`: the largest |old actor - replayed reference|
+    log-prob over the counted response tokens of all ranks.
+
+    Args:
+        rollout_id: The rollout about to be scored.
+
+    Returns:
+        True to ask for the forward; False or None otherwise.
     """
 
 

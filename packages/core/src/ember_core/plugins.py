@@ -179,6 +179,10 @@ class EmberPlugins:
     def kl_check_exemptions(self) -> list[KLExemption]:
         return list(reversed(self.pm.hook.ember_kl_check_exemptions()))
 
+    def replayed_reference_forward(self, rollout_id: int) -> bool:
+        """Whether any plugin asks for the check-only, routing-replayed reference forward."""
+        return any(self.pm.hook.ember_replayed_reference_forward(rollout_id=rollout_id))
+
     # -- logging -------------------------------------------------------------------------------
 
     def after_train_step(

@@ -60,6 +60,9 @@ class RolloutBatch:
     """Returns (the critic's regression targets)."""
     ref_log_probs: list[Tensor] | None = None
     """Reference log-probs at the rollout temperature (when a reference is built)."""
+    ref_replayed_log_probs: list[Tensor] | None = None
+    """The reference's log-probs with the rollout's routing replayed (`Phase.REPLAY_CHECK`),
+    only when a plugin asked for that check-only forward; no loss reads them."""
     values: list[Tensor] | None = None
     """Old critic values (when a critic is built)."""
     rollout_log_probs: list[Tensor] | None = None

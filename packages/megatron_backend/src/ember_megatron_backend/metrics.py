@@ -15,6 +15,7 @@ from ember_megatron_backend.batches import RolloutBatch
 
 __all__ = [
     "REF_MAX_ABS_DIFF",
+    "REF_REPLAYED_MAX_ABS_DIFF",
     "ROLLOUT_KEYS",
     "SampleMeans",
     "masked_max_abs_diff",
@@ -41,6 +42,9 @@ ROLLOUT_KEYS = (
 REF_MAX_ABS_DIFF = "rollout/log_probs_ref_max_abs_diff"
 """max |log_prob - ref_log_prob| over the counted response tokens of every rank (a reference
 exists): the per-token comparison of actor and reference, which a difference of means can hide."""
+REF_REPLAYED_MAX_ABS_DIFF = "rollout/ref_replayed_log_probs_max_abs_diff"
+"""The same maximum against the reference's check-only forward with the rollout's routing
+replayed (`Phase.REPLAY_CHECK`); logged only at the rollouts a plugin asked for it."""
 
 
 class SampleMeans:
@@ -125,7 +129,8 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
     samples without a counted token do not enter those means. rollout/routing_agreement is the
     mean over samples of each sample's fraction of agreeing (position, MoE layer) routings;
     rollout/replay_agreement, logged only when routers replay, is the same for the experts the
-    forward actually used. `REF_MAX_ABS_DIFF` is a maximum over the counted tokens of all ranks.
+    forward actually used. `REF_MAX_ABS_DIFF` (and `REF_REPLAYED_MAX_ABS_DIFF`, when the batch
+    holds the replayed reference's log-probs) is a maximum over the counted tokens of all ranks.
     """
     means = SampleMeans(ROLLOUT_KEYS)
     masks = batch.loss_masks
@@ -155,8 +160,15 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
         has = replay_compared > 0
         means.add("rollout/replay_agreement", replayed[has] / replay_compared[has])
     metrics = means.reduce(group)
-    if batch.ref_log_probs is not None:  # the same on every rank: one config builds the models
-        largest = masked_max_abs_diff(batch.log_probs, batch.ref_log_probs, masks, group)
-        if largest is not None:
-            metrics[REF_MAX_ABS_DIFF] = largest
+    # Both are None or not on every rank alike: one config builds the models, and the replayed
+    # forward is asked for by rollout id.
+    maxima = {
+        REF_MAX_ABS_DIFF: batch.ref_log_probs,
+        REF_REPLAYED_MAX_ABS_DIFF: batch.ref_replayed_log_probs,
+    }
+    for key, ref in maxima.items():
+        if ref is not None:
+            largest = masked_max_abs_diff(batch.log_probs, ref, masks, group)
+            if largest is not None:
+                metrics[key] = largest
     return metrics

@@ -231,6 +231,11 @@ class MegatronWorker:
         log_probs: list[Any] = [None] * n
         entropy: list[Any] = [None] * n
         ref_log_probs: list[Any] | None = [None] * n if self.ref is not None else None
+        # A check-only second reference forward with the rollout's routing replayed, when a
+        # plugin asks (the CI checker does at rollout 0 under routing replay).
+        replayed_ref: list[Any] | None = None
+        if self.ref is not None and self.plugins.replayed_reference_forward(rollout_id):
+            replayed_ref = [None] * n
         values: list[Any] | None = [None] * n if self.critic is not None else None
         routing = torch.zeros(n, 4, dtype=torch.float64) if has_experts else None
         temperature = self.sampling.temperature
@@ -240,6 +245,12 @@ class MegatronWorker:
                 with self.plugins.forward_context(Role.REF, Phase.LOG_PROB, mb):
                     out = forward_only(self.ref, mb.samples, role="ref", temperature=temperature)
                 _scatter(ref_log_probs, indices, out.log_probs)
+                if replayed_ref is not None:
+                    with self.plugins.forward_context(Role.REF, Phase.REPLAY_CHECK, mb):
+                        out = forward_only(
+                            self.ref, mb.samples, role="ref", temperature=temperature
+                        )
+                    _scatter(replayed_ref, indices, out.log_probs)
             mb = pack_micro_batch(self.actor, samples, indices)
             record = (
                 self.routing.record(mb, routing)
@@ -291,6 +302,7 @@ class MegatronWorker:
             advantages=advantages,
             returns=returns,
             ref_log_probs=ref_log_probs,
+            ref_replayed_log_probs=replayed_ref,
             values=values,
             rollout_log_probs=rollout_lp,
             routing=routing,

@@ -17,6 +17,10 @@ class Check(enum.StrEnum):
     ROLLOUT_REF_LOG_PROBS = "first_rollout_ref_log_probs"
     """rollout/log_probs_ref_max_abs_diff (max over tokens of |actor - reference| log-prob)
     < tolerance at rollout 0, unless exempted."""
+    ROLLOUT_REF_REPLAYED_LOG_PROBS = "first_rollout_ref_replayed_log_probs"
+    """rollout/ref_replayed_log_probs_max_abs_diff (max over tokens of |actor - reference|
+    log-prob, the reference replaying the rollout's routing in a check-only forward) < tolerance
+    at rollout 0, when every exemption excuses routing only."""
     TRAIN_ROLLOUT_MISMATCH = "train_rollout_mismatch_ceiling"
     """train/ and rollout/train_rollout_logprob_abs_diff <= the configured ceiling, at every
     step and rollout."""

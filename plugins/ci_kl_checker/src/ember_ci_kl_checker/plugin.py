@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember_ci_kl_checker.config import SECTION, KLCheckerConfig
 from ember_ci_kl_checker.errors import Check, KLCheckError
-from ember_core.hookspecs import ConfigSection, KLExemption, hookimpl
+from ember_core.hookspecs import ConfigSection, ExemptionScope, KLExemption, hookimpl
 
 if TYPE_CHECKING:
     from ember_core.plugins import EmberPlugins
@@ -22,6 +22,8 @@ PPO_KL = "train/ppo_kl"
 KL_LOSS = "train/kl_loss"
 REF_MAX_ABS_DIFF = "rollout/log_probs_ref_max_abs_diff"
 """max |actor - reference| log-prob over a rollout's counted response tokens (all ranks)."""
+REF_REPLAYED_MAX_ABS_DIFF = "rollout/ref_replayed_log_probs_max_abs_diff"
+"""The same maximum against a check-only reference forward that replays the rollout's routing."""
 ROLLOUT_LOG_PROBS = "rollout/rollout_log_probs"
 """Logged when the rollout's samples carry the engine's log-probs."""
 TRAIN_MISMATCH = "train/train_rollout_logprob_abs_diff"
@@ -132,9 +134,16 @@ class KLChecker:
         if engine or TRAIN_MISMATCH in metrics:
             self._expect_ceiling(TRAIN_MISMATCH, metrics, where, self._engine_reason(rollout_id))
 
+    def wants_replayed_reference(self, rollout_id: int) -> bool:
+        """Whether to ask for the check-only reference forward that replays the rollout's
+        routing: at rollout 0 of a CI run with a reference, when plugins exempted the
+        actor/reference checks for routing alone."""
+        return self.active and rollout_id == 0 and bool(self.reference) and self._routing_only()
+
     def after_log_rollout_data(self, rollout_id: int, metrics: Mapping[str, Any]) -> None:
         """At rollout 0, check that actor and reference agree on every counted token's
-        log-prob; at every rollout, check the mismatch ceiling."""
+        log-prob (under a routing-only exemption, the reference that replays the rollout's
+        routing); at every rollout, check the mismatch ceiling."""
         if not self.active:
             return
         where = f"rollout {rollout_id} (log_rollout_data)"
@@ -145,6 +154,17 @@ class KLChecker:
                 metrics,
                 where,
                 self._reference_reason(),
+            )
+        if rollout_id == 0 and (
+            self.wants_replayed_reference(rollout_id) or REF_REPLAYED_MAX_ABS_DIFF in metrics
+        ):
+            self._expect_zero(
+                Check.ROLLOUT_REF_REPLAYED_LOG_PROBS,
+                REF_REPLAYED_MAX_ABS_DIFF,
+                metrics,
+                where,
+                f"{self._reference_reason()} and every exemption excuses routing only, so the "
+                "checker asked for the reference forward that replays the rollout's routing",
             )
         if ROLLOUT_LOG_PROBS in metrics:
             self._engine_log_probs.add(rollout_id)
@@ -163,18 +183,26 @@ class KLChecker:
     def _engine_reason(rollout_id: int) -> str:
         return f"rollout {rollout_id} carries the engine's log-probs ({ROLLOUT_LOG_PROBS})"
 
+    def _routing_only(self) -> bool:
+        """Plugins exempted the actor/reference checks, each for routing alone."""
+        exemptions = self.exemptions()
+        return bool(exemptions) and all(e.scope == ExemptionScope.ROUTING for e in exemptions)
+
     def _exempted(self) -> bool:
         exemptions = self.exemptions()
         if exemptions and not self._announced:
             self._announced = True
             reasons = "; ".join(f"{e.plugin}: {e.reason}" for e in exemptions)
+            still = [str(Check.PPO_KL)]
+            if self.reference and self._routing_only():
+                still.append(f"{Check.ROLLOUT_REF_REPLAYED_LOG_PROBS} at rollout 0")
             logger.info(
                 "ci_kl_checker: the initial actor/reference KL checks (%s, %s) stand down, "
                 "exempted by %s (%s still checked)",
                 Check.KL_LOSS,
                 Check.ROLLOUT_REF_LOG_PROBS,
                 reasons,
-                Check.PPO_KL,
+                " and ".join(still),
             )
         return bool(exemptions)
 
@@ -271,6 +299,11 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
         reference=reference,
         ceiling=section.train_rollout_logprob_abs_diff_threshold,
     )
+
+
+@hookimpl
+def ember_replayed_reference_forward(rollout_id: int) -> bool:
+    return _current().wants_replayed_reference(rollout_id)
 
 
 @hookimpl

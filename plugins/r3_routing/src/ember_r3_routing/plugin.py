@@ -6,7 +6,14 @@ import dataclasses
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ember_core.hookspecs import ConfigSection, KLExemption, Phase, Role, hookimpl
+from ember_core.hookspecs import (
+    ConfigSection,
+    ExemptionScope,
+    KLExemption,
+    Phase,
+    Role,
+    hookimpl,
+)
 from ember_core.types import SampleStatus
 from ember_r3_routing import replay
 from ember_r3_routing.config import SECTION, R3RoutingConfig
@@ -16,7 +23,8 @@ EXEMPTION_REASON = (
     "the actor replays the rollout engine's expert choices in every MoE layer while the "
     "reference routes with its own router, so the two can pick different experts for the same "
     "token and their log-probs differ from the first step (ppo_kl stays exactly zero: old and "
-    "new actor log-probs replay the same experts)"
+    "new actor log-probs replay the same experts; a reference forward that replays the same "
+    "experts agrees with the actor exactly)"
 )
 
 _config: R3RoutingConfig | None = None
@@ -113,11 +121,12 @@ def ember_process_sample(sample: Any, meta_info: dict[str, Any], engine: str) ->
 def ember_forward_context(
     role: Role, phase: Phase, batch: Any
 ) -> AbstractContextManager[None] | None:
-    if role != Role.ACTOR:
-        return None  # the reference and the critic route as they would anyway
-    return replay.replay_context(phase, batch, _current())
+    if role == Role.ACTOR or (role == Role.REF and phase == Phase.REPLAY_CHECK):
+        return replay.replay_context(phase, batch, _current())
+    # The reference's scoring for losses and the critic route as they would anyway.
+    return None
 
 
 @hookimpl
 def ember_kl_check_exemptions() -> KLExemption:
-    return KLExemption(SECTION, EXEMPTION_REASON)
+    return KLExemption(SECTION, EXEMPTION_REASON, ExemptionScope.ROUTING)

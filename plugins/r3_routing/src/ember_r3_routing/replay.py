@@ -20,11 +20,13 @@ logger = logging.getLogger(__name__)
 
 
 def configure_model(role: Role, model_config: Any, config: R3RoutingConfig) -> None:
-    """Turn router replay on for the actor's model config and off for every other role.
+    """Give the actor's and the reference's routers replay, and the critic's none.
 
     megatron-core creates a `RouterReplay` for a `TopKRouter` only when its config has
-    `moe_enable_routing_replay` set at construction, so the reference and the critic, built with
-    it off, keep normal routing even if they share a config object with the actor.
+    `moe_enable_routing_replay` set at construction. A router with one routes normally until an
+    action is set (`replay_context` sets it around a pass and clears it after), so the
+    reference keeps normal routing in every pass but the check-only `Phase.REPLAY_CHECK`
+    forward; the critic, built with it off, never replays.
 
     Args:
         role: The model about to be built.
@@ -35,11 +37,13 @@ def configure_model(role: Role, model_config: Any, config: R3RoutingConfig) -> N
         ValueError: The actor is dense, its shape differs from the section, or it uses a routing
             feature that replay cannot reproduce exactly.
     """
-    if role != Role.ACTOR:
+    if role not in (Role.ACTOR, Role.REF):
         if hasattr(model_config, "moe_enable_routing_replay"):
             model_config.moe_enable_routing_replay = False
         return
     num_experts = getattr(model_config, "num_moe_experts", None)
+    if not num_experts and role == Role.REF:
+        return  # a dense reference: nothing routes (the actor's check names the problem)
     if not num_experts:
         raise ValueError(
             f"r3_routing is enabled but the actor model is dense (num_moe_experts="
@@ -75,7 +79,10 @@ def configure_model(role: Role, model_config: Any, config: R3RoutingConfig) -> N
         )
     if getattr(model_config, "moe_router_fusion", False):
         # The fused top-k kernel returns before megatron-core consults RouterReplay.
-        logger.warning("r3_routing: moe_router_fusion turned off, the fused router cannot replay")
+        if role == Role.ACTOR:  # one line for the run: the reference shares the config
+            logger.warning(
+                "r3_routing: moe_router_fusion turned off, the fused router cannot replay"
+            )
         model_config.moe_router_fusion = False
     model_config.moe_enable_routing_replay = True
 
@@ -103,8 +110,8 @@ def replay_routers(model: Any, config: R3RoutingConfig) -> list[tuple[int, Any]]
                 found.append((module.layer_number - 1, module))
     if not found:
         raise RuntimeError(
-            "r3_routing: the actor model has no router with replay on; the backend must call "
-            "the plugins' model_config hook for the actor before building it"
+            "r3_routing: the model has no router with replay on; the backend must call the "
+            "plugins' model_config hook for the actor and the reference before building them"
         )
     moe = set(config.moe_layers)
     for layer, _ in found:
@@ -226,13 +233,14 @@ def _guard_row_count(layer: int, router: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def replay_context(phase: Phase, batch: Any, config: R3RoutingConfig) -> Iterator[None]:
-    """Make every MoE router of the actor select the rollout's experts during one pass.
+    """Make every MoE router of a model select the rollout's experts during one pass.
 
     Selection is replayed; the probabilities are still the router's scores gathered at the
     replayed ids, so the router weights get gradients.
 
     Args:
-        phase: LOG_PROB (forward only), TRAIN (a training forward; its experts are queued for
+        phase: LOG_PROB or REPLAY_CHECK (forward only: the actor's scoring, the reference's
+            check-only forward), TRAIN (a training forward; its experts are queued for
             the recompute of its backward) or BACKWARD (the backward of the oldest queued
             training forward, with any activation recompute it triggers).
         batch: The backend's micro-batch. Read: `model` (module or list of chunks),
@@ -268,6 +276,7 @@ def replay_context(phase: Phase, batch: Any, config: R3RoutingConfig) -> Iterato
                 replay.clear_router_replay_action()
         return
 
+    forward_only = phase in (Phase.LOG_PROB, Phase.REPLAY_CHECK)
     packed = getattr(batch, "packed", None)
     rows = replay_targets(
         batch.samples,
@@ -277,7 +286,7 @@ def replay_context(phase: Phase, batch: Any, config: R3RoutingConfig) -> Iterato
         num_rows=packed.padded_length if packed is not None else None,
     )
     for j, ((_, router), replay) in enumerate(zip(routers, replays, strict=True)):
-        if phase == Phase.LOG_PROB:
+        if forward_only:
             replay.clear_indices()
         # gather() needs int64 ids; the compact copy stays the stored form.
         replay.set_target_indices(rows[:, j].to(router.weight.device, torch.long))
@@ -288,7 +297,7 @@ def replay_context(phase: Phase, batch: Any, config: R3RoutingConfig) -> Iterato
         completed = True
     finally:
         for replay in replays:
-            if phase == Phase.LOG_PROB:
+            if forward_only:
                 replay.clear_indices()
                 replay.clear_router_replay_action()
             elif completed:
