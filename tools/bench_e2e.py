@@ -1,10 +1,17 @@
-"""Seconds per RL iteration of a run, split into rollout, log-probs, training and weight push.
+"""Seconds per RL iteration of a run, split into phases, and two side-by-side comparisons.
 
     uv run python tools/bench_e2e.py [CONFIG] [--rollouts N] [--set key=value ...]
+                                     [--rows phases,engines,async]
 
-Runs the config (default: the default CPU example) through the real Ray driver for N rollouts
-and prints, per phase, the mean seconds per iteration (the first iteration, which pays for
-warm-up, is reported apart), its share of the iteration and tokens per second.
+Each measurement runs `ember train CONFIG` (default: the default CPU example) in a fresh process
+for N rollouts and reads its `metrics.jsonl`; the first iteration, which pays for warm-up, is
+left out of every mean. Rows:
+
+- phases: per phase, the mean seconds per iteration, its share, and the first iteration.
+- engines: the rollout phase (`perf/rollout_time`) of 2 embedded engines of 1 thread each vs 1
+  engine of 2 threads (`engine.hf.num_threads`), the same config otherwise. Target <= 0.8.
+- async: seconds per iteration (`perf/iteration_time`) with `rollout.async=true` vs without.
+  Target <= 0.7.
 """
 
 from __future__ import annotations
@@ -12,19 +19,72 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-import ember  # noqa: F401  (sets Ray's environment before Ray is imported)
-from ember.config import load_config
-from ember.driver import Driver
-
 PHASES = {
-    "rollout": "perf/rollout_time",
+    "rollout (waited)": "perf/rollout_time",
     "ref + old log-probs": "perf/log_probs_time",
     "training": "perf/train_time",
     "weight push": "perf/weight_push_time",
 }
+ROWS = ("phases", "engines", "async")
+ENGINES_TARGET = 0.8
+ASYNC_TARGET = 0.7
+
+
+def measure(config: str | None, rollouts: int, overrides: list[str]) -> list[dict]:
+    """The rollout records of one `ember train` run in a fresh process (and a fresh Ray)."""
+    with tempfile.TemporaryDirectory(prefix="ember-bench-") as tmp:
+        sets = [
+            f"run.num_rollouts={rollouts}",
+            "run.save_interval=0",
+            "run.plot=false",
+            "run.tensorboard=false",
+            *overrides,
+            f"run.dir={tmp}/run",
+        ]
+        argv = [sys.executable, "-m", "ember.cli", "train", *([config] if config else [])]
+        for item in sets:
+            argv += ["--set", item]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"bench_e2e: {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+        lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "rollout"]
+
+
+def mean(records: list[dict], key: str) -> float:
+    """Mean of `key` over the iterations after the first (warm-up)."""
+    return statistics.mean(r[key] for r in (records[1:] or records))
+
+
+def phases(name: str, records: list[dict]) -> None:
+    first, rest = records[0], records[1:] or records
+    samples = mean(records, "rollout/num_samples")
+    resp_tokens = mean(records, "rollout/response_len_mean") * samples
+    total = mean(records, "perf/iteration_time")
+    print(
+        f"{name}: {len(rest)} iterations measured (after 1 warm-up), "
+        f"{samples:.0f} samples and {resp_tokens:.0f} response tokens per iteration"
+    )
+    print(f"{'phase':<22}{'s/iter':>9}{'share':>8}{'first':>9}")
+    for label, key in PHASES.items():
+        value = mean(records, key)
+        print(f"{label:<22}{value:>9.3f}{value / total:>8.1%}{first[key]:>9.3f}")
+    print(f"{'iteration':<22}{total:>9.3f}{1:>8.0%}{first['perf/iteration_time']:>9.3f}")
+    generation = mean(records, "perf/rollout_time_s")
+    print(f"rollout generation: {resp_tokens / generation:,.0f} response tokens/s")
+    print(f"end to end: {resp_tokens / total:,.0f} response tokens/s, {1 / total:.2f} iterations/s")
+
+
+def ratio_row(label: str, ours: float, theirs: float, unit: str, target: float) -> None:
+    value = ours / theirs
+    verdict = "met" if value <= target else "NOT met"
+    print(f"{label}: {ours:.3f} vs {theirs:.3f} {unit} -> {value:.2f}x", end=" ")
+    print(f"(target <= {target}: {verdict})")
 
 
 def main() -> None:
@@ -32,41 +92,46 @@ def main() -> None:
     parser.add_argument("config", nargs="?", default=None)
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
     args = parser.parse_args()
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        parser.error(f"--rows: unknown {unknown}; expected some of {', '.join(ROWS)}")
+    name = args.config or "default"
 
-    with tempfile.TemporaryDirectory(prefix="ember-bench-") as tmp:
-        overrides = [
-            f"run.num_rollouts={args.rollouts}",
-            "run.save_interval=0",
-            "run.plot=false",
-            "run.tensorboard=false",
-            *args.set,
-        ]
-        config, _ = load_config(args.config, overrides=overrides)
-        driver = Driver(config, Path(tmp))
-        try:
-            driver.run()
-        finally:
-            driver.shutdown()
-        lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
-        rollouts = [r for r in map(json.loads, lines) if r["kind"] == "rollout"]
+    def run(*extra: str) -> list[dict]:
+        return measure(args.config, args.rollouts, [*args.set, *extra])
 
-    first, rest = rollouts[0], rollouts[1:] or rollouts
-    samples = statistics.mean(r["rollout/num_samples"] for r in rest)
-    resp_tokens = statistics.mean(r["rollout/response_len_mean"] for r in rest) * samples
-    total = statistics.mean(sum(r[k] for k in PHASES.values()) for r in rest)
-    print(
-        f"{config.run.name}: {len(rest)} iterations measured (after 1 warm-up), "
-        f"{samples:.0f} samples and {resp_tokens:.0f} response tokens per iteration"
-    )
-    print(f"{'phase':<22}{'s/iter':>9}{'share':>8}{'first':>9}")
-    for name, key in PHASES.items():
-        mean = statistics.mean(r[key] for r in rest)
-        print(f"{name:<22}{mean:>9.3f}{mean / total:>8.1%}{first[key]:>9.3f}")
-    print(f"{'total':<22}{total:>9.3f}{1:>8.0%}")
-    rollout_time = statistics.mean(r["perf/rollout_time"] for r in rest)
-    print(f"rollout generation: {resp_tokens / rollout_time:,.0f} response tokens/s")
-    print(f"end to end: {resp_tokens / total:,.0f} response tokens/s, {1 / total:.2f} iterations/s")
+    sync = run() if "phases" in rows or "async" in rows else None
+    if "phases" in rows:
+        assert sync is not None
+        phases(name, sync)
+    if "engines" in rows:
+        one = run("ray.num_engines=1", "engine.hf.num_threads=2")
+        two = run("ray.num_engines=2", "engine.hf.num_threads=1")
+        ratio_row(
+            "rollout phase, 2 engines x 1 thread vs 1 engine x 2 threads",
+            mean(two, "perf/rollout_time"),
+            mean(one, "perf/rollout_time"),
+            "s/iter",
+            ENGINES_TARGET,
+        )
+    if "async" in rows:
+        assert sync is not None
+        overlapped = run("rollout.async=true")
+        ratio_row(
+            "iteration, rollout.async=true vs false",
+            mean(overlapped, "perf/iteration_time"),
+            mean(sync, "perf/iteration_time"),
+            "s/iter",
+            ASYNC_TARGET,
+        )
+        print(
+            f"  async rollout waited {mean(overlapped, 'perf/rollout_time'):.3f} s/iter; "
+            f"reward after {len(overlapped)} rollouts {overlapped[-1]['rollout/rewards']:.3f} "
+            f"(sync {sync[-1]['rollout/rewards']:.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ember.config import RunConfig
-from ember_core.config import field_docs
+from ember_core.config import config_key, field_docs
 from ember_core.hookspecs import NAME
 from ember_core.plugins import EmberPlugins, installed_plugins
 from ember_megatron_backend.config import BackendConfig
@@ -240,9 +240,11 @@ def render_section(section: Section, children: dict[str, str]) -> list[str]:
             default = default_text(f)
         if presets:
             values = " | ".join(f"`{value_text(getattr(PRESETS[n], f.name))}`" for n in names)
-            lines.append(f"| `{f.name}` | `{cell(type_name(hint))}` | {values} | {description} |")
+            lines.append(
+                f"| `{config_key(f)}` | `{cell(type_name(hint))}` | {values} | {description} |"
+            )
         else:
-            row = f"| `{f.name}` | `{cell(type_name(hint))}` | {default} | {description} |"
+            row = f"| `{config_key(f)}` | `{cell(type_name(hint))}` | {default} | {description} |"
             lines.append(row)
     return lines + [""]
 

@@ -2,15 +2,17 @@
 
 A real `ember train` costs about a minute of Ray start and actor imports per launch on 2 cores,
 and a kill + resume test launches five times. Here a server process imports everything once
-and forks one child per launch; each child runs `ember.cli.main` with the real `TrainRank` and
-`RolloutEngine` classes in its own process behind stand-in actor handles (as
-test_weight_push.py does), so killing the child kills the driver and its actors at once, as a
-SIGKILL of `ember train` takes its Ray actors with it. The server only imports before it
+and forks one child per launch; each child runs `ember.cli.main` with the real `TrainRank`,
+`RolloutEngine` and `RolloutManager` classes in its own process behind stand-in actor handles
+(as test_weight_push.py does; a call runs when it is made, so an async run keeps its order of
+calls but overlaps nothing), so killing the child kills the driver and its actors at once, as
+a SIGKILL of `ember train` takes its Ray actors with it. The server only imports before it
 forks: a process that has run parallel torch ops is not safe to fork (OpenMP's thread pool).
 
 Kill points (`POINT:ROLLOUT`), each a SIGKILL of the child from inside the loop:
-- `rollout:R`: during rollout R's generation, as the engine hands its first sample to the
-  plugins (`ember_process_sample`; the sample's weight version tells the rollout, so R >= 1);
+- `rollout:R`: during rollout R's generation, as an engine hands its first sample to the
+  plugins (`ember_process_sample`; the hf engine's `meta_info.id` names the request's
+  rollout). With `rollout.async` that is during rollout R - 1's iteration;
 - `train:R`: during rollout R's training, after its first optimizer step
   (`ember_after_train_step`);
 - `checkpoint:R`: while the checkpoint of rollout R is being written, once its training state
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import ray.util
@@ -34,6 +37,8 @@ import ray.util
 import ember.actors
 import ember.cli
 import ember.driver
+import ember.placement
+import ember.rollout_manager
 import ember_megatron_backend.checkpoint
 from ember_core import hookimpl
 from ember_core.plugins import EmberPlugins
@@ -138,6 +143,10 @@ def _child(argv: list[str], log: str, kill: str | None) -> int:
     _stand_in_for_ray()
     if kill is not None:
         _arm(kill)
+    if argv[:1] == ["train"]:
+        # A stand-in call runs when it is made, so a training rank and an engine never run at
+        # once and cannot meet in a weight group: weights go through disk here.
+        argv = [*argv, "--set", "weights.transport=disk"]
     return ember.cli.main(argv)
 
 
@@ -154,10 +163,8 @@ class KillAt:
         self.point, self.rollout_id = point, rollout_id
 
     @hookimpl
-    def ember_process_sample(self, sample: Any) -> None:
-        if self.point == "rollout" and sample.metadata["weight_version"] == str(
-            self.rollout_id - 1
-        ):
+    def ember_process_sample(self, meta_info: dict[str, Any]) -> None:
+        if self.point == "rollout" and meta_info["id"].startswith(f"rollout {self.rollout_id} "):
             _die()
 
     @hookimpl
@@ -170,7 +177,6 @@ def _arm(kill: str) -> None:
     point, _, rollout = kill.partition(":")
     assert point in POINTS and rollout.isdigit(), kill
     rollout_id = int(rollout)
-    assert point != "rollout" or rollout_id >= 1, "rollout 0's samples carry no weight version"
     if point == "checkpoint":
         final_name = ember.driver.checkpoint_name(rollout_id)
         real = ember_megatron_backend.checkpoint.replace_dir
@@ -234,12 +240,25 @@ class _Ray:
         return [r.value for r in refs] if isinstance(refs, list) else refs.value
 
     @staticmethod
+    def wait(refs: list[_Ref], **_: Any) -> tuple[list[_Ref], list[_Ref]]:
+        return refs, []  # every call has run already
+
+    @staticmethod
     def is_initialized() -> bool:
         return True
+
+    @staticmethod
+    def get_runtime_context() -> Any:
+        return SimpleNamespace(get_node_id=lambda: "0" * 56)  # this process is the one node
 
 
 def _stand_in_for_ray() -> None:
     ember.driver.ray = _Ray  # type: ignore[assignment]
+    ember.rollout_manager.ray = _Ray  # type: ignore[assignment]
+    ember.placement.ray = _Ray  # type: ignore[assignment]
     ember.actors.TrainRank = _ActorClass(ember.actors.TrainRank)  # type: ignore[misc]
     ember.actors.RolloutEngine = _ActorClass(ember.actors.RolloutEngine)  # type: ignore[misc]
+    ember.rollout_manager.RolloutManager = _ActorClass(  # type: ignore[misc]
+        ember.rollout_manager.RolloutManager
+    )
     ray.util.get_node_ip_address = lambda: "127.0.0.1"

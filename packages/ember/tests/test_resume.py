@@ -41,11 +41,14 @@ def run_dir(tmp_path: Path, *overrides: str) -> Path:
     return path
 
 
-def checkpoint(run: Path, rollout_id: int, engines: int, *, name: str | None = None) -> Path:
+STREAM = {"dataset": {"epoch": 0, "position": 2}}
+"""The rollout manager's state: where the prompt stream stands."""
+
+
+def checkpoint(run: Path, rollout_id: int, *, name: str | None = None) -> Path:
     path = run / "checkpoints" / (name or f"rollout_{rollout_id:06d}")
     (path / "train").mkdir(parents=True)
-    state = {"rollout_id": rollout_id, "accumulated_step": 2 * rollout_id + 2}
-    state["engines"] = [{"dataset": {"epoch": 0, "position": 2}}] * engines
+    state = {"rollout_id": rollout_id, "accumulated_step": 2 * rollout_id + 2, "rollout": STREAM}
     (path / "driver.json").write_text(json.dumps(state))
     return path
 
@@ -65,7 +68,7 @@ def test_resume_without_a_complete_checkpoint_is_an_error_before_ray(tmp_path, c
     run = run_dir(tmp_path)
     before = (run / "metrics.jsonl").read_bytes()
     # A checkpoint killed while being written is not one to resume from.
-    checkpoint(run, 1, 1, name=".rollout_000001.tmp")
+    checkpoint(run, 1, name=".rollout_000001.tmp")
     assert main(["train", "--resume", str(run)]) == 2
     assert error_line(capsys) == (
         f"ember train: error: {run}: no complete checkpoint to resume from (no "
@@ -76,39 +79,63 @@ def test_resume_without_a_complete_checkpoint_is_an_error_before_ray(tmp_path, c
     assert (run / "metrics.jsonl").read_bytes() == before  # nothing appended, nothing dropped
 
 
-def test_resume_with_another_number_of_engines_names_both_before_ray(tmp_path, capsys):
+def test_an_older_checkpoint_of_several_engines_cannot_resume_and_says_why_before_ray(
+    tmp_path, capsys
+):
+    """Each engine used to own a prompt stream; several of them cannot become the one stream
+    of the rollout manager (one engine's can, see below)."""
     run = run_dir(tmp_path)
-    saved = checkpoint(run, 1, engines=1)
-    assert main(["train", "--resume", str(run), "--set", "ray.num_engines=2"]) == 2
+    saved = checkpoint(run, 1)
+    state = {"rollout_id": 1, "accumulated_step": 4, "engines": [STREAM, STREAM]}
+    (saved / "driver.json").write_text(json.dumps(state))
+    assert main(["train", "--resume", str(run)]) == 2
     assert error_line(capsys) == (
-        f"ember train: error: {saved}: saved with 1 rollout engine(s), but ray.num_engines=2; "
-        "resume with --set ray.num_engines=1"
+        f"ember train: error: {saved}/driver.json: no rollout state to resume from (expected a "
+        "'rollout' entry, or the 'engines' list of a single-engine run; found "
+        "['accumulated_step', 'engines', 'rollout_id'])"
     )
     assert not ray.is_initialized()
 
 
-def test_restore_refuses_another_number_of_engines(tmp_path, monkeypatch):
-    """`Driver.restore` itself checks: it used to load the one saved state into the first of
-    two engines and leave the second where it started."""
-    run = run_dir(tmp_path)
-    saved = checkpoint(run, 1, engines=1)
-    calls: list[str] = []
+def handles(calls: list[tuple[str, object]], *names: str) -> list[SimpleNamespace]:
+    """Actor handles whose `method.remote(arg)` records (actor.method, arg)."""
 
     def handle(name: str) -> SimpleNamespace:
         def method(attr: str) -> SimpleNamespace:
-            return SimpleNamespace(remote=lambda *a, **k: calls.append(f"{name}.{attr}"))
+            return SimpleNamespace(remote=lambda *a: calls.append((f"{name}.{attr}", *a)))
 
         return SimpleNamespace(load=method("load"), load_state_dict=method("load_state_dict"))
 
+    return [handle(n) for n in names]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"rollout": STREAM}, {"engines": [STREAM]}],
+    ids=["manager state", "one engine's state from before the manager"],
+)
+def test_restore_gives_the_one_prompt_stream_to_the_manager_whatever_the_engine_count(
+    tmp_path, monkeypatch, layout
+):
+    run = run_dir(tmp_path)
+    saved = checkpoint(run, 1)
+    (saved / "driver.json").write_text(
+        json.dumps({"rollout_id": 1, "accumulated_step": 4, **layout})
+    )
+    calls: list[tuple[str, object]] = []
     monkeypatch.setattr(ember.driver, "ray", SimpleNamespace(get=lambda refs: refs))
-    config, _ = load_config("default", overrides=[f"run.dir={run}", "ray.num_engines=2"])
+    config, _ = load_config("default", overrides=[f"run.dir={run}", "ray.num_engines=3"])
     driver = Driver(config, run)
-    driver.actors = Actors(train=[handle("rank0")], engines=[handle("e0"), handle("e1")])
-    with pytest.raises(
-        ValueError, match=r"saved with 1 rollout engine\(s\), but ray.num_engines=2"
-    ):
-        driver.restore(saved)
-    assert calls == []  # nothing was loaded
+    (rank,) = handles(calls, "rank0")
+    (manager,) = handles(calls, "manager")
+    driver.actors = Actors(train=[rank], engines=handles(calls, "e0", "e1", "e2"), manager=manager)
+    monkeypatch.setattr(driver, "push_weights", lambda rollout: calls.append(("push", rollout)))
+    assert driver.restore(saved) == (2, 4)
+    assert calls == [
+        ("rank0.load", str(saved / "train")),
+        ("manager.load_state_dict", STREAM),
+        ("push", 1),
+    ]  # the engines hold no rollout state of their own
 
 
 def test_a_fresh_run_in_a_used_directory_is_refused(tmp_path, capsys):

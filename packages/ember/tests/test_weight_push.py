@@ -1,10 +1,12 @@
 """The driver's weight path: rendezvous, initial weights, pushes to the hf and sglang engines.
 
-The real `TrainRank` and `RolloutEngine` classes run in this process behind stand-in actor
-handles (a call runs at once; a top-level ObjectRef argument is resolved for the receiving
-actor, as Ray does), and the driver module's `ray` records every value `ray.get` hands to the
-driver. SGLang servers are `fake_sglang_server.py` subprocesses that speak SGLang's HTTP format
-and record what they load.
+Broadcast pushes run under real Ray: the training ranks and engines are actors, the sending
+rank and the engines meet in a real gloo group, and the driver module's `ray` records every
+value `ray.get` hands to the driver, which must never be a tensor. Disk pushes run the real
+`TrainRank` and `RolloutEngine` classes in this process behind stand-in actor handles (a call
+runs at once), with the same recording. SGLang servers are `fake_sglang_server.py`
+subprocesses that speak SGLang's HTTP format, receive broadcasts the way SGLang does, and
+record what they load.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 
 import ember.actors
 import ember.driver
+import ember.placement
+import ember.rollout_manager
 from ember.config import load_config
 from ember.driver import Driver
 from ember_rollout.sglang_engine import free_port
@@ -118,6 +122,9 @@ class DriverRay:
     def is_initialized(self) -> bool:
         return True
 
+    def get_runtime_context(self) -> Any:
+        return SimpleNamespace(get_node_id=lambda: "0" * 56)  # this process is the one node
+
 
 def holds_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
@@ -141,6 +148,11 @@ def in_process(monkeypatch):
     monkeypatch.setattr(ember.driver, "ray", fake)
     monkeypatch.setattr(ember.actors, "TrainRank", train)
     monkeypatch.setattr(ember.actors, "RolloutEngine", engines)
+    # The rollout manager runs here too, reaching the engines through the same stand-ins.
+    manager = ActorClass(ember.rollout_manager.RolloutManager)
+    monkeypatch.setattr(ember.rollout_manager, "RolloutManager", manager)
+    monkeypatch.setattr(ember.rollout_manager, "ray", fake)
+    monkeypatch.setattr(ember.placement, "ray", fake)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: NODE_IP)
     init_methods: list[str] = []
     real_init = parallel.init_distributed
@@ -252,56 +264,6 @@ def attached_server(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def test_only_rank_0_returns_weights_as_compact_cpu_copies():
-    gathered: list[str] = []
-    fused = torch.arange(12.0).reshape(3, 4)
-
-    class Worker:
-        def hf_weights(self):
-            for name, tensor in (("a", fused[:1]), ("b", fused[1:])):
-                gathered.append(name)
-                yield name, tensor
-
-    rank = ember.actors.TrainRank.__ray_actor_class__.__new__(
-        ember.actors.TrainRank.__ray_actor_class__
-    )
-    rank.worker = Worker()
-    rank.rank = 1
-    assert rank.hf_weights() is None
-    assert gathered == ["a", "b"]  # rank 1 still took part in every gather
-    rank.rank = 0
-    weights = dict(rank.hf_weights())
-    assert weights["b"].equal(fused[1:]) and weights["b"].device.type == "cpu"
-    # Its own storage, not a view that would pickle the whole fused parameter.
-    assert weights["b"].untyped_storage().nbytes() == 8 * 4
-    assert weights["b"].untyped_storage().data_ptr() != fused.untyped_storage().data_ptr()
-
-
-def test_hf_engine_gets_rank_0_tensors_without_the_driver_holding_them(in_process, tmp_path):
-    driver = make_driver(in_process, tmp_path)
-    driver.build()
-
-    # The process group met on the node rank 0 reported, not on a literal 127.0.0.1.
-    (init_method,) = in_process.init_methods
-    assert init_method.startswith(f"tcp://{NODE_IP}:")
-
-    perturb(driver)
-    wanted = trainer_weights(driver)
-    in_process.ray.got.clear()
-    driver.push_weights(0)
-
-    assert not any(holds_tensor(v) for v in in_process.ray.got)
-    assert not in_process.ray.put_values
-    engine = driver.actors.engines[0]
-    ((_, (named, version)),) = [c for c in engine.calls if c[0] == "update_weights"]
-    assert version == "0"
-    assert {name for name, _ in named} == set(wanted)
-    assert all(t.device.type == "cpu" and t.equal(wanted[name]) for name, t in named)
-    served = engine.instance.engine.model.get_input_embeddings().weight
-    embed = wanted["model.embed_tokens.weight"]
-    assert served.equal(embed.to(served.dtype))
-
-
 def test_sglang_launches_from_the_trainers_export_and_loads_pushes_from_disk(in_process, tmp_path):
     record = tmp_path / "launched.jsonl"
     driver = make_driver(
@@ -309,6 +271,7 @@ def test_sglang_launches_from_the_trainers_export_and_loads_pushes_from_disk(in_
         tmp_path / "run",
         *sglang_overrides(record),
         f"engine.sglang.python={launcher(tmp_path)}",
+        "weights.transport=disk",
     )
     driver.build()  # the preset has no HF checkpoint: the server starts from the export
     initial = trainer_weights(driver)
@@ -345,6 +308,7 @@ def test_attached_sglang_serves_the_trainers_weights_from_rollout_0_and_after_re
         f"engine.sglang.urls=[{attached_server.url}]",
         "engine.sglang.model_path=/nonexistent/model",
         "run.save_interval=1",
+        "weights.transport=disk",
     ]
     driver = make_driver(in_process, run_dir, *overrides)
     driver.run()
@@ -367,3 +331,198 @@ def test_attached_sglang_serves_the_trainers_weights_from_rollout_0_and_after_re
     routes = [(r["route"], r.get("weight_version")) for r in log]
     assert routes[:2] == [("/update_weights_from_disk", "0"), ("/generate", "0")]
     assert log[0]["sums"] == after_rollout_0["sums"]
+
+
+# --------------------------------------------------------------------------------------------
+# Broadcast under Ray: the sending rank and the engines in one gloo group
+# --------------------------------------------------------------------------------------------
+
+
+class RecordingRay:
+    """The driver module's `ray` under a real Ray: every value `get` returns is recorded."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self.ray = ray
+        self.got: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ray, name)
+
+    def get(self, refs: Any, **kwargs: Any) -> Any:
+        value = self.ray.get(refs, **kwargs)
+        self.got.append(value)
+        return value
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from ember import RAY_ENV
+
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": dict(RAY_ENV)},
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def on_ray(ray_session, monkeypatch):
+    """A driver module whose `ray.get` is recorded; the test's actors are killed after it."""
+    recorder = RecordingRay()
+    monkeypatch.setattr(ember.driver, "ray", recorder)
+    ctx = SimpleNamespace(ray=ray_session, recorder=recorder, drivers=[])
+    try:
+        yield ctx
+    finally:
+        for driver in ctx.drivers:
+            actors = driver.actors
+            driver.shutdown()
+            if actors is not None:
+                for actor in [*actors.train, *actors.engines, actors.manager]:
+                    ray_session.kill(actor)
+
+
+def build_on_ray(ctx: Any, run_dir: Path, *overrides: str) -> Driver:
+    config, _ = load_config("default", overrides=[*TINY, *overrides])
+    driver = Driver(config, run_dir)
+    ctx.drivers.append(driver)
+    driver.build()
+    return driver
+
+
+def perturb_ranks(ray: Any, driver: Driver) -> None:
+    """Change every rank's weights alike, as a training step would."""
+
+    def perturb(rank: Any) -> None:
+        import torch
+
+        with torch.no_grad():
+            for param in rank.worker.actor.parameters():
+                param.add_(0.25)
+
+    ray.get([t.__ray_call__.remote(perturb) for t in driver.actors.train])
+
+
+def trainer_weights_on_ray(ray: Any, driver: Driver) -> dict[str, torch.Tensor]:
+    """Rank 0's weights under HF names (fetched by the test, not by the driver)."""
+
+    def weights(rank: Any) -> list:
+        return [(n, t.detach().clone()) for n, t in rank.worker.hf_weights()]
+
+    return dict(ray.get(driver.actors.train[0].__ray_call__.remote(weights)))
+
+
+def served_mismatches(ray: Any, engine: Any, wanted: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensor the hf engine does not serve (cast to its dtype), and its version."""
+
+    def compare(actor: Any, wanted: dict) -> tuple[list[str], str]:
+        from ember_rollout.models import _resolve
+
+        state = actor.engine.model.state_dict()
+        bad = []
+        for name, tensor in wanted.items():
+            target, _ = _resolve(state, name, tensor)
+            if not torch.equal(target, tensor.to(target.dtype)):
+                bad.append(name)
+        return bad, actor.engine.weight_version
+
+    return ray.get(engine.__ray_call__.remote(compare, wanted))
+
+
+def test_hf_engines_receive_rank_0s_buckets_over_gloo_and_the_driver_holds_no_weight(
+    on_ray, tmp_path
+):
+    driver = build_on_ray(
+        on_ray,
+        tmp_path,
+        "ray.data_parallel=2",
+        "ray.num_engines=2",
+        "rollout.rollout_batch_size=4",
+        "train.model_overrides.moe_ffn_hidden_size=256",  # about 1.7 MB in bf16
+        "weights.bucket_mb=1",
+    )
+    ray, recorder = on_ray.ray, on_ray.recorder
+    for version in ("0", "1"):
+        perturb_ranks(ray, driver)
+        wanted = trainer_weights_on_ray(ray, driver)
+        recorder.got.clear()
+        driver.push_weights(int(version))
+        assert not any(holds_tensor(v) for v in recorder.got)
+        # What the ranks answered the driver: rank 0 sent every weight once, in bf16 (the
+        # engine's dtype), in buckets of at most 1 MiB; rank 1 sent nothing.
+        (sent,) = [v for v in recorder.got if isinstance(v, list) and len(v) == 2 and {} in v]
+        total = sum(t.numel() * 2 for t in wanted.values())
+        assert sent[1] == {} and sent[0]["bytes"] == total > 1 << 20
+        assert sent[0]["buckets"] >= -(-total // (1 << 20))
+        for engine in driver.actors.engines:
+            bad, served = served_mismatches(ray, engine, wanted)
+            assert bad == [] and served == version
+
+    def sent(rank: Any) -> tuple[str | None, int]:
+        group = rank._weight_group
+        return (group.name if group else None), (group.world_size if group else 0)
+
+    (name, world), (other, _) = ray.get([t.__ray_call__.remote(sent) for t in driver.actors.train])
+    assert name is not None and world == 3, "rank 0 and two engines, formed once"
+    assert other is None, "rank 1 walked the weights and sent nothing"
+
+
+def test_sglang_servers_receive_broadcasts_the_way_sglang_does(on_ray, tmp_path):
+    record = tmp_path / "launched.jsonl"
+    driver = build_on_ray(
+        on_ray,
+        tmp_path / "run",
+        *sglang_overrides(record),
+        f"engine.sglang.python={launcher(tmp_path)}",
+        "weights.bucket_mb=1",
+    )
+    ray = on_ray.ray
+
+    def node_ip(_: Any) -> str:
+        import ray.util
+
+        return ray.util.get_node_ip_address()
+
+    node = ray.get(driver.actors.train[0].__ray_call__.remote(node_ip))
+    perturb_ranks(ray, driver)
+    wanted = trainer_weights_on_ray(ray, driver)
+    on_ray.recorder.got.clear()
+    driver.push_weights(0)
+    assert not any(holds_tensor(v) for v in on_ray.recorder.got)
+
+    log = records(record)
+    routes = [r["route"] for r in log]
+    # The sending rank forms its group on its first push, once the session is open.
+    assert routes[:3] == ["launch", "/begin_weight_update", "/init_weights_update_group"]
+    join = log[2]
+    assert join["master_address"] == node, "the rendezvous is on the sending rank's node"
+    assert (join["rank_offset"], join["world_size"], join["backend"]) == (1, 2, "gloo")
+    updates = [r for r in log if r["route"] == "/update_weights_from_distributed"]
+    assert len(updates) >= 1 and routes[-1] == "/end_weight_update"
+    assert all(u["load_format"] == "flattened_bucket" and "refused" not in u for u in updates)
+    assert all(u["ignored"] == [] for u in updates), "every name is one the server has"
+    assert [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + ["0"]
+    assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [True]
+    assert sorted(n for u in updates for n in u["names"]) == sorted(wanted)
+    assert log[-1]["sums"] == sums(wanted)
+
+    # The next push reuses the group: a session, buckets, and no second join.
+    perturb_ranks(ray, driver)
+    wanted = trainer_weights_on_ray(ray, driver)
+    driver.push_weights(1)
+    later = records(record)[len(log) :]
+    assert {r["route"] for r in later} == {
+        "/begin_weight_update",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+    }
+    assert later[-2]["weight_version"] == "1" and later[-1]["sums"] == sums(wanted)

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import TINY, make_engine
 
 from ember_rollout.config import HFEngineConfig
-from ember_rollout.engine import GenerateRequest, SamplingParams
+from ember_rollout.engine import EngineError, GenerateRequest, SamplingParams
 from ember_rollout.hf_engine import HFEngine
 from ember_rollout.models import iter_checkpoint, load_hf_weights, write_tiny_checkpoint
+from ember_rollout.sglang_engine import free_port
 
 OTHER = dataclasses.replace(TINY, init_seed=TINY.init_seed + 1)
 
@@ -118,3 +123,119 @@ def test_unknown_names_and_wrong_shapes_are_errors(fp32_engine):
             fp32_engine.model,
             [("model.layers.0.mlp.experts.1.gate_proj.weight", torch.zeros(5, 48))],
         )
+
+
+# -- weights broadcast over gloo ---------------------------------------------------------------
+
+SENDER = Path(__file__).with_name("weight_sender.py")
+
+
+def flatten(named):
+    """A bucket as a trainer sends it: names, dtypes, shapes, and the bytes back to back."""
+    names = [n for n, _ in named]
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
+    shapes = [list(t.shape) for _, t in named]
+    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in named])
+    return (names, dtypes, shapes), flat
+
+
+@contextlib.contextmanager
+def sender(tmp_path, flats, group="ember-weights-test"):
+    """A trainer process that joins `group` (world 2) as rank 0 and broadcasts `flats`."""
+    path = tmp_path / "buckets.pt"
+    torch.save(flats, path)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(SENDER), str(port), "2", group, str(path)],
+    )
+    try:
+        yield {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": group,
+            "backend": "gloo",
+        }
+        assert process.wait(timeout=120) == 0
+    finally:
+        process.kill()
+
+
+def test_broadcast_buckets_over_gloo_switch_the_policy_and_the_version(other_checkpoint, tmp_path):
+    expected = sample(HFEngine(HFEngineConfig(dtype="float32", tiny=OTHER)))
+    named = list(iter_checkpoint(other_checkpoint))
+    buckets = [flatten(named[i : i + 7]) for i in range(0, len(named), 7)]
+    engine = make_engine("float32")
+    engine.weight_version = "-1"
+    assert sample(engine).output_log_probs != expected.output_log_probs
+
+    async def receive(join):
+        await engine.init_weights_update_group(**join)
+        await engine.begin_weight_update()
+        for i, (meta, _) in enumerate(buckets):
+            last = i == len(buckets) - 1
+            await engine.update_weights_from_distributed(
+                *meta, group_name=join["group_name"], weight_version="3" if last else None
+            )
+            assert engine.weight_version == "-1", "no new version before the session closes"
+        await engine.end_weight_update()
+
+    with sender(tmp_path, [flat for _, flat in buckets]) as join:
+        asyncio.run(receive(join))
+    got = sample(engine)
+    assert got.output_ids == expected.output_ids
+    assert got.output_log_probs == expected.output_log_probs
+    assert got.meta_info["weight_version"] == "3"
+
+
+def test_broadcast_updates_refuse_what_sglang_refuses(other_checkpoint, tmp_path):
+    engine = make_engine("float32")
+    engine.weight_version = "-1"
+    embed = engine.model.get_input_embeddings().weight
+    before = embed.detach().clone()
+    named = dict(iter_checkpoint(other_checkpoint))
+    good = flatten([("model.embed_tokens.weight", named["model.embed_tokens.weight"])])
+    wrong = flatten([("model.norm.weight", torch.ones(5)), ("lm_head.weight", torch.ones(2))])
+
+    async def refusals(join):
+        group = join["group_name"]
+        meta = good[0]
+        with pytest.raises(EngineError, match="must run between begin_weight_update"):
+            await engine.update_weights_from_distributed(*meta, group_name=group)
+        await engine.init_weights_update_group(**join)
+        with pytest.raises(EngineError, match="exists already"):
+            await engine.init_weights_update_group(**join)
+        await engine.begin_weight_update()
+        with pytest.raises(EngineError, match="already open"):
+            await engine.begin_weight_update()
+        with pytest.raises(EngineError, match=r"'nope' not in \['ember-weights-test'\]"):
+            await engine.update_weights_from_distributed(*meta, group_name="nope")
+        with pytest.raises(EngineError, match="1 names, 2 dtypes and 1 shapes"):
+            await engine.update_weights_from_distributed(
+                meta[0], ["float32", "float32"], meta[2], group_name=group
+            )
+        with pytest.raises(EngineError, match="dtype 'float33' is not a torch dtype"):
+            await engine.update_weights_from_distributed(
+                meta[0], ["float33"], meta[2], group_name=group
+            )
+        # Received, then refused before anything is copied: a shape the model does not have.
+        with pytest.raises(EngineError, match=r"'model.norm.weight': shape \(5,\)"):
+            await engine.update_weights_from_distributed(*wrong[0], group_name=group)
+        assert torch.equal(embed, before)
+        await engine.update_weights_from_distributed(*meta, group_name=group, weight_version="0")
+        assert torch.equal(embed, named["model.embed_tokens.weight"])
+        # One tensor is not a whole model: the version stays.
+        with pytest.raises(EngineError, match="leaves out .*keeps serving weight version '-1'"):
+            await engine.end_weight_update()
+        with pytest.raises(EngineError, match="no weight-update session is open"):
+            await engine.end_weight_update()
+        await engine.destroy_weights_update_group(group)
+        with pytest.raises(EngineError, match="no weight group"):
+            await engine.destroy_weights_update_group(group)
+
+    with sender(tmp_path, [wrong[1], good[1]]) as join:
+        asyncio.run(refusals(join))
+    assert engine.weight_version == "-1"
+    with pytest.raises(ValueError, match="backend='nccl': the hf engine receives weights over"):
+        asyncio.run(engine.init_weights_update_group(**{**join, "backend": "nccl"}))

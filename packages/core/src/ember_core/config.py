@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -16,6 +17,15 @@ from typing import Any, Literal
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
+
+KEY = "key"
+"""Field metadata naming a field's config key where it cannot be the attribute name (a Python
+keyword such as `async`): `async_: bool = field(default=False, metadata={KEY: "async"})`."""
+
+
+def config_key(f: dataclasses.Field[Any]) -> str:
+    """The key that sets field `f` in a config file and in `--set`."""
+    return f.metadata.get(KEY, f.name)
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
@@ -116,14 +126,15 @@ def from_dict(cls: type, data: Mapping[str, Any], *, prefix: str = "") -> Any:
     if not isinstance(data, Mapping):
         raise ValueError(f"{prefix or 'config'}: expected a section (mapping), got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             known = ", ".join(sorted(fields))
             raise ValueError(f"{dotted}: unknown key; known keys here: {known}")
-        kwargs[key] = _coerce(value, hints[key], dotted)
+        name = fields[key].name
+        kwargs[name] = _coerce(value, hints[name], dotted)
     try:
         return cls(**kwargs)
     except ValueError as exc:
@@ -133,8 +144,21 @@ def from_dict(cls: type, data: Mapping[str, Any], *, prefix: str = "") -> Any:
 
 
 def to_dict(section: Any) -> dict[str, Any]:
-    """The plain-data form of a (nested) dataclass section, for writing resolved configs."""
-    return dataclasses.asdict(section)
+    """The plain-data form of a (nested) dataclass section, for writing resolved configs.
+
+    Keys are config keys (`config_key`), so `from_dict` reads the result back.
+    """
+    return _plain(section)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {config_key(f): _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return copy.deepcopy(value)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -190,6 +214,10 @@ class SamplingConfig:
     """Most tokens generated per response."""
     seed: int = 1234
     """Seed of the rollout sampler."""
+    async_: bool = field(default=False, metadata={KEY: "async"})
+    """One-step-off-policy training: rollout i+1 generates while the trainer trains on rollout i,
+    from weights one version old (`rollout/staleness` 1), and `algorithm.use_tis` turns on
+    unless set. The Python field is `async_` (`async` is a keyword)."""
 
     def __post_init__(self) -> None:
         check(self.rollout_batch_size >= 1, "rollout_batch_size", self.rollout_batch_size, ">= 1")
@@ -242,8 +270,9 @@ class AlgorithmConfig:
     """Weight of the entropy bonus (subtracted from the loss)."""
     loss_reduction: Literal["sample", "token"] = "sample"
     """sample: mean over each sample's tokens, then over samples; token: mean over all tokens."""
-    use_tis: bool = False
-    """Truncated importance sampling: scale the policy loss by clamp(exp(lp_train - lp_rollout))."""
+    use_tis: bool | None = None
+    """Truncated importance sampling: scale the policy loss by clamp(exp(lp_train - lp_rollout));
+    null (the default) becomes true when `rollout.async` is true and false otherwise."""
     tis_clip: float = 2.0
     """Upper clamp of the TIS weight."""
     tis_clip_low: float = 0.0
@@ -314,3 +343,11 @@ class CoreConfig:
     def __post_init__(self) -> None:
         for name in self.plugins:
             check(bool(name) and name.isidentifier(), "plugins", name, "plugin names")
+
+
+def resolve_tis(algorithm: AlgorithmConfig, rollout: SamplingConfig) -> None:
+    """Settle `algorithm.use_tis` when it was left unset (None): on exactly in `rollout.async`
+    mode, whose samples come from weights one version older than the trainer's. Reading a run
+    config (`ember.config.load_config`) does this, so the resolved config holds a boolean."""
+    if algorithm.use_tis is None:
+        algorithm.use_tis = rollout.async_

@@ -57,6 +57,10 @@ class Sample:
     rollout_routed_experts: torch.Tensor | None = None
     """Integer tensor [len(tokens) - 1, num_layers, topk] of the experts the engine chose."""
     status: SampleStatus = SampleStatus.PENDING
+    weight_version: str | None = None
+    """Version of the weights that generated the sample, as the engine reported it
+    (`meta_info.weight_version`); Ember's versions are str(rollout id) of the training that
+    produced them, "-1" for the initial weights. None: the engine reported none."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form data: engine meta info, reward details, plugin annotations."""
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,52 @@ def _prepare_process(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def _with_last(items: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
+    """Each item with whether it is the last (one item of lookahead)."""
+    current = next(items, None)
+    while current is not None:
+        following = next(items, None)
+        yield current, following is None
+        current = following
+
+
+def _wait_all(refs: list[Any]) -> None:
+    """Wait for every call, raising the first failure as soon as it arrives (the others may be
+    blocked on a broadcast that will not come)."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+
+
+def _meet(join: Callable[[], Any], others: list[Any]) -> Any:
+    """Run `join` (a blocking rendezvous) while the `others` (Ray calls) join it too; returns
+    its result once all have joined. A call that fails ends the wait at once with its error
+    (`join` would otherwise wait for it until its timeout)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = join()
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="weight-group-join", daemon=True)
+    thread.start()
+    pending = list(others)
+    while pending or thread.is_alive():
+        if pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=0.1)
+            ray.get(done)
+        else:
+            thread.join(0.1)
+        if "error" in result:
+            raise result["error"]
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 @ray.remote
@@ -53,6 +103,8 @@ class TrainRank:
         self.world_size = world_size
         self.worker: Any = None
         self._batch = None
+        self._weight_group: Any = None
+        self._offload: Any = None
 
     def rendezvous(self) -> str:
         """The init method of the ranks' process group: this actor's node and a port free there.
@@ -97,19 +149,145 @@ class TrainRank:
         self._batch = None
         return metrics
 
-    def hf_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        """The actor's weights under HF names as CPU copies, returned by rank 0 only.
+    # -- weights to the engines (they never pass through the driver) --------------------------
 
-        Every rank must call it, since the gathers over TP/EP are collective: each consumes the
-        whole iterator, and ranks other than 0 drop every tensor once gathered and return None.
+    def _wire_dtype(self) -> torch.dtype | None:
+        """The dtype weights travel in: the embedded engine's own (it casts to it anyway), else
+        the parameters' (SGLang servers start from the trainer's export, in that dtype)."""
+        if self.config.engine.kind == "hf":
+            return getattr(torch, self.config.engine.hf.dtype)  # "bfloat16", "float32", ...
+        return None
+
+    def _join_engines(self, engines: list[Any]) -> Any:
+        """Form a weight group with `engines`: this rank hosts the rendezvous on its node and
+        takes rank 0, each engine its `weight_group_size` ranks after the previous one's."""
+        from ember_megatron_backend.parallel import free_port, uses_gpu
+        from ember_megatron_backend.weight_sync import WeightGroup
+
+        sizes = ray.get([e.weight_group_size.remote() for e in engines])
+        world = 1 + sum(sizes)
+        address = ray.util.get_node_ip_address()
+        port = free_port("0.0.0.0")
+        backend = "nccl" if self.config.engine.kind == "sglang" and uses_gpu() else "gloo"
+        name = f"ember-weights-{uuid.uuid4().hex[:12]}"
+        offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]
+        joins = [
+            e.join_weights_group.remote(address, port, offset, world, name, backend)
+            for e, offset in zip(engines, offsets, strict=True)
+        ]
+        timeout = datetime.timedelta(minutes=self.config.train.parallel.timeout_minutes)
+        return _meet(
+            lambda: WeightGroup.create(
+                master_address=address,
+                master_port=port,
+                world_size=world,
+                group_name=name,
+                backend=backend,
+                timeout=timeout,
+            ),
+            joins,
+        )
+
+    def send_weights(self, engines: list[Any], version: str) -> dict[str, float]:
+        """Broadcast the actor's weights to `engines` as weight version `version`.
+
+        Collective: every rank walks the weights in step (the gathers over TP/EP are
+        collective); the sending rank (`is_weight_sender`) packs them into flattened buckets
+        of `weights.bucket_mb` and broadcasts each over the weight group it formed with the
+        engines on its first call. Per bucket it first tells each engine the names, dtypes and
+        shapes (a Ray call that returns once that engine has loaded the bucket), then
+        broadcasts; the last bucket carries `version`. The engines must be inside a
+        weight-update session (the driver opens and closes it).
+
+        Returns:
+            On the sending rank, how much it sent (`bytes`, `buckets`); elsewhere {}.
         """
-        keep = self.rank == 0
-        weights = []
-        for name, tensor in self.worker.hf_weights():
-            if keep:
-                # A copy of its own: a view into a fused parameter pickles the whole storage.
-                weights.append((name, tensor.detach().to("cpu", copy=True)))
-        return weights if keep else None
+        from ember_megatron_backend.weight_sync import bucket_weights, is_weight_sender
+
+        named = self.worker.hf_weights()
+        if not is_weight_sender():
+            for _ in named:  # take part in the gathers, send nothing
+                pass
+            return {}
+        if self._weight_group is None:
+            self._weight_group = self._join_engines(engines)
+        group = self._weight_group
+        sent = {"bytes": 0.0, "buckets": 0.0}
+        buckets = bucket_weights(
+            named, self.config.weights.bucket_bytes, dtype=self._wire_dtype(), device=group.device
+        )
+        try:
+            for bucket, last in _with_last(buckets):
+                loaded = [
+                    e.update_weights_from_distributed.remote(
+                        bucket.names,
+                        bucket.dtypes,
+                        bucket.shapes,
+                        group.name,
+                        version if last else None,
+                        last,
+                    )
+                    for e in engines
+                ]
+                work = group.broadcast(bucket)
+                _wait_all(loaded)
+                work.wait()
+                sent["bytes"] += bucket.nbytes
+                sent["buckets"] += 1
+        except BaseException:
+            # A broadcast some engine refused stays pending in the group: form a new one next.
+            self._weight_group = None
+            raise
+        return sent
+
+    def send_weights_ipc(self, engine: Any | None, version: str) -> dict[str, float]:
+        """Hand the actor's weights to the SGLang `engine` on this rank's GPU as CUDA IPC
+        handles of flattened buckets, as weight version `version` (None: this rank feeds no
+        engine). Collective like `send_weights`; every rank that feeds an engine holds the
+        gathered weights. The engine must be inside a weight-update session.
+
+        Returns:
+            On a rank that fed an engine, how much it handed over; elsewhere {}.
+        """
+        from ember_megatron_backend.parallel import device
+        from ember_megatron_backend.weight_sync import bucket_weights
+        from ember_rollout.sglang_engine import serialize_flattened_bucket
+
+        named = self.worker.hf_weights()
+        if engine is None:
+            for _ in named:
+                pass
+            return {}
+        copies = ray.get(engine.weight_group_size.remote())
+        sent = {"bytes": 0.0, "buckets": 0.0}
+        buckets = bucket_weights(named, self.config.weights.bucket_bytes, device=device())
+        for bucket, last in _with_last(buckets):
+            payloads = [
+                serialize_flattened_bucket(bucket.flat, bucket.names, bucket.dtypes, bucket.shapes)
+                for _ in range(copies)  # one per server rank: each opens its own handle
+            ]
+            # The server has loaded the bucket when this returns; the buffer may go.
+            ray.get(
+                engine.update_weights_from_ipc.remote(payloads, version if last else None, last)
+            )
+            sent["bytes"] += bucket.nbytes
+            sent["buckets"] += 1
+        return sent
+
+    # -- colocated memory hand-off (`ember.placement.MemoryHandoff`) -------------------------
+
+    def offload(self, part: str) -> int:
+        """Free this rank's GPU memory of `part` (`ember_megatron_backend.offload.PARTS`) for
+        the engines on its GPU; returns the bytes freed (0 on CPU, where nothing moves)."""
+        if self._offload is None:
+            from ember_megatron_backend.offload import TrainerOffload
+
+            self._offload = TrainerOffload(self.worker)
+        return self._offload.offload(part)
+
+    def reload(self) -> int:
+        """Bring back whatever `offload` freed; returns the bytes restored."""
+        return 0 if self._offload is None else self._offload.reload()
 
     def export_hf(self, path: str) -> None:
         """Write the actor as an HF checkpoint at `path` (collective; rank 0 writes)."""
@@ -124,19 +302,25 @@ class TrainRank:
 
 @ray.remote
 class RolloutEngine:
-    """One rollout engine with its prompt stream, scorer and group sampling.
+    """One rollout engine: it generates the prompt groups the `RolloutManager` sends it, and
+    nothing else (the prompt stream, rewards and filters live in the manager).
 
     The engine starts from the trainer's initial weights at `model_path` (the driver's export):
     the embedded model loads them, launched SGLang servers are launched from them whatever
     `engine.sglang.model_path` says, and the model's shape (layers, top-k, context length) is
     read from there. Attached SGLang servers (`engine.sglang.urls`) hold whatever they were
-    started with, so the driver loads the initial weights into them before rollout 0.
+    started with, so the driver loads the initial weights into them before rollout 0. Every
+    answer reports the weight version it was generated with (`meta_info.weight_version`); an
+    engine that loaded `model_path` itself reports `INITIAL_WEIGHT_VERSION` until the first
+    update.
     """
 
     def __init__(self, config: dict[str, Any], *, model_path: str, threads: int | None) -> None:
         _prepare_process(threads)
         from ember.config import load_config
-        from ember_rollout import RolloutGenerator, build_engine
+        from ember.driver import INITIAL_WEIGHT_VERSION
+        from ember_rollout import LocalGroups, build_engine
+        from ember_rollout.tokenizer import load_tokenizer
 
         self.config, self.plugins = load_config(config)
         engine_config = self.config.engine
@@ -150,30 +334,97 @@ class RolloutEngine:
         engine_config.hf.model_path = model_path
         sglang.model_path = model_path
         self.attached = engine_config.kind == "sglang" and bool(sglang.urls)
+        if engine_config.kind == "sglang" and not self.attached:
+            # sglang 0.5.23 (arg_groups/fields/serving.py) serves version "default" until the
+            # first update unless launched with --weight-version.
+            if not any(a.split("=", 1)[0] == "--weight-version" for a in sglang.server_args):
+                sglang.server_args += ["--weight-version", INITIAL_WEIGHT_VERSION]
         if self.config.data.tokenizer_path is None:
             self.config.data.tokenizer_path = model_path
         self.loop = asyncio.new_event_loop()
         self.engine = build_engine(engine_config, plugins=self.plugins)
         self.loop.run_until_complete(self.engine.start())
-        self.generator = RolloutGenerator.from_config(
-            engine=self.engine,
-            sampling=self.config.rollout,
-            sections=self.config,
-            plugins=self.plugins,
-        )
+        if engine_config.kind == "hf" and self.engine.weight_version is None:
+            self.engine.weight_version = INITIAL_WEIGHT_VERSION
+        tokenizer = load_tokenizer(self.config.data.tokenizer_path)
+        self.groups = LocalGroups(self.engine, tokenizer, self.plugins)
 
-    def generate(self, rollout_id: int) -> Any:
-        return self.loop.run_until_complete(self.generator.generate(rollout_id))
+    def generate(self, groups: list[Any]) -> list[list[Sample]]:
+        """The samples of each `PromptGroup`, in order; plugins see each sample here."""
+        return self.loop.run_until_complete(self.groups.generate_groups(groups))
+
+    def model_info(self) -> Any:
+        """The served model's shape (`ModelInfo`), or None when the engine cannot tell."""
+        return self.engine.model_info
 
     def loaded_model_path(self) -> bool:
         """Whether the engine loaded `model_path` itself when it started (not an attached
         server's)."""
         return not self.attached
 
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: str) -> None:
-        """Load weights handed over in memory (through the Ray object store)."""
+    # -- weights from the trainer: the training rank that sends drives these calls ------------
+
+    def weight_group_size(self) -> int:
+        """Ranks this engine adds to a weight group."""
+        return self.engine.weight_group_size
+
+    def join_weights_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Join the sending rank's weight group (blocks until every member has joined)."""
         self.loop.run_until_complete(
-            self.engine.update_weights_from_tensors(named_tensors, weight_version=version)
+            self.engine.init_weights_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            )
+        )
+
+    def begin_weight_update(self) -> None:
+        self.loop.run_until_complete(self.engine.begin_weight_update())
+
+    def end_weight_update(self) -> None:
+        self.loop.run_until_complete(self.engine.end_weight_update())
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        version: str | None,
+        flush_cache: bool,
+    ) -> None:
+        """Receive and load one bucket the sending rank broadcasts; `version` comes with the
+        last bucket of an update."""
+        self.loop.run_until_complete(
+            self.engine.update_weights_from_distributed(
+                names,
+                dtypes,
+                shapes,
+                group_name=group_name,
+                weight_version=version,
+                flush_cache=flush_cache,
+            )
+        )
+
+    def update_weights_from_ipc(
+        self, payloads: list[str], version: str | None, flush_cache: bool
+    ) -> None:
+        """Load one bucket handed over as CUDA IPC handles (SGLang servers on this machine)."""
+        self.loop.run_until_complete(
+            self.engine.update_weights_from_ipc(
+                payloads, weight_version=version, flush_cache=flush_cache
+            )
         )
 
     def update_weights_from_disk(self, path: str, version: str) -> None:
@@ -182,11 +433,13 @@ class RolloutEngine:
             self.engine.update_weights_from_disk(path, weight_version=version)
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.generator.state_dict()
+    def release_memory(self, tags: list[str] | None) -> None:
+        """Free the engine's device memory of `tags` (None: all) while the trainer trains."""
+        self.loop.run_until_complete(self.engine.release_memory(tags))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.load_state_dict(state)
+    def resume_memory(self, tags: list[str] | None) -> None:
+        """Take back the device memory of `tags` (None: all) that `release_memory` freed."""
+        self.loop.run_until_complete(self.engine.resume_memory(tags))
 
     def shutdown(self) -> None:
         self.loop.run_until_complete(self.engine.shutdown())

@@ -18,6 +18,7 @@ from ember_core.config import (
     SamplingConfig,
     check,
     from_dict,
+    resolve_tis,
     to_dict,
 )
 from ember_core.plugins import EmberPlugins, installed_plugins
@@ -87,21 +88,88 @@ class RaySection:
     data_parallel: int = 1
     """Training ranks (Ray actors, one torch.distributed process each)."""
     gpus_per_rank: float = 0.0
-    """GPUs per training rank; 0 trains on CPU."""
+    """GPUs per training rank: 0 trains on CPU, 1 gives each rank a GPU of its own, a fraction
+    below 1 is a share of one GPU (ranks are packed `floor(1 / share)` to a GPU)."""
     colocate: bool = True
-    """Training and rollout share devices (the engine's memory is released while training)."""
+    """With GPUs on both sides, training rank i and engine i share GPU i (one placement group,
+    one bundle per GPU; `gpus_per_rank + gpus_per_engine` must fit in 1). SGLang engines
+    release their GPU memory while the trainer trains and the trainer moves its state to CPU
+    memory while the engines generate; the embedded `hf` engine keeps its weights in place.
+    False: each side has GPUs of its own."""
     num_engines: int = 1
     """Rollout engine actors."""
     gpus_per_engine: float = 0.0
-    """GPUs per rollout engine actor (disaggregated layouts)."""
+    """GPUs per rollout engine actor: 0 generates on CPU, a fraction below 1 is a share of one
+    GPU, a whole number N gives the engine N GPUs of one node (SGLang tensor parallelism)."""
     threads_per_actor: int | None = None
     """torch threads of each actor; None divides this machine's cores between them."""
+    placement_timeout_s: float = 120.0
+    """Seconds to wait for the cluster to grant the placement groups' GPUs (other jobs may hold
+    them) before the run fails, naming what it waited for."""
 
     def __post_init__(self) -> None:
         check(self.data_parallel >= 1, "data_parallel", self.data_parallel, ">= 1")
-        check(self.gpus_per_rank >= 0, "gpus_per_rank", self.gpus_per_rank, ">= 0")
+        check(
+            0 <= self.gpus_per_rank <= 1,
+            "gpus_per_rank",
+            self.gpus_per_rank,
+            "0 (CPU), a share of one GPU, or 1: a training rank is one process on one device",
+        )
         check(self.num_engines >= 1, "num_engines", self.num_engines, ">= 1")
-        check(self.gpus_per_engine >= 0, "gpus_per_engine", self.gpus_per_engine, ">= 0")
+        check(
+            0 <= self.gpus_per_engine < 1 or float(self.gpus_per_engine).is_integer(),
+            "gpus_per_engine",
+            self.gpus_per_engine,
+            "0 (CPU), a share of one GPU (< 1), or a whole number of GPUs",
+        )
+        check(self.placement_timeout_s > 0, "placement_timeout_s", self.placement_timeout_s, "> 0")
+        if self.colocate and self.gpus_per_rank > 0 and self.gpus_per_engine > 0:
+            shares = self.gpus_per_rank + self.gpus_per_engine
+            check(
+                shares <= 1 + 1e-9,
+                "gpus_per_engine",
+                self.gpus_per_engine,
+                f"at most 1 - gpus_per_rank = {1 - self.gpus_per_rank:g} with colocate: true "
+                f"(rank i and engine i share GPU i; {self.gpus_per_rank:g} + "
+                f"{self.gpus_per_engine:g} = {shares:g} > 1); set colocate: false to give the "
+                "engines GPUs of their own",
+            )
+
+
+WEIGHT_TRANSPORTS = ("broadcast", "ipc", "disk")
+"""How the trainer's weights can reach the engines (`weights.transport`)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightsSection:
+    """How the actor's weights reach the rollout engines after each rollout. The training
+    ranks send them; they never pass through the driver process."""
+
+    transport: str = "auto"
+    """broadcast: the training rank that holds the gathered weights broadcasts them in
+    flattened buckets over a process group it forms with the engines (gloo into the embedded
+    `hf` engine; to SGLang servers NCCL when the trainer is on GPUs, gloo otherwise). ipc:
+    buckets handed to SGLang servers on the training ranks' GPUs as CUDA IPC handles (SGLang
+    with `ray.colocate: true` on GPUs; rank i feeds engine i). disk: an HF checkpoint under the
+    run directory that every engine loads (a debugging fallback; attached servers must see the
+    path). auto: ipc for SGLang colocated on GPUs, broadcast otherwise (disk for an engine
+    kind that cannot join a weight group)."""
+    bucket_mb: int = 512
+    """MiB of flattened tensors per bucket (broadcast and ipc): beyond the model, the sending
+    rank holds about two buckets' worth at a time."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.transport == "auto" or self.transport in WEIGHT_TRANSPORTS,
+            "transport",
+            self.transport,
+            f"auto or one of {', '.join(WEIGHT_TRANSPORTS)}",
+        )
+        check(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, "an integer >= 1 (MiB)")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb << 20
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,6 +194,8 @@ class RunConfig(RolloutSections):
     """Plugins to enable by entry-point name; installed plugins stay off unless listed."""
     ci: CIConfig = field(default_factory=CIConfig)
     """CI-only invariants."""
+    weights: WeightsSection = field(default_factory=WeightsSection)
+    """Weight transfer from the trainer to the engines."""
     plugin_sections: dict[str, Any] = field(default_factory=dict)
     """Each enabled plugin's parsed section, by name (filled from top-level keys)."""
 
@@ -267,9 +337,62 @@ def load_config(
         sections.setdefault(name, from_dict(cls, {}, prefix=name))
     core["plugins"] = enabled
     run_config = from_dict(RunConfig, core)
+    resolve_tis(run_config.algorithm, run_config.rollout)
+    weight_transport(run_config)
     run_config.plugin_sections = sections
     host.configure(run_config, sections)
     return run_config, host
+
+
+def weight_transport(config: RunConfig) -> str:
+    """The transport (`WEIGHT_TRANSPORTS`) that carries weights to this run's engines:
+    `weights.transport`, with auto resolved.
+
+    Raises:
+        ValueError: A transport the engines or the placement cannot use; names
+            weights.transport, why, and what works instead.
+    """
+    from ember_rollout.engine import Engine, engine_registry
+
+    kind, ray = config.engine.kind, config.ray
+    on_gpus = ray.colocate and ray.gpus_per_rank > 0 and ray.gpus_per_engine > 0
+    transport = config.weights.transport
+    if transport == "auto":
+        transport = "ipc" if kind == "sglang" and on_gpus else "broadcast"
+    cls = engine_registry().get(kind)
+    broadcasts = cls.update_weights_from_distributed is not Engine.update_weights_from_distributed
+    if transport == "broadcast" and not broadcasts:
+        if config.weights.transport == "auto":
+            return "disk"
+        raise ValueError(
+            f"weights.transport=broadcast: engine.kind={kind!r} cannot join a weight group; "
+            "use disk"
+        )
+    if transport == "broadcast" and kind == "sglang" and on_gpus:
+        raise ValueError(
+            "weights.transport=broadcast: with ray.colocate true on GPUs, training rank i and "
+            "SGLang engine i share GPU i, and NCCL cannot hold two ranks of one group on one "
+            "GPU; use ipc (or auto), or ray.colocate: false"
+        )
+    if transport == "ipc":
+        if kind != "sglang":
+            raise ValueError(
+                f"weights.transport=ipc: CUDA IPC handles reach SGLang servers only; "
+                f"engine.kind={kind!r} takes broadcast or disk"
+            )
+        if not on_gpus:
+            raise ValueError(
+                "weights.transport=ipc: the engines must sit on the training ranks' GPUs "
+                f"(ray.colocate: true with gpus_per_rank > 0 and gpus_per_engine > 0; got "
+                f"colocate={ray.colocate}, gpus_per_rank={ray.gpus_per_rank:g}, "
+                f"gpus_per_engine={ray.gpus_per_engine:g}); use broadcast"
+            )
+        if ray.num_engines > ray.data_parallel:
+            raise ValueError(
+                f"weights.transport=ipc: training rank i feeds engine i, and ray.num_engines="
+                f"{ray.num_engines} > ray.data_parallel={ray.data_parallel}; use broadcast"
+            )
+    return transport
 
 
 def check_inputs(config: RunConfig) -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,14 +20,19 @@ from tqdm import tqdm
 from ember import RAY_ENV
 from ember.config import RunConfig, default_run_dir, write_resolved
 from ember.metrics import METRICS_FILE, MetricsLogger, metrics_lines
+from ember.placement import MemoryHandoff, Placement
 from ember.quiet import VERBOSE_ENV, verbose
 from ember_core.types import Sample
+from ember_rollout.rollout import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 DRIVER_STATE = "driver.json"
+PENDING_ROLLOUT = "pending_rollout.pkl"
+"""Checkpoint file of an async run: the next rollout, generated before the checkpoint was
+written, which a resumed run trains on instead of generating it again."""
 HF_INIT = "hf_init"
 """Run subdirectory with the trainer's initial weights as an HF checkpoint (and the tokenizer)."""
 PUSHED_WEIGHTS = "pushed_weights"
@@ -32,18 +40,14 @@ PUSHED_WEIGHTS = "pushed_weights"
 INITIAL_WEIGHT_VERSION = "-1"
 """Weight version of the initial weights; after training rollout i the version is str(i)."""
 
-WEIGHT_TRANSPORTS: dict[str, str] = {"hf": "tensors", "sglang": "disk"}
-"""How the trainer's weights reach each engine kind (other kinds: disk, which every engine
-implements). tensors: rank 0's CPU copy through the Ray object store into the engine actor,
-for the embedded engine that holds the model in that actor. disk: the ranks write an HF
-checkpoint under the run directory and each engine loads it; SGLang servers are processes of
-their own, and sglang 0.5.23 /update_weights_from_tensor takes tensor handles (CUDA IPC), not
-CPU tensors from another process."""
 
+def weight_transport(config: RunConfig) -> str:
+    """The transport that carries the trainer's weights to this run's engines: one of
+    `ember.config.WEIGHT_TRANSPORTS` (`weights.transport`, auto resolved, checked against the
+    engine kind and the placement; see `ember.config.weight_transport`)."""
+    from ember.config import weight_transport as resolve
 
-def weight_transport(engine_kind: str) -> str:
-    """The transport (`WEIGHT_TRANSPORTS`) that carries weights to engines of this kind."""
-    return WEIGHT_TRANSPORTS.get(engine_kind, "disk")
+    return resolve(config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,13 +72,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def resume_checkpoint(run_dir: Path, num_engines: int) -> Path:
-    """The checkpoint a resumed run continues from: the newest complete one, checked against
-    the run's `ray.num_engines`. Reads files only, so it fails before Ray starts.
+def resume_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint a resumed run continues from: the newest complete one. Reads files only,
+    so it fails before Ray starts.
 
     Raises:
-        ValueError: The directory holds no complete checkpoint, or the checkpoint holds the
-            state of a different number of rollout engines.
+        ValueError: The directory holds no complete checkpoint, or its rollout state is one
+            this version cannot continue.
     """
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
@@ -82,7 +86,7 @@ def resume_checkpoint(run_dir: Path, num_engines: int) -> Path:
             f"{run_dir}: no complete checkpoint to resume from (no {CHECKPOINTS}/rollout_*/"
             f"{DRIVER_STATE}); to start the run over, give its config.yaml a new run.dir"
         )
-    _check_engines(checkpoint, _driver_state(checkpoint), num_engines)
+    _rollout_state(checkpoint, _driver_state(checkpoint))
     return checkpoint
 
 
@@ -90,15 +94,18 @@ def _driver_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / DRIVER_STATE).read_text())
 
 
-def _check_engines(checkpoint: Path, state: dict[str, Any], num_engines: int) -> None:
-    # Each engine owns a prompt stream and serves the rollouts whose id modulo the engine count
-    # is its index, so the saved positions mean nothing to a different number of engines.
-    saved = len(state["engines"])
-    if saved != num_engines:
-        raise ValueError(
-            f"{checkpoint}: saved with {saved} rollout engine(s), but ray.num_engines="
-            f"{num_engines}; resume with --set ray.num_engines={saved}"
-        )
+def _rollout_state(checkpoint: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The rollout manager's saved state (the prompt stream, held once per run)."""
+    if "rollout" in state:
+        return state["rollout"]
+    # Checkpoints of one engine that owned its own prompt stream hold the same state.
+    engines = state.get("engines")
+    if isinstance(engines, list) and len(engines) == 1:
+        return engines[0]
+    raise ValueError(
+        f"{checkpoint / DRIVER_STATE}: no rollout state to resume from (expected a 'rollout' "
+        f"entry, or the 'engines' list of a single-engine run; found {sorted(state)})"
+    )
 
 
 def _check_unused(run_dir: Path) -> None:
@@ -121,6 +128,47 @@ def _check_unused(run_dir: Path) -> None:
 class Actors:
     train: list[Any]
     engines: list[Any]
+    manager: Any = None
+    """The `RolloutManager`: prompt stream, rewards and filters, over `engines`."""
+
+
+def actor_threads(ray_cfg: Any, *, overlap: bool, cores: int) -> tuple[int, int]:
+    """torch threads of each training rank and of each engine.
+
+    Actors that compute at the same time share the cores: the engines with each other (every
+    rollout spreads over all of them), and the engines with the training ranks when rollout
+    overlaps training (`overlap`: `rollout.async`, or `ray.colocate` off). Otherwise training
+    and rollout take turns, and each side gets the whole machine.
+    """
+    if ray_cfg.threads_per_actor:
+        return ray_cfg.threads_per_actor, ray_cfg.threads_per_actor
+    ranks, engines = ray_cfg.data_parallel, ray_cfg.num_engines
+    if overlap:
+        shared = max(1, cores // (ranks + engines))
+        return shared, shared
+    return max(1, cores // ranks), max(1, cores // engines)
+
+
+def staleness(samples: Sequence[Sample], trainer_version: int) -> float:
+    """Mean over samples of the trainer's weight version minus the sample's
+    (`rollout/staleness`): 0 when every sample came from the weights being trained.
+
+    Raises:
+        ValueError: A sample whose weight version is not an integer, naming it.
+    """
+    gaps = []
+    for s in samples:
+        try:
+            version = int(s.weight_version)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"sample {s.index} (group {s.group_index}): weight_version="
+                f"{s.weight_version!r}; every engine must report the version it serves "
+                f"(meta_info.weight_version: {INITIAL_WEIGHT_VERSION} for the initial weights, "
+                "then the rollout id of each push)"
+            ) from None
+        gaps.append(trainer_version - version)
+    return float(statistics.fmean(gaps)) if gaps else 0.0
 
 
 def split_by_rank(samples: list[Sample], n_per_prompt: int, ranks: int) -> list[list[Sample]]:
@@ -143,6 +191,13 @@ class Driver:
         self.run_dir = Path(run_dir or config.run.dir or default_run_dir(config))
         self.config.run.dir = str(self.run_dir)
         self.actors: Actors | None = None
+        self._pending: dict[int, Any] = {}
+        self.placement: Placement | None = None
+        """The run's placement groups, once built."""
+        self.handoff = MemoryHandoff((), (), enabled=False)
+        """Who holds the shared GPUs of a colocated run; disabled until `build` knows."""
+        """Rollouts started ahead (ObjectRefs of `RolloutManager.generate`) or restored from a
+        checkpoint (`RolloutBatch`), by rollout id."""
 
     @property
     def init_dir(self) -> Path:
@@ -156,7 +211,9 @@ class Driver:
             return
         ray_cfg = self.config.ray
         ray.init(
-            address=ray_cfg.address,
+            # "local" starts a Ray of our own: with no address, ray.init joins whatever Ray
+            # another process on this machine started last (ray 2.60 worker.py).
+            address=ray_cfg.address or "local",
             num_cpus=ray_cfg.num_cpus if ray_cfg.address is None else None,
             include_dashboard=False,
             log_to_driver=True,
@@ -165,23 +222,28 @@ class Driver:
         )
 
     def build(self, *, reuse_init: bool = False) -> None:
-        """Create the actors: training ranks, the initial-weights export, then the engines.
+        """Create the actors: training ranks, the initial-weights export, the engines, and the
+        rollout manager over them.
 
         Args:
             reuse_init: Keep an existing `hf_init` (on resume, where the checkpoint's weights
                 are pushed next anyway); otherwise it is written from the trainer's weights.
         """
         from ember.actors import RolloutEngine, TrainRank
+        from ember.rollout_manager import RolloutManager
 
         cfg = self.config
         ray_cfg = cfg.ray
         resolved = cfg.to_dict()
-        cores = os.cpu_count() or 1
-        threads = ray_cfg.threads_per_actor or max(1, cores // max(1, ray_cfg.data_parallel))
-        # CPU actors reserve no Ray CPUs: training and rollout alternate (colocated), and the
-        # thread count above is what shares the cores.
+        threads, engine_threads = actor_threads(
+            ray_cfg, overlap=cfg.rollout.async_ or not ray_cfg.colocate, cores=os.cpu_count() or 1
+        )
+        # Every GPU an actor gets comes from its placement-group bundle; an impossible layout
+        # fails here, before any actor starts. CPU actors reserve nothing: the thread counts
+        # above are what shares the cores.
+        self.placement = placement = Placement.create(cfg)
         train = [
-            TrainRank.options(num_cpus=0, num_gpus=ray_cfg.gpus_per_rank).remote(
+            TrainRank.options(**placement.train_options(rank)).remote(
                 resolved, rank=rank, world_size=ray_cfg.data_parallel, threads=threads
             )
             for rank in range(ray_cfg.data_parallel)
@@ -194,13 +256,20 @@ class Driver:
         if not (reuse_init and _init_complete(model_dir)):
             ray.get([t.export_hf.remote(str(model_dir)) for t in train])
             self._save_tokenizer(model_dir)
+        # Colocated on GPUs, the trainer steps aside before the engines take the shared GPUs.
+        self.handoff = handoff = MemoryHandoff.for_run(cfg, [], train)
+        handoff.to_rollout()
         engines = [
-            RolloutEngine.options(num_cpus=0, num_gpus=ray_cfg.gpus_per_engine).remote(
-                resolved, model_path=str(model_dir), threads=cores if ray_cfg.colocate else threads
+            RolloutEngine.options(**placement.engine_options(j)).remote(
+                resolved, model_path=str(model_dir), threads=engine_threads
             )
-            for _ in range(ray_cfg.num_engines)
+            for j in range(ray_cfg.num_engines)
         ]
-        self.actors = Actors(train=train, engines=engines)
+        handoff.engines = engines
+        manager = RolloutManager.options(**placement.manager_options()).remote(
+            resolved, engines=engines, model_path=str(model_dir)
+        )
+        self.actors = Actors(train=train, engines=engines, manager=manager)
 
     def _save_tokenizer(self, model_dir: Path) -> None:
         from ember_rollout.tokenizer import save_tokenizer_for_model
@@ -212,21 +281,52 @@ class Driver:
     def push_weights(self, rollout_id: int) -> None:
         """Load the actor's current weights into every engine, as version `str(rollout_id)`.
 
-        The transport follows the engine kind (`weight_transport`); either way the weights go
-        from the training ranks to the engines without passing through this process.
+        The transport is `weight_transport(config)`. Whichever it is, the training ranks send
+        the weights and the engines take them: this process only starts the calls and opens
+        and closes the engines' weight-update sessions, and never holds a weight.
         """
-        push = {"tensors": self._push_tensors, "disk": self._push_disk}
-        push[weight_transport(self.config.engine.kind)](rollout_id)
+        transport = weight_transport(self.config)
+        if transport == "disk":
+            self._push_disk(rollout_id)
+        else:
+            self._push_in_session(str(rollout_id), transport)
 
-    def _push_tensors(self, rollout_id: int) -> None:
+    def _push_in_session(self, version: str, transport: str) -> None:
+        """Broadcast or ipc, inside a weight-update session on every engine (closed even when
+        the push fails, and then the push's error is the one raised)."""
         assert self.actors is not None
-        # Every rank takes part in the gathers; only rank 0 returns the (CPU) tensors. Ray
-        # resolves a top-level ObjectRef argument inside the receiving actor, so the engines
-        # fetch rank 0's result from the object store and this process never holds it.
-        refs = [t.hf_weights.remote() for t in self.actors.train]
-        version = str(rollout_id)
-        updates = [e.update_weights.remote(refs[0], version) for e in self.actors.engines]
-        ray.get(refs[1:] + updates)
+        engines = self.actors.engines
+        opened: list[Any] = []
+        try:
+            begun = [e.begin_weight_update.remote() for e in engines]
+            for engine, ref in zip(engines, begun, strict=True):
+                ray.get(ref)
+                opened.append(engine)
+            if transport == "broadcast":
+                self._push_broadcast(version)
+            else:
+                self._push_ipc(version)
+        except BaseException:
+            _end_sessions(opened, quiet=True)
+            raise
+        _end_sessions(opened)
+
+    def _push_broadcast(self, version: str) -> None:
+        """Every rank walks the weights; the sending rank broadcasts them to the engines."""
+        assert self.actors is not None
+        engines = self.actors.engines
+        ray.get([t.send_weights.remote(engines, version) for t in self.actors.train])
+
+    def _push_ipc(self, version: str) -> None:
+        """Training rank i hands its copy to engine i, on the same GPU (`ray.colocate`)."""
+        assert self.actors is not None
+        engines = self.actors.engines
+        ray.get(
+            [
+                t.send_weights_ipc.remote(engines[i] if i < len(engines) else None, version)
+                for i, t in enumerate(self.actors.train)
+            ]
+        )
 
     def _push_disk(self, rollout_id: int) -> None:
         assert self.actors is not None
@@ -245,10 +345,22 @@ class Driver:
 
     def load_initial_weights(self) -> None:
         """Bring every engine that did not load `hf_init` itself (attached SGLang servers) to
-        the trainer's initial weights, so rollout 0 comes from them."""
+        the trainer's initial weights, so rollout 0 comes from them: by the run's transport
+        (disk: `hf_init` itself, which such a server must be able to read)."""
         assert self.actors is not None
         engines = self.actors.engines
         loaded = ray.get([e.loaded_model_path.remote() for e in engines])
+        if all(loaded):
+            return
+        transport = weight_transport(self.config)
+        if transport != "disk":
+            # Engines that loaded hf_init get the same weights again: a broadcast or a
+            # bucket goes to every engine at once. The trainer sends, so it takes the GPUs.
+            self.handoff.to_training()
+            self.handoff.after_training(
+                lambda: self._push_in_session(INITIAL_WEIGHT_VERSION, transport)
+            )
+            return
         path = str(self.init_dir)
         ray.get(
             [
@@ -258,15 +370,37 @@ class Driver:
             ]
         )
 
+    def _start(self, rollout_id: int) -> None:
+        """Start generating rollout `rollout_id` (unless it is already started or restored)."""
+        assert self.actors is not None
+        if rollout_id < self.config.run.num_rollouts and rollout_id not in self._pending:
+            self._pending[rollout_id] = self.actors.manager.generate.remote(rollout_id)
+
+    def _take(self, rollout_id: int) -> RolloutBatch:
+        self._start(rollout_id)
+        pending = self._pending.pop(rollout_id)
+        return pending if isinstance(pending, RolloutBatch) else ray.get(pending)
+
     def iteration(self, rollout_id: int) -> tuple[dict[str, float], list[dict[str, float]], dict]:
+        """One RL iteration: generate (or collect) rollout `rollout_id`, score, train, push.
+
+        Synchronous: the rollout is generated now, from the weights trained on rollout i - 1.
+        With `rollout.async`, it was started during the previous iteration, from the weights one
+        version older, and rollout i + 1 starts before training: it generates while the trainer
+        trains, and the push waits for it, so the engines never change weights mid-rollout.
+        """
         assert self.actors is not None
         timings: dict[str, float] = {}
-        t0 = time.perf_counter()
-        engine = self.actors.engines[rollout_id % len(self.actors.engines)]
-        batch = ray.get(engine.generate.remote(rollout_id))
-        timings["perf/rollout_time"] = time.perf_counter() - t0
+        started = t0 = time.perf_counter()
+        batch = self._take(rollout_id)
+        waited = time.perf_counter() - t0
+        ahead = self._pending.get(rollout_id + 1)
+        if self.config.rollout.async_:
+            self._start(rollout_id + 1)
+            ahead = self._pending.get(rollout_id + 1)
 
         t0 = time.perf_counter()
+        self.handoff.to_training()
         shards = split_by_rank(
             batch.samples, self.config.rollout.n_samples_per_prompt, len(self.actors.train)
         )
@@ -281,11 +415,24 @@ class Driver:
         step_metrics = ray.get([t.train.remote(rollout_id) for t in self.actors.train])[0]
         timings["perf/train_time"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        self.push_weights(rollout_id)
-        timings["perf/weight_push_time"] = time.perf_counter() - t0
+        if ahead is not None and not isinstance(ahead, RolloutBatch):
+            t0 = time.perf_counter()
+            ray.wait([ahead], num_returns=1, fetch_local=False)
+            waited += time.perf_counter() - t0
+        timings["perf/rollout_time"] = waited
 
-        rollout_metrics = {**batch.metrics, **rollout_metrics, **timings}
+        t0 = time.perf_counter()
+        self.handoff.after_training(lambda: self.push_weights(rollout_id))
+        timings["perf/weight_push_time"] = time.perf_counter() - t0
+        timings["perf/iteration_time"] = time.perf_counter() - started
+
+        # The trainer held version rollout_id - 1 (the initial weights are -1) when it trained.
+        rollout_metrics = {
+            **batch.metrics,
+            **rollout_metrics,
+            "rollout/staleness": staleness(batch.samples, rollout_id - 1),
+            **timings,
+        }
         if self.config.run.dump_rollouts:
             self._dump(rollout_id, batch.samples)
         return rollout_metrics, step_metrics, timings
@@ -308,6 +455,7 @@ class Driver:
                             "tokens": s.tokens,
                             "response_length": s.response_length,
                             "rollout_log_probs": s.rollout_log_probs,
+                            "weight_version": s.weight_version,
                         }
                     )
                     + "\n"
@@ -316,7 +464,12 @@ class Driver:
     # -- checkpoints -------------------------------------------------------------------------
 
     def save(self, rollout_id: int, accumulated_step: int) -> Path:
-        """Write a checkpoint atomically: everything into a hidden directory, then one rename."""
+        """Write a checkpoint atomically: everything into a hidden directory, then one rename.
+
+        It holds the training state, the rollout manager's prompt stream and, with
+        `rollout.async`, the next rollout, already generated (`PENDING_ROLLOUT`): the prompt
+        stream has moved past it, and the weights it came from are gone.
+        """
         from ember_megatron_backend.checkpoint import fsync_path, replace_dir
 
         assert self.actors is not None
@@ -326,11 +479,17 @@ class Driver:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         ray.get([t.save.remote(str(tmp / "train")) for t in self.actors.train])
+        # The manager answers once it has finished any rollout it is generating.
         state = {
             "rollout_id": rollout_id,
             "accumulated_step": accumulated_step,
-            "engines": ray.get([e.state_dict.remote() for e in self.actors.engines]),
+            "rollout": ray.get(self.actors.manager.state_dict.remote()),
         }
+        ahead = self._pending.get(rollout_id + 1)
+        if ahead is not None:
+            batch = ahead if isinstance(ahead, RolloutBatch) else ray.get(ahead)
+            with (tmp / PENDING_ROLLOUT).open("wb") as handle:
+                pickle.dump(batch, handle)
         (tmp / DRIVER_STATE).write_text(json.dumps(state))
         replace_dir(tmp, final)
         fsync_path(root)
@@ -339,14 +498,23 @@ class Driver:
         return final
 
     def restore(self, checkpoint: Path) -> tuple[int, int]:
-        """Load a checkpoint into the actors; returns (next rollout id, accumulated step)."""
+        """Load a checkpoint into the actors; returns (next rollout id, accumulated step).
+
+        Any number of engines can continue it: the prompt stream lives in the manager. A
+        rollout the checkpoint holds already generated (async runs) is trained on next.
+        """
         assert self.actors is not None
         state = _driver_state(checkpoint)
-        _check_engines(checkpoint, state, len(self.actors.engines))
+        rollout_state = _rollout_state(checkpoint, state)
+        self.handoff.to_training()  # the trainer loads into its own memory
         ray.get([t.load.remote(str(checkpoint / "train")) for t in self.actors.train])
-        for engine, engine_state in zip(self.actors.engines, state["engines"], strict=True):
-            ray.get(engine.load_state_dict.remote(engine_state))
-        self.push_weights(state["rollout_id"])
+        ray.get(self.actors.manager.load_state_dict.remote(rollout_state))
+        self._pending.clear()
+        pending = checkpoint / PENDING_ROLLOUT
+        if pending.is_file():
+            with pending.open("rb") as handle:  # written by this run's own save()
+                self._pending[state["rollout_id"] + 1] = pickle.load(handle)
+        self.handoff.after_training(lambda: self.push_weights(state["rollout_id"]))
         _truncate_metrics(self.run_dir, state["rollout_id"])
         return state["rollout_id"] + 1, state["accumulated_step"]
 
@@ -359,13 +527,12 @@ class Driver:
             resume: Continue from the run directory's newest complete checkpoint.
 
         Raises:
-            ValueError: Before Ray starts: `resume` and no complete checkpoint (or one saved
-                with another `ray.num_engines`); not `resume` and the directory already holds
-                a run's metrics or checkpoints.
+            ValueError: Before Ray starts: `resume` and no complete checkpoint; not `resume`
+                and the directory already holds a run's metrics or checkpoints.
         """
         cfg = self.config
         if resume:
-            checkpoint: Path | None = resume_checkpoint(self.run_dir, cfg.ray.num_engines)
+            checkpoint: Path | None = resume_checkpoint(self.run_dir)
         else:
             _check_unused(self.run_dir)
             checkpoint = None
@@ -409,11 +576,15 @@ class Driver:
         return self.run_dir
 
     def shutdown(self) -> None:
-        if self.actors is not None:
-            try:
+        self._pending.clear()
+        try:
+            if self.actors is not None:
                 ray.get([e.shutdown.remote() for e in self.actors.engines])
-            finally:
-                self.actors = None
+        finally:
+            self.actors = None
+            if self.placement is not None:
+                self.placement.remove()
+                self.placement = None
 
 
 def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[str, float]]) -> str:
@@ -435,6 +606,22 @@ def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[st
     if "perf/rollout_tokens_per_s" in rollout:
         parts.append(f"{rollout['perf/rollout_tokens_per_s']:.0f} tok/s")
     return " | ".join(parts)
+
+
+def _end_sessions(engines: list[Any], *, quiet: bool = False) -> None:
+    """Close the weight-update session of every engine; raise the first failure once all
+    answered (log them instead when `quiet`: another error is on its way)."""
+    refs = [e.end_weight_update.remote() for e in engines]
+    errors = []
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except Exception as exc:
+            if quiet:
+                logger.error("while closing an engine's weight-update session: %s", exc)
+            errors.append(exc)
+    if errors and not quiet:
+        raise errors[0]
 
 
 def _init_complete(model_dir: Path) -> bool:

@@ -22,7 +22,13 @@ from ember_rollout.engine import (
     build_engine,
 )
 from ember_rollout.rewards import REWARDS, Scorer, group_reward, register_reward
-from ember_rollout.rollout import RolloutBatch, RolloutGenerator
+from ember_rollout.rollout import (
+    GroupRunner,
+    LocalGroups,
+    PromptGroup,
+    RolloutBatch,
+    RolloutGenerator,
+)
 from ember_rollout.routing import decode_routed_experts, encode_routed_experts
 
 __all__ = [
@@ -34,9 +40,12 @@ __all__ = [
     "EngineError",
     "GenerateOutput",
     "GenerateRequest",
+    "GroupRunner",
     "GroupSamplingConfig",
     "HFEngineConfig",
+    "LocalGroups",
     "ModelInfo",
+    "PromptGroup",
     "RewardConfig",
     "RolloutBatch",
     "RolloutGenerator",

@@ -31,6 +31,26 @@ FINISH_STATUS: dict[str, SampleStatus] = {
 ROUTED_EXPERTS_FIELD = "return_routed_experts"
 """Request field asking for routed experts (SGLang's name; the hf engine honours it too)."""
 
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+"""Kinds of device memory an engine can release for colocated training: the model's weights,
+its KV cache and its CUDA graphs (sglang 0.5.23 constants.py `GPU_MEMORY_ALL_TYPES`)."""
+
+
+def memory_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
+    """`tags` checked against `MEMORY_TAGS`, in that order; None or empty means all of them.
+
+    Raises:
+        ValueError: A tag is not one of `MEMORY_TAGS`; names it.
+    """
+    if not tags:
+        return MEMORY_TAGS
+    if isinstance(tags, str):
+        raise ValueError(f"memory tags {tags!r}: expected a list of tags, not one string")
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"memory tags {unknown}: expected some of {list(MEMORY_TAGS)}")
+    return tuple(t for t in MEMORY_TAGS if t in tags)
+
 
 class EngineError(RuntimeError):
     """An engine failed, or answered with data that cannot be used."""
@@ -185,6 +205,123 @@ class Engine(abc.ABC):
         self, path: str | Path, *, weight_version: str | None = None
     ) -> None:
         """Load all weights from an HF checkpoint directory (safetensors)."""
+
+    # -- weights broadcast by the trainer (DESIGN section 9) -----------------------------------
+    #
+    # The protocol of sglang 0.5.23's HTTP API: join a process group whose rank 0 is the sending
+    # training rank (`init_weights_update_group`), open a session (`begin_weight_update`), take
+    # each flattened bucket the sender broadcasts (`update_weights_from_distributed`, told its
+    # names, dtypes and shapes first), close the session (`end_weight_update`). An engine
+    # without it refuses, and the run must use `weights.transport: disk`.
+
+    @property
+    def weight_group_size(self) -> int:
+        """Ranks this engine adds to a weight group (one per GPU its servers run on)."""
+        return 1
+
+    def _no_broadcast(self, what: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"the {self.kind} engine cannot {what}; set weights.transport: disk for it"
+        )
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Join weight group `group_name` as ranks `rank_offset` .. `rank_offset +
+        weight_group_size - 1` of `world_size`, meeting at `master_address:master_port` (the
+        sender's node). Blocks until every member has joined.
+
+        Raises:
+            ValueError: A backend this engine cannot receive on.
+            EngineError: The group exists already, or joining failed.
+        """
+        raise self._no_broadcast("join a weight group")
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave weight group `group_name`.
+
+        Raises:
+            EngineError: No such group.
+        """
+        raise self._no_broadcast("leave a weight group")
+
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session, inside which `update_weights_from_distributed` runs.
+
+        Raises:
+            EngineError: A session is already open.
+        """
+        raise self._no_broadcast("open a weight-update session")
+
+    async def end_weight_update(self) -> None:
+        """Close the session `begin_weight_update` opened.
+
+        Raises:
+            EngineError: No session is open (or the engine found the update incomplete).
+        """
+        raise self._no_broadcast("close a weight-update session")
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """Receive one flattened bucket that rank 0 of `group_name` broadcasts, and load it.
+
+        The bucket holds tensor i's bytes after tensor i - 1's, tensor i being of dtype
+        `dtypes[i]` (torch's name, "bfloat16") and shape `shapes[i]`, loaded as `names[i]`.
+        Returns once the bucket is loaded, so the caller starts the broadcast without waiting.
+
+        Args:
+            weight_version: The version the engine serves once this bucket is loaded (the
+                sender gives it with the last bucket of an update).
+            flush_cache: Drop cached KV computed with the old weights (once, with the last).
+
+        Raises:
+            EngineError: No open session, an unknown group, or a bucket that does not fit
+                the model; names what.
+        """
+        raise self._no_broadcast("receive broadcast weights")
+
+    # -- colocated memory hand-off (DESIGN section 9) ------------------------------------------
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:  # noqa: B027
+        """Free the device memory of `tags` (None: all of `MEMORY_TAGS`) so colocated training
+        can use it. Call it only while the engine is idle; it generates again, and takes weight
+        updates, only after `resume_memory` of the same tags. Released weights are not kept:
+        resume them, then load weights.
+
+        The base implementation only checks the tags, and the embedded `hf` engine keeps it: its
+        KV cache lives only during `generate`, and its weights stay where they are (one copy in
+        the engine actor's process, in the engine's dtype). `sglang` servers release for real.
+
+        Raises:
+            ValueError: A tag is not one of `MEMORY_TAGS`.
+        """
+        memory_tags(tags)
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:  # noqa: B027
+        """Take back the device memory `release_memory` freed for `tags` (None: all of them).
+
+        A no-op in the base implementation, which the embedded `hf` engine keeps (see
+        `release_memory`).
+
+        Raises:
+            ValueError: A tag is not one of `MEMORY_TAGS`.
+        """
+        memory_tags(tags)
 
     @abc.abstractmethod
     async def health(self) -> bool:

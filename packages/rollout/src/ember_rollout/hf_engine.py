@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
+import math
 import random
 import re
 import time
@@ -28,6 +30,7 @@ from ember_rollout.engine import (
 from ember_rollout.models import (
     DTYPES,
     RouterSite,
+    _resolve,
     build_tiny_model,
     cache_kwarg,
     find_routers,
@@ -148,6 +151,102 @@ def check_update_names(model: nn.Module, names: Sequence[str], *, partial: bool 
         )
 
 
+# -- weights broadcast by the trainer ----------------------------------------------------------
+
+WEIGHT_GROUP_BACKEND = "gloo"
+"""The backend the hf engine receives broadcast weights over (into CPU buffers)."""
+WEIGHT_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+"""How long joining a weight group, or one broadcast, may wait for the other members."""
+BUCKET_LOAD_FORMAT = "flattened_bucket"
+"""One broadcast per bucket of tensors laid out back to back (sglang 0.5.23's name)."""
+SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
+SESSION_CLOSED = "no weight-update session is open; call begin_weight_update() first"
+OUTSIDE_SESSION = (
+    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+)
+
+
+def join_weight_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout: datetime.timedelta = WEIGHT_GROUP_TIMEOUT,
+) -> Any:
+    """Join weight group `group_name` as `rank` over gloo; returns its backend. Blocks until
+    every member has joined.
+
+    The store keys are those sglang 0.5.23's `init_custom_process_group` (utils/common.py)
+    leads to, so this engine, the sending training rank and SGLang servers meet in one group:
+    the TCP store that rank 0 hosts, under `PrefixStore(group_name)`, then torch 2.14
+    `_new_process_group_helper`'s `PrefixStore(f"{group_name}/")` and, for gloo's backend,
+    `PrefixStore("cpu/")`. The group is a backend object of its own: no torch.distributed
+    default group is needed.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        host_name=master_address,
+        port=master_port,
+        world_size=world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    keyed = dist.PrefixStore(
+        "cpu/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    )
+    return dist.ProcessGroupGloo(keyed, rank, world_size, timeout)
+
+
+def bucket_layout(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+    """(name, dtype, shape, start byte, end byte) of each tensor of a flattened bucket.
+
+    The tensors lie back to back, as sglang 0.5.23's `FlattenedTensorBucket.empty`
+    (weight_sync/tensor_bucket.py) lays them out; it refuses the same inputs.
+
+    Raises:
+        ValueError: Lists of different lengths, an empty bucket, a name that is not a torch
+            dtype, a negative dimension, or a tensor at a byte offset its dtype's size does not
+            divide; names the tensor.
+    """
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes: one of each "
+            "per tensor"
+        )
+    if not names:
+        raise ValueError("an empty bucket")
+    layout = []
+    offset = 0
+    for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name}: dtype {dtype_name!r} is not a torch dtype")
+        dims = tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise ValueError(f"{name}: negative dimension in shape {list(dims)}")
+        if offset % dtype.itemsize:
+            raise ValueError(f"{name}: byte offset {offset} is not aligned for {dtype}")
+        size = math.prod(dims) * dtype.itemsize
+        layout.append((name, dtype, dims, offset, offset + size))
+        offset += size
+    return layout
+
+
+@dataclass(slots=True)
+class _WeightUpdate:
+    """An open weight-update session of the hf engine."""
+
+    names: list[str] = field(default_factory=list)
+    """Names loaded so far."""
+    version: str | None = None
+    """The version the last bucket named, served once the session closes complete."""
+
+
 @dataclass(slots=True)
 class _Row:
     """Decoding state of one request."""
@@ -195,6 +294,8 @@ class HFEngine(Engine):
         self._warned_fields: set[str] = set()
         self.weight_version: str | None = None
         self._info: ModelInfo | None = None
+        self._weight_groups: dict[str, Any] = {}
+        self._weight_update: _WeightUpdate | None = None
         if model is not None:
             self._adopt(model)
 
@@ -286,6 +387,132 @@ class HFEngine(Engine):
     ) -> None:
         """Load every weight of the model from an HF checkpoint directory (all must be there)."""
         await self.update_weights_from_tensors(iter_checkpoint(path), weight_version=weight_version)
+
+    # A broadcast update follows sglang 0.5.23's protocol (see `Engine`), over gloo into CPU
+    # buffers, with one difference: the version a bucket names is served only once the session
+    # closes with every parameter of the model loaded, so an incomplete update is refused at
+    # `end_weight_update` and leaves the old version in place.
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        if backend != WEIGHT_GROUP_BACKEND:
+            raise ValueError(
+                f"backend={backend!r}: the hf engine receives weights over "
+                f"{WEIGHT_GROUP_BACKEND!r} only (into CPU buffers)"
+            )
+        if group_name in self._weight_groups:
+            raise EngineError(f"weight group {group_name!r} exists already")
+        if not 0 < rank_offset < world_size:
+            raise EngineError(
+                f"rank_offset={rank_offset}: expected 0 < rank_offset < world_size={world_size} "
+                "(rank 0 is the sender)"
+            )
+        self._weight_groups[group_name] = await asyncio.to_thread(
+            join_weight_group,
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        if self._weight_groups.pop(group_name, None) is None:
+            raise EngineError(f"no weight group {group_name!r} to destroy")
+
+    async def begin_weight_update(self) -> None:
+        if self._weight_update is not None:
+            raise EngineError(SESSION_OPEN)
+        self._weight_update = _WeightUpdate()
+
+    async def end_weight_update(self) -> None:
+        """Close the session; if it loaded anything, every parameter of the model must have
+        been among it, and then the engine serves the version the last bucket named.
+
+        Raises:
+            EngineError: No session is open, or the update left parameters out (named).
+        """
+        update, self._weight_update = self._weight_update, None
+        if update is None:
+            raise EngineError(SESSION_CLOSED)
+        if not update.names:
+            return
+        try:
+            check_update_names(self.model, update.names)
+        except ValueError as exc:
+            raise EngineError(
+                f"{exc}; the engine keeps serving weight version {self.weight_version!r}"
+            ) from None
+        if update.version is not None:
+            self.weight_version = update.version
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        load_format: str | None = BUCKET_LOAD_FORMAT,
+    ) -> None:
+        """Receive one flattened bucket and load it (see `Engine`).
+
+        Refused before receiving (as sglang refuses): no open session, an unknown group, a
+        load format other than flattened buckets, or names, dtypes and shapes that do not
+        describe a bucket. Refused after receiving and before copying anything: a name the
+        model lacks, or a shape that does not fit. `flush_cache` changes nothing here: the
+        engine keeps no KV cache between requests.
+
+        Raises:
+            EngineError: Naming the refusal.
+        """
+        await self.start()
+        update = self._weight_update
+        if update is None:
+            raise EngineError(OUTSIDE_SESSION)
+        group = self._weight_groups.get(group_name)
+        if group is None:
+            raise EngineError(
+                f"weight group {group_name!r} not in {sorted(self._weight_groups)}; call "
+                "init_weights_update_group first"
+            )
+        if load_format != BUCKET_LOAD_FORMAT:
+            raise EngineError(
+                f"load_format={load_format!r}: the hf engine receives {BUCKET_LOAD_FORMAT!r} "
+                "buckets only"
+            )
+        try:
+            layout = bucket_layout(names, dtypes, shapes)
+        except ValueError as exc:
+            raise EngineError(f"weight bucket refused before receiving it: {exc}") from None
+        flat = torch.empty(layout[-1][-1], dtype=torch.uint8)
+        await asyncio.to_thread(_receive, group, flat)
+        named = [
+            (name, flat[start:end].view(dtype).reshape(shape))
+            for name, dtype, shape, start, end in layout
+        ]
+        async with self._lock:
+            try:
+                check_update_names(self.model, list(names), partial=True)
+                state = self.model.state_dict(keep_vars=True)
+                for name, tensor in named:  # every shape checked before anything is copied
+                    _resolve(state, name, tensor)
+            except ValueError as exc:
+                raise EngineError(f"weight bucket of group {group_name!r}: {exc}") from None
+            await asyncio.to_thread(load_hf_weights, self.model, named)
+        update.names.extend(names)
+        if weight_version is not None:
+            update.version = weight_version
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -524,6 +751,16 @@ class HFEngine(Engine):
                     capture.close()
             outputs.append(self._output(row, time.perf_counter() - started))
         return outputs
+
+
+def _receive(group: Any, flat: torch.Tensor) -> None:
+    """Receive `flat` from rank 0 of `group` (blocking)."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    group.broadcast([flat], options).wait()
 
 
 ENGINES.add("hf", HFEngine)

@@ -1,4 +1,4 @@
-"""One rollout: prompt groups through the engine, rewards, dynamic filter, samples, metrics."""
+"""One rollout: prompt groups through the engines, rewards, dynamic filter, samples, metrics."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import logging
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ember_core.config import SamplingConfig
 from ember_core.types import Sample, SampleStatus
@@ -18,6 +19,7 @@ from ember_rollout.engine import (
     EngineError,
     GenerateOutput,
     GenerateRequest,
+    ModelInfo,
     SamplingParams,
 )
 from ember_rollout.rewards import Scorer
@@ -41,6 +43,102 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class PromptGroup:
+    """One prompt and its `n_samples_per_prompt` requests: the unit an engine generates. A group
+    never splits across engines, so its members share one prompt prefix in one engine's cache."""
+
+    record: PromptRecord
+    prompt_ids: list[int]
+    """The encoded prompt."""
+    requests: list[GenerateRequest]
+    """One request per sample of the group, each with its own seed."""
+    index: int
+    """Position of the group in its sampling round; its samples are numbered from
+    `index * len(requests)` until the rollout renumbers its kept groups."""
+
+
+class GroupRunner(Protocol):
+    """Generates prompt groups into samples: one engine here (`LocalGroups`), or a pool of
+    engine actors that spreads whole groups over its engines."""
+
+    @property
+    def kind(self) -> str:
+        """The engine kind, as the rollout hooks name it (`hf`, `sglang`)."""
+        ...
+
+    async def generate_groups(self, groups: Sequence[PromptGroup]) -> list[list[Sample]]:
+        """The samples of every group, in group order (each inner list in request order)."""
+        ...
+
+
+class LocalGroups:
+    """Generates groups on one engine in this process and turns its answers into samples.
+
+    Each sample records the weight version its engine reported (`meta_info.weight_version`);
+    plugins see every sample with the engine's meta info (`ember_process_sample`).
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Any, plugins: EmberPlugins | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.plugins = plugins
+
+    @property
+    def kind(self) -> str:
+        return self.engine.kind
+
+    async def generate_groups(self, groups: Sequence[PromptGroup]) -> list[list[Sample]]:
+        requests = [r for group in groups for r in group.requests]
+        outputs = await self.engine.generate(requests)
+        if len(outputs) != len(requests):
+            raise EngineError(
+                f"engine returned {len(outputs)} outputs for {len(requests)} requests"
+            )
+        answers = iter(outputs)
+        samples = []
+        for group in groups:
+            n = len(group.requests)
+            samples.append(
+                [
+                    self._sample(group, request, next(answers), group.index * n + j)
+                    for j, request in enumerate(group.requests)
+                ]
+            )
+        return samples
+
+    def _sample(
+        self, group: PromptGroup, request: GenerateRequest, output: GenerateOutput, index: int
+    ) -> Sample:
+        if not output.output_ids:
+            raise EngineError(
+                f"{request.name}: the engine returned no tokens ({output.finish_reason})"
+            )
+        record = group.record
+        version = output.meta_info.get("weight_version")
+        sample = Sample(
+            tokens=list(group.prompt_ids) + list(output.output_ids),
+            response_length=len(output.output_ids),
+            index=index,
+            group_index=group.index,
+            prompt=record.prompt,
+            response=self.tokenizer.decode(output.output_ids, skip_special_tokens=True),
+            label=record.label,
+            rollout_log_probs=list(output.output_log_probs),
+            rollout_routed_experts=output.routed_experts,
+            status=output.status,
+            weight_version=None if version is None else str(version),
+            metadata={
+                **record.metadata,
+                "source": record.source,
+                "finish_reason": output.finish_reason,
+            },
+        )
+        if self.plugins is not None:
+            self.plugins.process_sample(sample, output.meta_info, self.engine.kind)
+        return sample
+
+
 def request_seed(seed: int, rollout_id: int, round_id: int, group: int, sample: int) -> int:
     """A sampler seed for one request, fixed by the run seed and the request's position."""
     return random.Random(f"{seed}/{rollout_id}/{round_id}/{group}/{sample}").getrandbits(63)
@@ -54,16 +152,17 @@ def _has_signal(group: list[Sample]) -> bool:
 class RolloutGenerator:
     """Produces rollout batches: `rollout_batch_size` prompts x `n_samples_per_prompt` samples.
 
-    With `dynamic_filter`, groups whose rewards are all equal (no learning signal for group
-    baselines) are dropped and more prompts are generated, `over_sampling_batch_size` per
-    round, until the batch is full or `max_rounds` ran. Groups with an aborted sample are always
-    dropped and replaced the same way.
+    It owns the prompt stream, the scorer and the dynamic filter; a `GroupRunner` generates the
+    groups (one local engine, or a pool of engines). With `dynamic_filter`, groups whose rewards
+    are all equal (no learning signal for group baselines) are dropped and more prompts are
+    generated, `over_sampling_batch_size` per round, until the batch is full or `max_rounds`
+    ran. Groups with an aborted sample are always dropped and replaced the same way.
     """
 
     def __init__(
         self,
         *,
-        engine: Engine,
+        runner: GroupRunner,
         tokenizer: Any,
         dataset: PromptDataset,
         encoder: PromptEncoder,
@@ -72,7 +171,7 @@ class RolloutGenerator:
         group_sampling: GroupSamplingConfig | None = None,
         plugins: EmberPlugins | None = None,
     ) -> None:
-        self.engine = engine
+        self.runner = runner
         self.tokenizer = tokenizer
         self.dataset = dataset
         self.encoder = encoder
@@ -85,12 +184,26 @@ class RolloutGenerator:
     def from_config(
         cls,
         *,
-        engine: Engine,
         sampling: SamplingConfig,
         sections: RolloutSections,
+        engine: Engine | None = None,
+        runner: GroupRunner | None = None,
+        model_info: ModelInfo | None = None,
         plugins: EmberPlugins | None = None,
     ) -> RolloutGenerator:
-        """Build the data pipeline and scorer from config, around a started engine."""
+        """Build the data pipeline and scorer from config, around a started engine or a runner.
+
+        Args:
+            sampling: The `rollout` section.
+            sections: The rollout package's sections (engine, data, reward, group_sampling).
+            engine: A started engine in this process; groups are generated on it.
+            runner: What generates groups instead of `engine` (for example a pool of engines).
+            model_info: The served model's shape when `runner` is given (with `engine`, the
+                engine's own); it sets the default `data.max_prompt_len`.
+            plugins: Enabled plugins (request fields, and per-sample hooks for `engine`).
+        """
+        if (engine is None) == (runner is None):
+            raise TypeError("RolloutGenerator.from_config: pass exactly one of engine, runner")
         data = sections.data
         tokenizer_path = data.tokenizer_path
         if tokenizer_path is None and sections.engine.kind == "hf":
@@ -98,10 +211,13 @@ class RolloutGenerator:
         elif tokenizer_path is None and sections.engine.kind == "sglang":
             tokenizer_path = sections.engine.sglang.model_path
         tokenizer = load_tokenizer(tokenizer_path)
+        if engine is not None:
+            runner = LocalGroups(engine, tokenizer, plugins)
+            model_info = engine.model_info
+        assert runner is not None
         max_prompt_len = data.max_prompt_len
-        info = engine.model_info
-        if max_prompt_len is None and info is not None:
-            max_prompt_len = max(info.context_len - sampling.max_response_len, 1)
+        if max_prompt_len is None and model_info is not None:
+            max_prompt_len = max(model_info.context_len - sampling.max_response_len, 1)
         encoder = PromptEncoder(
             tokenizer,
             apply_chat_template=data.apply_chat_template,
@@ -110,7 +226,7 @@ class RolloutGenerator:
         )
         dataset = PromptDataset(load_prompts(data), shuffle=data.shuffle, seed=data.seed)
         return cls(
-            engine=engine,
+            runner=runner,
             tokenizer=tokenizer,
             dataset=dataset,
             encoder=encoder,
@@ -204,76 +320,45 @@ class RolloutGenerator:
     async def _generate_groups(
         self, prompts: list[tuple[PromptRecord, list[int]]], rollout_id: int, round_id: int
     ) -> list[list[Sample]]:
-        sampling, n = self.sampling, self.sampling.n_samples_per_prompt
-        fields = self.plugins.rollout_request_fields(self.engine.kind) if self.plugins else {}
-        stop = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        requests = []
-        for g, (_, ids) in enumerate(prompts):
-            for j in range(n):
-                requests.append(
-                    GenerateRequest(
-                        input_ids=ids,
-                        sampling=SamplingParams(
-                            max_new_tokens=sampling.max_response_len,
-                            temperature=sampling.temperature,
-                            top_p=sampling.top_p,
-                            top_k=sampling.top_k,
-                            stop_token_ids=stop,
-                            seed=request_seed(sampling.seed, rollout_id, round_id, g, j),
-                        ),
-                        fields=dict(fields),
-                        name=f"rollout {rollout_id} round {round_id} sample {g * n + j} "
-                        f"(group {g})",
-                    )
-                )
-        outputs = await self.engine.generate(requests)
-        if len(outputs) != len(requests):
+        groups = self.prompt_groups(prompts, rollout_id, round_id)
+        generated = await self.runner.generate_groups(groups)
+        if len(generated) != len(groups) or any(
+            len(samples) != len(group.requests)
+            for samples, group in zip(generated, groups, strict=False)
+        ):
             raise EngineError(
-                f"engine returned {len(outputs)} outputs for {len(requests)} requests"
+                f"rollout {rollout_id} round {round_id}: asked for {len(groups)} groups of "
+                f"{self.sampling.n_samples_per_prompt}, got sizes {[len(g) for g in generated]}"
             )
+        return generated
+
+    def prompt_groups(
+        self, prompts: list[tuple[PromptRecord, list[int]]], rollout_id: int, round_id: int
+    ) -> list[PromptGroup]:
+        """The requests of one sampling round, one group per prompt, each with its own seed."""
+        sampling, n = self.sampling, self.sampling.n_samples_per_prompt
+        fields = self.plugins.rollout_request_fields(self.runner.kind) if self.plugins else {}
+        stop = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         groups = []
         for g, (record, ids) in enumerate(prompts):
-            group = []
-            for j in range(n):
-                k = g * n + j
-                group.append(self._sample(record, ids, requests[k], outputs[k], k, g))
-            groups.append(group)
+            requests = [
+                GenerateRequest(
+                    input_ids=ids,
+                    sampling=SamplingParams(
+                        max_new_tokens=sampling.max_response_len,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        top_k=sampling.top_k,
+                        stop_token_ids=stop,
+                        seed=request_seed(sampling.seed, rollout_id, round_id, g, j),
+                    ),
+                    fields=dict(fields),
+                    name=f"rollout {rollout_id} round {round_id} sample {g * n + j} (group {g})",
+                )
+                for j in range(n)
+            ]
+            groups.append(PromptGroup(record=record, prompt_ids=ids, requests=requests, index=g))
         return groups
-
-    def _sample(
-        self,
-        record: PromptRecord,
-        prompt_ids: list[int],
-        request: GenerateRequest,
-        output: GenerateOutput,
-        index: int,
-        group: int,
-    ) -> Sample:
-        if not output.output_ids:
-            raise EngineError(
-                f"{request.name}: the engine returned no tokens ({output.finish_reason})"
-            )
-        sample = Sample(
-            tokens=list(prompt_ids) + list(output.output_ids),
-            response_length=len(output.output_ids),
-            index=index,
-            group_index=group,
-            prompt=record.prompt,
-            response=self.tokenizer.decode(output.output_ids, skip_special_tokens=True),
-            label=record.label,
-            rollout_log_probs=list(output.output_log_probs),
-            rollout_routed_experts=output.routed_experts,
-            status=output.status,
-            metadata={
-                **record.metadata,
-                "source": record.source,
-                "finish_reason": output.finish_reason,
-                "weight_version": output.meta_info.get("weight_version"),
-            },
-        )
-        if self.plugins is not None:
-            self.plugins.process_sample(sample, output.meta_info, self.engine.kind)
-        return sample
 
     @staticmethod
     def _metrics(

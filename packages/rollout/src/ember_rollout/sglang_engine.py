@@ -30,6 +30,7 @@ from ember_rollout.engine import (
     GenerateOutput,
     GenerateRequest,
     ModelInfo,
+    memory_tags,
 )
 from ember_rollout.routing import (
     ROUTED_EXPERTS_DTYPE_KEY,
@@ -139,13 +140,8 @@ def _reduce_tensor_by_device_uuid(tensor: torch.Tensor) -> tuple[Any, tuple]:
     return rebuild, args
 
 
-def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Pickle (name, tensor) pairs as SGLang's /update_weights_from_tensor expects them.
-
-    The pickle carries CUDA IPC handles rather than the data, so the server must run on the same
-    machine; base64 makes it fit in JSON. Only torch and builtin globals appear in it, the ones
-    sglang 0.5.23's `SafeUnpickler` (utils/common.py) accepts.
-    """
+def _serialize_for_ipc(obj: Any) -> str:
+    """Pickle `obj` with its tensors as handles, base64-encoded to fit in JSON."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers tensor reducers with ForkingPickler)
@@ -153,8 +149,68 @@ def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -
     buffer = io.BytesIO()
     pickler = ForkingPickler(buffer)
     pickler.dispatch_table[torch.Tensor] = _reduce_tensor_by_device_uuid
-    pickler.dump([(name, tensor.detach()) for name, tensor in named_tensors])
+    pickler.dump(obj)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Pickle (name, tensor) pairs as SGLang's /update_weights_from_tensor expects them.
+
+    The pickle carries CUDA IPC handles rather than the data, so the server must run on the same
+    machine; base64 makes it fit in JSON. Only torch and builtin globals appear in it, the ones
+    sglang 0.5.23's `SafeUnpickler` (utils/common.py) accepts.
+    """
+    return _serialize_for_ipc([(name, tensor.detach()) for name, tensor in named_tensors])
+
+
+def serialize_flattened_bucket(
+    flat: torch.Tensor,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+) -> str:
+    """Pickle one flattened bucket for /update_weights_from_tensor with load_format
+    "flattened_bucket": `{"flattened_tensor": flat, "metadata": [...]}`, as sglang 0.5.23's
+    `_update_weights_from_flattened_bucket` (model_runner_components/weight_updater.py) reads
+    it. Its metadata entries are read by attribute (name, shape, dtype, start_idx, end_idx,
+    numel; byte offsets); `types.SimpleNamespace` carries them, a global sglang's
+    `SafeUnpickler` (utils/common.py) accepts. So does sglang's own `FlattenedTensorMetadata`,
+    but that would make the trainer import sglang.
+
+    Args:
+        flat: uint8 [bytes], tensor i's bytes after tensor i - 1's, on a CUDA device.
+        names, dtypes, shapes: Each tensor's HF name, torch dtype name and shape.
+
+    Raises:
+        ValueError: `flat` is not on a device in `IPC_DEVICE_TYPES`, or the metadata does
+            not add up to its size.
+    """
+    from types import SimpleNamespace
+
+    if flat.device.type not in IPC_DEVICE_TYPES:
+        raise ValueError(
+            f"a flattened bucket on {flat.device} cannot reach a separately launched SGLang "
+            "server by handle (CUDA tensors only); use weights.transport broadcast or disk"
+        )
+    metadata, offset = [], 0
+    for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = getattr(torch, dtype_name)
+        size = torch.Size(shape)
+        nbytes = size.numel() * dtype.itemsize
+        metadata.append(
+            SimpleNamespace(
+                name=name,
+                shape=size,
+                dtype=dtype,
+                start_idx=offset,
+                end_idx=offset + nbytes,
+                numel=nbytes,
+            )
+        )
+        offset += nbytes
+    if offset != flat.numel():
+        raise ValueError(f"the bucket's metadata covers {offset} bytes, the buffer {flat.numel()}")
+    return _serialize_for_ipc({"flattened_tensor": flat.detach(), "metadata": metadata})
 
 
 def ipc_tensors(
@@ -178,6 +234,21 @@ def ipc_tensors(
                 "of the same machine, or save a checkpoint and call update_weights_from_disk(path)"
             )
     return tensors
+
+
+def check_version(what: str, weight_version: object) -> None:
+    """sglang 0.5.23 (managers/io_struct.py) takes `weight_version` as a string or null and
+    answers anything else with HTTP 400 before the update runs; for a broadcast that would leave
+    the sender waiting for receivers, so it is refused here first.
+
+    Raises:
+        TypeError: `weight_version` is neither None nor a string; names the call.
+    """
+    if weight_version is not None and not isinstance(weight_version, str):
+        raise TypeError(
+            f"{what}: weight_version={weight_version!r} is a {type(weight_version).__name__}; "
+            "expected a string or None"
+        )
 
 
 class SGLangEngine(Engine):
@@ -418,25 +489,34 @@ class SGLangEngine(Engine):
     async def _post_each(
         self,
         path: str,
-        payload: dict[str, Any] | Callable[[], dict[str, Any]],
+        payload: dict[str, Any] | Callable[[int], dict[str, Any]],
         *,
         what: str,
         urls: Sequence[str] | None = None,
+        once: bool = False,
     ) -> list[EngineError | None]:
         """POST to every server of `urls` (default: all) at once and wait for every answer.
 
-        A callable payload is built once per server. Each must answer {"success": true, ...}.
+        A callable payload is built per server, from its index. Each must answer
+        {"success": true, ...}. With `once`, each server is sent the request exactly once: for
+        calls that change the server's state (a session, a rendezvous, a broadcast, a load),
+        where a request that timed out may have happened and a second one would be refused,
+        join twice, or wait for a broadcast that does not come again.
 
         Returns:
             Per server, in order: None, or the EngineError of its failure.
         """
 
-        async def one(url: str) -> EngineError | None:
+        async def one(i: int, url: str) -> EngineError | None:
             where = f"{what} on {url}"
+            body = payload(i) if callable(payload) else payload
             try:
-                answer = await self._post(
-                    f"{url}{path}", payload() if callable(payload) else payload, where=where
-                )
+                if once:
+                    answer = await self._post_once(f"{url}{path}", body, where=where)
+                else:
+                    answer = await self._post(f"{url}{path}", body, where=where)
+            except _RetryableError as exc:
+                return EngineError(f"{where}: {exc}")
             except EngineError as exc:
                 return exc
             if not isinstance(answer, dict) or not answer.get("success", False):
@@ -444,15 +524,20 @@ class SGLangEngine(Engine):
                 return EngineError(f"{where} failed: {message}")
             return None
 
-        return list(
-            await asyncio.gather(*(one(url) for url in self.urls if urls is None or url in urls))
-        )
+        chosen = [(i, url) for i, url in enumerate(self.urls) if urls is None or url in urls]
+        return list(await asyncio.gather(*(one(i, url) for i, url in chosen)))
 
     async def _post_all(
-        self, path: str, payload: dict[str, Any] | Callable[[], dict[str, Any]], *, what: str
+        self,
+        path: str,
+        payload: dict[str, Any] | Callable[[int], dict[str, Any]],
+        *,
+        what: str,
+        once: bool = False,
     ) -> None:
         """`_post_each` on every server, raising the first failure once all have answered."""
-        for error in await self._post_each(path, payload, what=what):
+        await self.start()
+        for error in await self._post_each(path, payload, what=what, once=once):
             if error is not None:
                 raise error
 
@@ -460,37 +545,19 @@ class SGLangEngine(Engine):
     async def _weight_update_session(self) -> AsyncIterator[None]:
         """Open a weight-update session on every server for the block, and always close it.
 
-        Every server whose begin succeeded is ended, whatever happens after. The first failure
-        is raised (a begin's, else the block's, else an end's); the others are logged.
+        The first failure is raised (a begin's, else the block's, else an end's); an end's
+        failure after another one is logged.
         """
-        # sglang 0.5.23 scheduler_components/weight_updater.py: tensor and distributed updates
-        # succeed only between begin_weight_update and end_weight_update; a begin while a session
-        # is open is refused, and so is an end without one.
-        began = await self._post_each(
-            "/begin_weight_update", {"selector": "all"}, what="begin_weight_update"
-        )
-        opened = [url for url, error in zip(self.urls, began, strict=True) if error is None]
+        await self.begin_weight_update()
         try:
-            for error in began:
-                if error is not None:
-                    raise error
             yield
         except BaseException:
-            ended = await self._post_each(
-                "/end_weight_update", {}, what="end_weight_update", urls=opened
-            )
-            for error in ended:
-                if error is not None:
-                    logger.error(
-                        "while closing the weight-update session after a failure: %s", error
-                    )
+            try:
+                await self.end_weight_update()
+            except EngineError as exc:
+                logger.error("while closing the weight-update session after a failure: %s", exc)
             raise
-        ended = await self._post_each(
-            "/end_weight_update", {}, what="end_weight_update", urls=opened
-        )
-        for error in ended:
-            if error is not None:
-                raise error
+        await self.end_weight_update()
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -613,6 +680,75 @@ class SGLangEngine(Engine):
         except ValueError as exc:
             raise EngineError(str(exc)) from None
 
+    # -- memory (colocated hand-off) -----------------------------------------------------------
+
+    _released: frozenset[str] = frozenset()
+    """Memory tags released on every server and not resumed yet."""
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Every server frees the GPU memory of `tags` (POST /release_memory_occupation).
+
+        sglang 0.5.23 (managers/scheduler_components/weight_updater.py) frees memory only on
+        servers launched with --enable-memory-saver (others keep it, silently), and has no answer
+        for a release while it is busy (an assertion), a release of released memory
+        (torch_memory_saver exits) or a resume of memory it did not release (`offload_tags`
+        has no such tag): its scheduler process dies. So the engine refuses those calls before
+        sending them. The weights' contents are gone after a release: resume, then load weights.
+
+        Raises:
+            ValueError: A tag is not one of `MEMORY_TAGS`.
+            EngineError: A tag is already released, or a server refused; names them.
+        """
+        wanted = memory_tags(tags)
+        again = [t for t in wanted if t in self._released]
+        if again:
+            raise EngineError(
+                f"release_memory({list(wanted)}): {again} already released; call "
+                "resume_memory first"
+            )
+        await self._memory_call("/release_memory_occupation", wanted)
+        self._released = self._released | set(wanted)
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Every server takes back the GPU memory of `tags` (POST /resume_memory_occupation).
+
+        Raises:
+            ValueError: A tag is not one of `MEMORY_TAGS`.
+            EngineError: A tag is not released, or a server refused; names them.
+        """
+        wanted = memory_tags(tags)
+        held = [t for t in wanted if t not in self._released]
+        if held:
+            raise EngineError(
+                f"resume_memory({list(wanted)}): {held} not released (released: "
+                f"{sorted(self._released)})"
+            )
+        await self._memory_call("/resume_memory_occupation", wanted)
+        self._released = self._released - set(wanted)
+
+    async def _memory_call(self, path: str, tags: tuple[str, ...]) -> None:
+        """POST `{"tags": [...]}` to `path` on every server at once, each exactly once.
+
+        sglang 0.5.23 http_server.py answers 200 with a JSON null on success and 400
+        {"error": {"message": ...}} on failure. No retry: a release that timed out may have
+        happened, and a second one would fail the server.
+        """
+        await self.start()
+        what = path.lstrip("/")
+
+        async def one(url: str) -> str | None:
+            try:
+                await self._post_once(f"{url}{path}", {"tags": list(tags)}, where=what)
+            except _RetryableError as exc:
+                return f"{url}: {exc}"
+            except EngineError as exc:
+                return str(exc)
+            return None
+
+        errors = [e for e in await asyncio.gather(*(one(url) for url in self.urls)) if e]
+        if errors:
+            raise EngineError(f"{what} {list(tags)} failed: " + "; ".join(errors))
+
     # -- weights -------------------------------------------------------------------------------
 
     async def update_weights_from_disk(
@@ -622,7 +758,13 @@ class SGLangEngine(Engine):
 
         sglang 0.5.23 loads from disk without a begin/end session (weight_updater.py restores
         and post-processes the weights itself) and waits for running requests to finish first.
+        A load that failed or timed out is retried: loading a checkpoint again changes nothing.
+
+        Raises:
+            TypeError: `weight_version` is not a string.
+            EngineError: A server refused or failed; names it.
         """
+        check_version("update_weights_from_disk", weight_version)
         await self.start()
         payload: dict[str, Any] = {
             "model_path": str(path),
@@ -645,14 +787,16 @@ class SGLangEngine(Engine):
         lets every rank open only its own copy.
 
         Raises:
+            TypeError: `weight_version` is not a string, or a value is not a tensor.
             ValueError: A tensor is not on a CUDA device; use `update_weights_from_disk`.
             EngineError: A server refused the session or the update; the session is closed on
                 every server that opened it either way.
         """
+        check_version("update_weights_from_tensors", weight_version)
         tensors = ipc_tensors(named_tensors)
         await self.start()
 
-        def payload() -> dict[str, Any]:
+        def payload(_: int) -> dict[str, Any]:
             return {
                 "serialized_named_tensors": [
                     serialize_named_tensors(tensors) for _ in range(self.config.tp_size)
@@ -664,8 +808,207 @@ class SGLangEngine(Engine):
 
         async with self._weight_update_session():
             await self._post_all(
-                "/update_weights_from_tensor", payload, what="update_weights_from_tensor"
+                "/update_weights_from_tensor", payload, what="update_weights_from_tensor", once=True
             )
+
+    # -- weights from the trainer: sessions, weight groups, buckets ------------------------------
+
+    _session_urls: tuple[str, ...] = ()
+    """The servers on which this engine's open weight-update session began."""
+
+    @property
+    def weight_group_size(self) -> int:
+        """One rank per GPU: `tp_size` per server (launched ones: `num_servers` of them)."""
+        servers = len(self.urls) or self.config.num_servers
+        return servers * self.config.tp_size
+
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session on every server (POST /begin_weight_update).
+
+        sglang 0.5.23 (scheduler_components/weight_updater.py) takes tensor and distributed
+        updates only inside one, and refuses a begin while one is open. If a server refuses,
+        the sessions opened on the others are closed again.
+
+        Raises:
+            EngineError: This engine has a session open already, or a server refused.
+        """
+        await self.start()
+        if self._session_urls:
+            raise EngineError(
+                "begin_weight_update: this engine's weight-update session is open already; "
+                "call end_weight_update() first"
+            )
+        began = await self._post_each(
+            "/begin_weight_update", {"selector": "all"}, what="begin_weight_update", once=True
+        )
+        opened = tuple(url for url, error in zip(self.urls, began, strict=True) if error is None)
+        errors = [error for error in began if error is not None]
+        if errors:
+            ended = await self._post_each(
+                "/end_weight_update", {}, what="end_weight_update", urls=opened, once=True
+            )
+            for error in ended:
+                if error is not None:
+                    logger.error("while closing the sessions a failed begin opened: %s", error)
+            raise errors[0]
+        self._session_urls = opened
+
+    async def end_weight_update(self) -> None:
+        """Close the session `begin_weight_update` opened, on every server it opened on.
+
+        Raises:
+            EngineError: No session is open, or a server refused (after all were asked).
+        """
+        opened, self._session_urls = self._session_urls, ()
+        if not opened:
+            raise EngineError(
+                "end_weight_update: no weight-update session is open; call "
+                "begin_weight_update() first"
+            )
+        ended = await self._post_each(
+            "/end_weight_update", {}, what="end_weight_update", urls=opened, once=True
+        )
+        for error in ended:
+            if error is not None:
+                raise error
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Every server joins weight group `group_name` (POST /init_weights_update_group).
+
+        Server i takes ranks `rank_offset + i * tp_size` onwards: sglang 0.5.23
+        (model_runner_components/weight_updater.py) joins TP rank r as `rank_offset + r`,
+        through a rendezvous the sender (rank 0) hosts, so the sender joins while the servers
+        are asked. A server fails a group name it has already.
+
+        Raises:
+            EngineError: A server failed to join; names it.
+        """
+        tp = self.config.tp_size
+
+        def payload(i: int) -> dict[str, Any]:
+            return {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset + i * tp,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
+
+        await self._post_all(
+            "/init_weights_update_group", payload, what="init_weights_update_group", once=True
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Every server leaves weight group `group_name` (POST /destroy_weights_update_group)."""
+        await self._post_all(
+            "/destroy_weights_update_group",
+            {"group_name": group_name},
+            what="destroy_weights_update_group",
+            once=True,
+        )
+
+    def _check_session(self, what: str) -> None:
+        if not self._session_urls:
+            # sglang 0.5.23 refuses it too, but only after the sender has started a broadcast
+            # that then waits for receivers that never come.
+            raise EngineError(
+                f"{what} must run between begin_weight_update() and end_weight_update()"
+            )
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """Every server receives one flattened bucket from rank 0 of `group_name` and loads it
+        (POST /update_weights_from_distributed, load_format "flattened_bucket": sglang 0.5.23
+        allocates the buffer from the names, dtypes and shapes, receives it with one
+        `broadcast(src=0)` and loads the tensors cut from it).
+
+        Raises:
+            TypeError: A name, dtype or the version is not a string; names it.
+            EngineError: No open session, or a server refused or failed; names it.
+        """
+        what = "update_weights_from_distributed"
+        check_version(what, weight_version)
+        for key, values in (("names", names), ("dtypes", dtypes)):
+            bad = [value for value in values if not isinstance(value, str)]
+            if bad:
+                raise TypeError(f"{what}: {key} holds {bad[0]!r}; expected strings")
+        self._check_session(what)
+        payload = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [[int(d) for d in shape] for shape in shapes],
+            "group_name": group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+            "weight_version": weight_version,
+        }
+        await self._post_all(
+            "/update_weights_from_distributed",
+            payload,
+            what="update_weights_from_distributed",
+            once=True,
+        )
+
+    async def update_weights_from_ipc(
+        self,
+        payloads: Sequence[str],
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """Every server loads one flattened bucket handed over by CUDA IPC handle
+        (POST /update_weights_from_tensor, load_format "flattened_bucket"), in an open session.
+
+        Args:
+            payloads: `weight_group_size` serializations of the bucket
+                (`serialize_flattened_bucket`), made on this machine: server i's TP rank r
+                opens `payloads[i * tp_size + r]` only (sglang 0.5.23 tp_worker.py
+                `deserialize_own_rank`), so no handle is opened twice.
+
+        Raises:
+            ValueError: Not `weight_group_size` payloads.
+            TypeError: The version is not a string.
+            EngineError: No open session, or a server refused or failed; names it.
+        """
+        check_version("update_weights_from_ipc", weight_version)
+        tp = self.config.tp_size
+        if len(payloads) != self.weight_group_size:
+            raise ValueError(
+                f"{len(payloads)} IPC payloads for {len(self.urls)} server(s) of tp_size {tp}: "
+                f"expected {self.weight_group_size}, one per rank"
+            )
+        self._check_session("update_weights_from_tensor")
+
+        def payload(i: int) -> dict[str, Any]:
+            return {
+                "serialized_named_tensors": list(payloads[i * tp : (i + 1) * tp]),
+                "load_format": "flattened_bucket",
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            }
+
+        await self._post_all(
+            "/update_weights_from_tensor", payload, what="update_weights_from_tensor", once=True
+        )
 
 
 ENGINES.add("sglang", SGLangEngine)

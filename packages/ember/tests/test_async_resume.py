@@ -1,0 +1,136 @@
+"""SIGKILL and `--resume` with the rollout manager: one-step-off-policy runs lose and repeat no
+rollout, and a run resumes with another number of engines (`resume_harness`: actors in the
+killed process, each call run when it is made)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ember.driver import PENDING_ROLLOUT, complete_checkpoints
+
+pytestmark = pytest.mark.slow
+
+RUN = [
+    "--set", "train.model_overrides.num_layers=2",
+    "--set", "rollout.rollout_batch_size=2",
+    "--set", "rollout.n_samples_per_prompt=2",
+    "--set", "rollout.max_response_len=8",
+    "--set", "train.num_steps_per_rollout=2",
+    "--set", "run.num_rollouts=4",
+    "--set", "run.plot=false",
+    "--set", "run.tensorboard=false",
+    "--set", "run.dump_rollouts=true",
+    "--set", "ray.threads_per_actor=1",
+]  # fmt: skip
+ASYNC = [*RUN, "--set", "rollout.async=true", "--set", "run.save_interval=1"]
+"""A checkpoint after every rollout, the newest two kept."""
+SYNC = [*RUN, "--set", "run.save_interval=2"]
+"""Checkpoints after rollouts 1 and 3."""
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from resume_harness import Launcher
+
+    server = Launcher(tmp_path_factory.mktemp("harness") / "server.log")
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def trainer(launcher, tmp_path: Path):
+    logs = iter(tmp_path / f"launch{i}.log" for i in range(10))
+
+    def train(*argv: str, kill: str | None = None) -> None:
+        log = next(logs)
+        code = launcher.launch(["train", *argv], log, kill)
+        assert code == (-signal.SIGKILL if kill else 0), log.read_text()[-3000:]
+
+    return train
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def ids(run_dir: Path, kind: str = "rollout") -> list[int]:
+    return [r["rollout_id"] for r in records(run_dir, kind)]
+
+
+def comparable(run_dir: Path) -> list[dict]:
+    """The run's records without wall-clock time, `perf/*` timings and per-engine counts."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [
+        {
+            k: v
+            for k, v in record.items()
+            if k != "time" and not k.startswith(("perf/", "rollout/engine"))
+        }
+        for record in map(json.loads, lines)
+    ]
+
+
+def complete(run_dir: Path) -> list[str]:
+    return [p.name for p in complete_checkpoints(run_dir)]
+
+
+def dumped(run_dir: Path, rollout_id: int) -> list[dict]:
+    path = run_dir / "rollouts" / f"{rollout_id:06d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_async_sigkill_in_generation_and_checkpoint_write_then_resume(launcher, tmp_path):
+    """Killed while rollout 3 generates (during rollout 2's iteration) and while checkpoint 2 is
+    written, each time resumed, the async run logs every rollout once and its records equal an
+    uninterrupted async run's, value for value: the checkpoint holds the rollout generated
+    ahead, so the resume neither regenerates it from newer weights nor skips its prompts."""
+    train = trainer(launcher, tmp_path)
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    train(*ASYNC, "--set", f"run.dir={reference}")
+    staleness = [r["rollout/staleness"] for r in records(reference, "rollout")]
+    assert staleness == [0.0, 1.0, 1.0, 1.0]
+
+    train(*ASYNC, "--set", f"run.dir={run}", kill="rollout:3")
+    # Rollout 3 generates before rollout 2 trains: rollout 2 was never logged.
+    assert ids(run) == [0, 1] and complete(run) == ["rollout_000000", "rollout_000001"]
+    newest = complete_checkpoints(run)[-1]
+    assert (newest / PENDING_ROLLOUT).is_file()  # rollout 2, generated before the kill
+
+    train("--resume", str(run), kill="checkpoint:2")
+    assert ids(run) == [0, 1, 2] and complete(run) == ["rollout_000000", "rollout_000001"]
+
+    train("--resume", str(run))
+    assert ids(run) == [0, 1, 2, 3]
+    assert [r["step"] for r in records(run, "train")] == list(range(8))
+    assert comparable(run) == comparable(reference)
+    for rollout_id in range(4):
+        assert dumped(run, rollout_id) == dumped(reference, rollout_id)
+    assert complete(run) == ["rollout_000002", "rollout_000003"]
+    assert not (complete_checkpoints(run)[-1] / PENDING_ROLLOUT).exists()  # nothing ahead of 3
+
+
+def test_a_run_resumes_with_another_number_of_engines(launcher, tmp_path):
+    """The prompt stream lives once, in the rollout manager: a run checkpointed with one engine
+    continues with two, from the same place in the stream, every rollout on both engines."""
+    train = trainer(launcher, tmp_path)
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    train(*SYNC, "--set", f"run.dir={reference}")
+    assert [r["rollout/staleness"] for r in records(reference, "rollout")] == [0.0] * 4
+
+    train(*SYNC, "--set", f"run.dir={run}", kill="train:2")
+    assert ids(run) == [0, 1] and complete(run) == ["rollout_000001"]
+    train("--resume", str(run), "--set", "ray.num_engines=2")
+    assert ids(run) == [0, 1, 2, 3]
+    resumed = records(run, "rollout")
+    assert all(r["rollout/engine1_requests"] > 0 for r in resumed[2:])
+    assert all(r["rollout/engine0_requests"] > 0 for r in resumed)
+    for rollout_id in (2, 3):
+        prompts = [(s["prompt"], s["label"]) for s in dumped(run, rollout_id)]
+        assert prompts == [(s["prompt"], s["label"]) for s in dumped(reference, rollout_id)]

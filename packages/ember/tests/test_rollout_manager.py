@@ -1,0 +1,158 @@
+"""The rollout manager over an engine pool, one-step-off-policy mode and weight versions:
+group assignment, staleness, threads, the `rollout.async` key, and a real Ray run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ember.config import RaySection, load_config
+from ember.driver import actor_threads, staleness
+from ember.rollout_manager import assign_groups
+from ember_core.types import Sample
+
+# --------------------------------------------------------------------------------------------
+# Whole groups, least-loaded engine first
+# --------------------------------------------------------------------------------------------
+
+
+def test_groups_alternate_over_idle_engines_and_stay_whole():
+    assert assign_groups([4] * 6, [0, 0]) == [0, 1, 0, 1, 0, 1]
+    assert assign_groups([4] * 5, [0, 0, 0]) == [0, 1, 2, 0, 1]
+
+
+def test_a_busy_engine_gets_groups_only_once_the_others_catch_up():
+    # Engine 0 still has 8 requests in flight: the first two groups go to engine 1.
+    assert assign_groups([4, 4, 4, 4], [8, 0]) == [1, 1, 0, 1]
+
+
+def test_uneven_groups_go_to_the_engine_with_the_fewest_requests():
+    # After 6 -> e0 and 2 -> e1, e1 (2) takes the next until it passes e0 (6).
+    assert assign_groups([6, 2, 2, 2, 2], [0, 0]) == [0, 1, 1, 1, 0]
+
+
+def test_one_engine_takes_every_group_and_no_engine_is_an_error():
+    assert assign_groups([3, 3, 3], [0]) == [0, 0, 0]
+    with pytest.raises(ValueError, match="no engines"):
+        assign_groups([3], [])
+
+
+# --------------------------------------------------------------------------------------------
+# Weight versions and rollout/staleness
+# --------------------------------------------------------------------------------------------
+
+
+def sample(version: str | None, index: int = 0) -> Sample:
+    return Sample(tokens=[1, 2, 3], response_length=1, index=index, weight_version=version)
+
+
+def test_staleness_is_the_trainer_version_minus_each_samples():
+    # Rollout 0 from the initial weights (-1) while the trainer holds them too.
+    assert staleness([sample("-1"), sample("-1")], -1) == 0.0
+    # Rollout 5 of an async run: generated from version 3 while the trainer holds 4.
+    assert staleness([sample("3"), sample("3")], 4) == 1.0
+    assert staleness([sample("3"), sample("4")], 4) == 0.5
+
+
+@pytest.mark.parametrize("bad", [None, "default"])
+def test_a_sample_without_a_numeric_version_is_named(bad):
+    with pytest.raises(ValueError, match=rf"sample 7 \(group 0\): weight_version={bad!r}; every"):
+        staleness([sample("0"), sample(bad, index=7)], 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Threads: actors that compute at the same time share the cores
+# --------------------------------------------------------------------------------------------
+
+
+def test_engines_share_the_cores_and_overlap_shares_them_with_training():
+    one = RaySection()
+    assert actor_threads(one, overlap=False, cores=8) == (8, 8)
+    two = RaySection(num_engines=2)
+    assert actor_threads(two, overlap=False, cores=8) == (8, 4)
+    assert actor_threads(two, overlap=True, cores=8) == (2, 2)  # 1 rank + 2 engines
+    assert actor_threads(one, overlap=True, cores=2) == (1, 1)
+    assert actor_threads(RaySection(num_engines=4), overlap=True, cores=2) == (1, 1)
+    assert actor_threads(RaySection(threads_per_actor=3), overlap=True, cores=8) == (3, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# The rollout.async key
+# --------------------------------------------------------------------------------------------
+
+
+def test_rollout_async_turns_tis_on_unless_use_tis_is_set():
+    config, _ = load_config("default", overrides=["rollout.async=true"])
+    assert config.rollout.async_ is True and config.algorithm.use_tis is True
+    config, _ = load_config("default", overrides=["rollout.async=true", "algorithm.use_tis=false"])
+    assert config.rollout.async_ is True and config.algorithm.use_tis is False
+    config, _ = load_config("default")
+    assert config.rollout.async_ is False and config.algorithm.use_tis is False
+    config, _ = load_config("default", overrides=["algorithm.use_tis=true"])
+    assert config.algorithm.use_tis is True
+
+
+def test_the_key_is_async_in_files_and_resolved_configs(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  async: true\n")
+    config, _ = load_config(path)
+    resolved = config.to_dict()
+    assert resolved["rollout"]["async"] is True and "async_" not in resolved["rollout"]
+    assert resolved["algorithm"]["use_tis"] is True
+    again, _ = load_config(yaml.safe_load(yaml.safe_dump(resolved)))
+    assert again.rollout.async_ is True
+    with pytest.raises(ValueError, match=r"rollout.async_: unknown key; known keys here: async,"):
+        load_config("default", overrides=["rollout.async_=true"])
+    with pytest.raises(ValueError, match=r"rollout.async: expected true or false, got 'soon'"):
+        load_config("default", overrides=["rollout.async=soon"])
+
+
+# --------------------------------------------------------------------------------------------
+# A real Ray run: two engines, one step off policy
+# --------------------------------------------------------------------------------------------
+
+TINY = [
+    "--set", "train.model_overrides.num_layers=2",
+    "--set", "rollout.rollout_batch_size=4",
+    "--set", "rollout.n_samples_per_prompt=2",
+    "--set", "rollout.max_response_len=6",
+    "--set", "train.num_steps_per_rollout=1",
+    "--set", "run.save_interval=0",
+    "--set", "run.plot=false",
+    "--set", "run.tensorboard=false",
+    "--set", "run.dump_rollouts=true",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_engines_one_step_off_policy_on_ray(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "train", *TINY]
+        + ["--set", "ray.num_engines=2", "--set", "rollout.async=true"]
+        + ["--set", "run.num_rollouts=3", "--set", f"run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rollouts = [r for r in map(json.loads, lines) if r["kind"] == "rollout"]
+    assert [r["rollout_id"] for r in rollouts] == [0, 1, 2]
+    # Every rollout used both engines; 4 groups of 2 split whole, 2 groups each.
+    assert [(r["rollout/engine0_requests"], r["rollout/engine1_requests"]) for r in rollouts] == [
+        (4.0, 4.0)
+    ] * 3
+    # Rollout 0 comes from the initial weights while the trainer holds them; rollout i >= 1
+    # was generated during rollout i - 1's training, from the weights of rollout i - 2.
+    assert [r["rollout/staleness"] for r in rollouts] == [0.0, 1.0, 1.0]
+    for rollout_id in range(3):
+        dump = (tmp_path / "rollouts" / f"{rollout_id:06d}.jsonl").read_text().splitlines()
+        versions = {json.loads(line)["weight_version"] for line in dump}
+        assert versions == {str(max(rollout_id - 2, -1))}
+    resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert resolved["rollout"]["async"] is True and resolved["algorithm"]["use_tis"] is True
+    assert all("perf/iteration_time" in r for r in rollouts)

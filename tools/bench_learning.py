@@ -1,0 +1,142 @@
+"""How well Ember learns against TRL's GRPOTrainer, over several toy tasks and seeds.
+
+    uv run --group peer python tools/bench_learning.py [--tasks copy:3 copy:2-4 reverse:3 sort:3]
+        [--seeds 1 2 3] [--rollouts N] [--only ember|trl] [--out DIR] [--force] [--report]
+        [--set key=value ...]
+
+Each (task, seed) pair is one run of each side, set up exactly as `tools/bench_peer.py` sets it
+up (same initial weights, tokenizer, prompts, reward and mapped hyper-parameters; the seed sets
+rollout.seed, train.seed and data.seed, so the initial weights change with it). A task is
+`NAME:DIGITS` or `NAME:MIN-MAX`. Results are kept in `--out` (default runs/bench_learning): a
+run already there with the same overrides is not run again (`--force` reruns it), so the
+comparison can be run in parts, one task or seed at a time, and `--report` prints the table
+of what is there without running anything.
+
+Per task it prints, for each side, the mean +- sample standard deviation over seeds of the
+mean reward of the last 20 rollouts, of the first rollout whose mean reward reaches 0.5 and
+0.9 ("(k/n)": only k of the n seeds got there; the mean is over those), and of the largest fall
+of a rollout's mean reward below the best before it, from rollout 50 on; then the Ember/TRL
+ratio of the means, and each seed's last-20 reward.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import bench_peer as peer
+
+DEFAULT_TASKS = ("copy:3", "copy:2-4", "reverse:3", "sort:3")
+DEFAULT_SEEDS = (1, 2, 3)
+TASK = re.compile(r"^(copy|reverse|sort):(\d+)(?:-(\d+))?$")
+
+LEARNING_ROWS = (
+    (f"mean reward, last {peer.LAST} rollouts", lambda s: s["last_reward"], 3),
+    ("first rollout with reward >= 0.5", lambda s: peer.reach_of(s, 0.5, 0), 1),
+    ("first rollout with reward >= 0.9", lambda s: peer.reach_of(s, 0.9, 0), 1),
+    (f"largest fall below best, from {peer.DROP_AFTER}", lambda s: s["max_drop"], 3),
+)
+
+
+def parse_task(text: str) -> tuple[str, int, int]:
+    """`copy:3` -> ("copy", 3, 3); `copy:2-4` -> ("copy", 2, 4)."""
+    match = TASK.match(text.strip())
+    if match is None:
+        raise ValueError(f"task {text!r}: expected NAME:DIGITS or NAME:MIN-MAX, NAME one of "
+                         "copy, reverse, sort (for example copy:2-4)")  # fmt: skip
+    low = int(match.group(2))
+    high = int(match.group(3) or low)
+    if not 1 <= low <= high:
+        raise ValueError(f"task {text!r}: expected 1 <= MIN <= MAX digits")
+    return match.group(1), low, high
+
+
+def parse_args(argv: Sequence[str] | None = None):
+    parser = peer.build_parser(__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), metavar="TASK")
+    parser.add_argument("--force", action="store_true", help="rerun runs that are already there")
+    parser.add_argument("--report", action="store_true", help="print the table, run nothing")
+    parser.set_defaults(seeds=list(DEFAULT_SEEDS), out=peer.ROOT / "runs" / "bench_learning")
+    args = parser.parse_args(argv)
+    for flag in ("task", "min_digits", "max_digits"):
+        if getattr(args, flag) is not None:
+            parser.error(f"--{flag.replace('_', '-')}: use --tasks NAME:MIN-MAX here")
+    try:
+        args.tasks = [parse_task(t) for t in args.tasks]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds {args.seeds}: each seed once")
+    if args.rollouts is None:
+        args.rollouts = peer.load_run_config(args.set).run.num_rollouts
+    if args.rollouts < 1:
+        parser.error(f"--rollouts {args.rollouts}: expected >= 1")
+    return args
+
+
+def task_summaries(out: Path, task: tuple[str, int, int], seeds: Sequence[int],
+                   sets_of) -> dict[str, list[dict[str, Any] | None]]:  # fmt: skip
+    """Each side's summary per seed (None where that run is not there)."""
+    found: dict[str, list[dict[str, Any] | None]] = {side: [] for side in peer.SIDES}
+    for seed in seeds:
+        where = peer.task_dir(out, *task, seed)
+        for side in peer.SIDES:
+            result = peer.load_result(where / side, sets_of(seed))
+            found[side].append(
+                None if result is None else peer.summarize(result["records"], result["wall_s"])
+            )
+    return found
+
+
+def learning_table(found: dict[str, list[dict[str, Any] | None]], seeds: Sequence[int]) -> str:
+    """Per side, mean +- std over the seeds that ran; Ember/TRL ratios of the means."""
+    lines = [f"{'':<38}{'Ember':>22}{'TRL':>22}{'Ember/TRL':>11}"]
+    for label, get, digits in LEARNING_ROWS:
+        cells, means = [], []
+        for side in peer.SIDES:
+            values = [get(s) for s in found[side] if s is not None]
+            cells.append(peer.fmt(values, digits) if values else "not run")
+            means.append(peer.spread(values)[0])
+        lines.append(f"{label:<38}{cells[0]:>22}{cells[1]:>22}{peer.ratio(*means):>11}")
+    for side in peer.SIDES:
+        per_seed = ", ".join(
+            f"{seed}: " + ("-" if s is None else f"{s['last_reward']:.3f}")
+            for seed, s in zip(seeds, found[side], strict=True)
+        )
+        lines.append(
+            f"  {'Ember' if side == 'ember' else 'TRL'} last-{peer.LAST} by seed: {per_seed}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[tuple[str, int, int], dict[str, list]]:
+    args = parse_args(argv)
+    if not args.report and args.only != "ember":
+        peer.require_trl()
+
+    def sets_for(task):
+        return lambda seed: peer.ember_overrides(*task, args.rollouts, seed, args.set)
+
+    if not args.report:
+        first = sets_for(args.tasks[0])(args.seeds[0])
+        print(
+            peer.format_mapping(peer.trl_mapping(peer.load_run_config(first), seed=args.seeds[0]))
+        )
+        for task in args.tasks:
+            for seed in args.seeds:
+                where = peer.task_dir(args.out, *task, seed)
+                peer.run_pair(where, sets_for(task)(seed), seed, args.only, reuse=not args.force)
+    tables = {}
+    for task in args.tasks:
+        found = task_summaries(args.out, task, args.seeds, sets_for(task))
+        tables[task] = found
+        seeds = " ".join(map(str, args.seeds))
+        print(f"\n{task[0]} {task[1]}-{task[2]} digits, {args.rollouts} rollouts, seeds {seeds}:")
+        print(learning_table(found, args.seeds))
+    return tables
+
+
+if __name__ == "__main__":
+    main()
