@@ -3,26 +3,12 @@ mapping, TRL's reward function, the summaries of a run's records and the learnin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
+from tools_loader import load_tool
 
 bench_peer = load_tool("bench_peer")
 bench_learning = load_tool("bench_learning")  # imports bench_peer, registered just above

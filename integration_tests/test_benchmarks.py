@@ -3,24 +3,9 @@ run end to end, and each side of each comparison does the work the script says i
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
+from tools_loader import load_tool
 
 bench_logprobs = load_tool("bench_logprobs")
 bench_rollout = load_tool("bench_rollout")

@@ -127,6 +127,11 @@ def main() -> None:
             "s/iter",
             ASYNC_TARGET,
         )
+        hidden = mean(sync, "perf/iteration_time") - mean(sync, "perf/rollout_time")
+        print(
+            f"  bound: hiding the whole sync rollout phase would give "
+            f"{hidden / mean(sync, 'perf/iteration_time'):.2f}x (both sides share the cores)"
+        )
         print(
             f"  async rollout waited {mean(overlapped, 'perf/rollout_time'):.3f} s/iter; "
             f"reward after {len(overlapped)} rollouts {overlapped[-1]['rollout/rewards']:.3f} "

@@ -22,12 +22,14 @@ Kill points (`POINT:ROLLOUT`), each a SIGKILL of the child from inside the loop:
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -81,6 +83,19 @@ class Launcher:
                 text=True,
                 env=env,
             )
+
+    def trainer(self, log_dir: Path) -> Callable[..., None]:
+        """`train(*argv, kill=None)`: one `ember train ARGV` (logged to
+        `log_dir/launchN.log`) that must end as intended: SIGKILLed at `kill`, else with exit
+        code 0; a failure shows the log's tail."""
+        numbers = itertools.count()
+
+        def train(*argv: str, kill: str | None = None) -> None:
+            log = log_dir / f"launch{next(numbers)}.log"
+            code = self.launch(["train", *argv], log, kill)
+            assert code == (-signal.SIGKILL if kill else 0), log.read_text()[-3000:]
+
+        return train
 
     def launch(self, argv: list[str], log: Path, kill: str | None = None) -> int:
         """Run `ember ARGV` in a fresh child; returns its exit code (-9: killed at `kill`).

@@ -5,7 +5,6 @@ killed process, each call run when it is made)."""
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,17 +43,6 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
         server.close()
 
 
-def trainer(launcher, tmp_path: Path):
-    logs = iter(tmp_path / f"launch{i}.log" for i in range(10))
-
-    def train(*argv: str, kill: str | None = None) -> None:
-        log = next(logs)
-        code = launcher.launch(["train", *argv], log, kill)
-        assert code == (-signal.SIGKILL if kill else 0), log.read_text()[-3000:]
-
-    return train
-
-
 def records(run_dir: Path, kind: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
@@ -91,7 +79,7 @@ def test_async_sigkill_in_generation_and_checkpoint_write_then_resume(launcher, 
     written, each time resumed, the async run logs every rollout once and its records equal an
     uninterrupted async run's, value for value: the checkpoint holds the rollout generated
     ahead, so the resume neither regenerates it from newer weights nor skips its prompts."""
-    train = trainer(launcher, tmp_path)
+    train = launcher.trainer(tmp_path)
     reference, run = tmp_path / "reference", tmp_path / "run"
     train(*ASYNC, "--set", f"run.dir={reference}")
     staleness = [r["rollout/staleness"] for r in records(reference, "rollout")]
@@ -119,7 +107,7 @@ def test_async_sigkill_in_generation_and_checkpoint_write_then_resume(launcher, 
 def test_a_run_resumes_with_another_number_of_engines(launcher, tmp_path):
     """The prompt stream lives once, in the rollout manager: a run checkpointed with one engine
     continues with two, from the same place in the stream, every rollout on both engines."""
-    train = trainer(launcher, tmp_path)
+    train = launcher.trainer(tmp_path)
     reference, run = tmp_path / "reference", tmp_path / "run"
     train(*SYNC, "--set", f"run.dir={reference}")
     assert [r["rollout/staleness"] for r in records(reference, "rollout")] == [0.0] * 4

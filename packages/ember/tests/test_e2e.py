@@ -4,7 +4,6 @@ each stage of the loop and resumes (`resume_harness`: actors in the killed proce
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -126,14 +125,7 @@ def test_sigkill_during_rollout_training_and_checkpoint_write_then_resume(tmp_pa
 
     launcher = Launcher(tmp_path / "server.log")
     reference, run = tmp_path / "reference", tmp_path / "run"
-    logs = iter(tmp_path / f"launch{i}.log" for i in range(5))
-
-    def train(*argv: str, kill: str | None = None) -> int:
-        log = next(logs)
-        code = launcher.launch(["train", *argv], log, kill)
-        assert code == (-signal.SIGKILL if kill else 0), log.read_text()[-3000:]
-        return code
-
+    train = launcher.trainer(tmp_path)
     try:
         train(*KILL_RUN, "--set", f"run.dir={reference}")
 

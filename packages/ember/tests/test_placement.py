@@ -12,15 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
+from fake_server_process import fake_server as running_fake_server
 from ray.util.placement_group import placement_group, placement_group_table
 from test_cluster_examples import load_example
 
@@ -36,11 +34,8 @@ from ember.placement import (
     assign_nodes,
     plan_layout,
 )
-from ember_rollout.sglang_engine import free_port
 
 pytestmark = pytest.mark.slow
-
-FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 
 
 @ray.remote
@@ -353,28 +348,8 @@ def fake_server(tmp_path):
 
     model = write_tiny_checkpoint(tmp_path / "model", TinyModelConfig(vocab_size=17))
     record = tmp_path / "record.jsonl"
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, str(FAKE_SERVER), "--model-path", str(model), "--port", str(port)]
-        + ["--record", str(record)],
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("the fake SGLang server did not start")
-                time.sleep(0.05)
+    with running_fake_server(model, record) as url:
         yield url, record, model
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def timeline(record: Path) -> list[str]:

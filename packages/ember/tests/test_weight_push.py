@@ -14,16 +14,14 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from fake_server_process import FAKE_SERVER, fake_server
 
 import ember.actors
 import ember.driver
@@ -31,11 +29,9 @@ import ember.placement
 import ember.rollout_manager
 from ember.config import load_config
 from ember.driver import Driver
-from ember_rollout.sglang_engine import free_port
 
 pytestmark = pytest.mark.slow
 
-FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 NODE_IP = "127.0.0.2"
 """The node address the rank-0 actor reports: a loopback address other than 127.0.0.1."""
 
@@ -235,28 +231,8 @@ def attached_server(tmp_path):
 
     own = write_tiny_checkpoint(tmp_path / "server_model", TinyModelConfig(vocab_size=17))
     record = tmp_path / "attached.jsonl"
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, str(FAKE_SERVER), "--model-path", str(own), "--port", str(port)]
-        + ["--record", str(record)],
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("the fake SGLang server did not start")
-                time.sleep(0.05)
+    with fake_server(own, record) as url:
         yield SimpleNamespace(url=url, record=record)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 # --------------------------------------------------------------------------------------------
