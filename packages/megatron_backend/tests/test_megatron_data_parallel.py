@@ -13,8 +13,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ember_megatron_backend.parallel import free_port
-
 pytestmark = pytest.mark.slow
 
 CONFIGS = {
@@ -66,21 +64,22 @@ def _run(rank: int | None) -> dict[str, list]:
     return results
 
 
-def _rank_main(rank: int, port: int, tests_dir: str, queue) -> None:
+def _rank_main(rank: int, rendezvous: str, tests_dir: str, queue) -> None:
     import sys
 
     sys.path.insert(0, tests_dir)
     from collective_check import NcclDeviceCheck
 
-    from ember_megatron_backend.parallel import init_distributed
+    from ember_megatron_backend.parallel import destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
-    init_distributed(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    init_distributed(rank=rank, world_size=2, init_method=rendezvous)
     with NcclDeviceCheck() as check:
         results = _run(rank)
         results["split-group error"] = _split_group_error(rank)
     results["collectives"] = {"accepted": check.accepted, "refused": check.refused}
     queue.put((rank, results))
+    destroy_distributed()  # no gloo thread left running when the process exits
 
 
 def _split_group_error(rank: int) -> str:
@@ -99,11 +98,13 @@ def _split_group_error(rank: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(request):
+def two_ranks(request, tmp_path_factory):
     queue = mp.get_context("spawn").SimpleQueue()
     tests_dir = str(request.path.parent)
+    # A file rendezvous: a free TCP port can be taken by another process before rank 0 binds it.
+    rendezvous = f"file://{tmp_path_factory.mktemp('two_ranks') / 'rendezvous'}"
     mp.start_processes(
-        _rank_main, args=(free_port(), tests_dir, queue), nprocs=2, start_method="spawn"
+        _rank_main, args=(rendezvous, tests_dir, queue), nprocs=2, start_method="spawn"
     )
     return dict(queue.get() for _ in range(2))
 
