@@ -394,10 +394,9 @@ class Driver:
         started = t0 = time.perf_counter()
         batch = self._take(rollout_id)
         waited = time.perf_counter() - t0
-        ahead = self._pending.get(rollout_id + 1)
         if self.config.rollout.async_:
             self._start(rollout_id + 1)
-            ahead = self._pending.get(rollout_id + 1)
+        ahead = self._pending.get(rollout_id + 1)
 
         t0 = time.perf_counter()
         self.handoff.to_training()
