@@ -1,11 +1,11 @@
 """Ember against TRL's GRPOTrainer on the same work: wall time, time to reward 0.9, s/rollout.
 
-    uv run --group peer python tools/bench_peer.py [--task copy|reverse|sort]
+    uv run python tools/bench_peer.py [--task copy|reverse|sort]
         [--min-digits N] [--max-digits N] [--rollouts N] [--seeds S ...] [--only ember|trl]
         [--out DIR] [--set key=value ...]
 
-TRL lives in the `peer` dependency group, which the default install leaves out; `--group peer`
-adds it. Both sides run one after the other, each as a command of its own: Ember as
+TRL lives in the `peer` dependency group, which the default install leaves out; when it is
+missing, the bench runs itself again through `uv run --group peer`, which installs it. Both sides run one after the other, each as a command of its own: Ember as
 `uv run ember train --set ...` (the default config plus the bench's overrides), TRL as a fresh
 Python process driving `trl.GRPOTrainer`. Both start from the same weights (the `hf_init/`
 that Ember exports at the start of its run; with `--only trl`, an export of the same initial
@@ -42,6 +42,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -551,12 +552,24 @@ def load_result(directory: Path, sets: list[str] | None = None) -> dict[str, Any
     return result if sets is None or result.get("sets") == list(sets) else None
 
 
+REEXEC_ENV = "EMBER_BENCH_PEER_GROUP"
+"""Set when the bench re-ran itself with the `peer` group, so it does so at most once."""
+
+
 def require_trl() -> None:
-    if importlib.util.find_spec("trl") is None:
-        raise SystemExit(
-            "TRL is not installed here: it lives in the `peer` dependency group, run "
-            "`uv run --group peer python tools/...`"
-        )
+    """Make sure TRL can be imported: without it, run this command again through
+    `uv run --group peer` (once), or say how to install it."""
+    if importlib.util.find_spec("trl") is not None:
+        return
+    uv = shutil.which("uv")
+    if uv is not None and not os.environ.get(REEXEC_ENV):
+        print("TRL is not installed here: running again with `uv run --group peer`", flush=True)
+        argv = [uv, "run", "--group", "peer", "python", *sys.argv]
+        os.execve(uv, argv, {**os.environ, REEXEC_ENV: "1"})
+    raise SystemExit(
+        "TRL is not installed here: it lives in the `peer` dependency group, run "
+        "`uv run --group peer python tools/...`"
+    )
 
 
 def run_pair(

@@ -157,10 +157,11 @@ def test_critic_values_do_not_depend_on_the_rollout_temperature(dist_env):
 
 
 def _own_experts(worker, samples):
-    """The actor's top-k experts per sample, [L - 1, layers, k], from one packed forward."""
+    """The actor's top-k experts per sample, [L - 1, layers, k], from one forward."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from ember_megatron_backend.forward import forward_only
+    from ember_core.types import pack_samples
+    from ember_megatron_backend.forward import forward_only, router_rows
 
     maps = {}
     routers = [m for m in worker.actor.modules() if isinstance(m, TopKRouter)]
@@ -173,7 +174,11 @@ def _own_experts(worker, samples):
     finally:
         for h in hooks:
             h.remove()
-    ids = torch.stack([maps[layer] for layer in range(LAYERS)], dim=1)  # [T, layers, E]
+    ids = torch.stack([maps[layer] for layer in range(LAYERS)], dim=1)  # [R, layers, E]
+    index = router_rows(pack_samples(samples))  # router row -> stream position
+    if index is not None:
+        valid = index >= 0
+        ids = ids[valid][index[valid].argsort()]  # [T, layers, E] in stream order
     topk = ids.float().topk(2, dim=-1).indices.flip(-1)  # same set, another order
     out, start = [], 0
     for s in samples:
@@ -231,7 +236,9 @@ class ReplayPlugin:
         rows = []
         for s in batch.samples:
             rows += [s.rollout_routed_experts, torch.zeros(1, LAYERS, 2, dtype=torch.int32)]
-        rows = torch.cat(rows).long()
+        rows = torch.cat(rows).long()  # stream order
+        if batch.token_index is not None:  # the routers' own row order
+            rows = rows[batch.token_index.clamp(min=0)]
         routers = [m for m in batch.model.modules() if isinstance(m, TopKRouter)]
         for r in routers:
             r.router_replay.set_target_indices(rows[:, r.layer_number - 1])

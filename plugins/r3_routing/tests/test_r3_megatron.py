@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E4
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError  # noqa: E402
 from ember_ci_kl_checker import plugin as checker_plugin  # noqa: E402
 from ember_megatron_backend.config import BackendConfig, OptimizerConfig  # noqa: E402
-from ember_megatron_backend.forward import model_inputs  # noqa: E402
+from ember_megatron_backend.forward import model_inputs, router_rows  # noqa: E402
 from ember_megatron_backend.model import build_model  # noqa: E402
 from ember_megatron_backend.parallel import destroy_distributed, init_distributed  # noqa: E402
 from ember_megatron_backend.worker import MegatronWorker  # noqa: E402
@@ -154,15 +154,31 @@ def routing_map(ids: torch.Tensor) -> torch.Tensor:
     return torch.zeros(ids.shape[0], EXPERTS, dtype=torch.bool).scatter_(1, ids.long(), True)
 
 
+def router_index(samples: list[Sample]) -> torch.Tensor:
+    """[R] stream position of each row the routers see for `samples` (-1 for padding)."""
+    packed = pack_samples(samples)
+    index = router_rows(packed)
+    return torch.arange(packed.padded_length) if index is None else index
+
+
 def rollout_map(samples: list[Sample], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rollout's routing map of one layer over the packed stream [T, E], and [T] True on
-    the rows that have rollout experts (every token but each sample's last)."""
+    """The rollout's routing map of one layer over the rows the routers see [R, E], and [R]
+    True on the rows that have rollout experts (every token but each sample's last)."""
     maps, valid = [], []
     for sample in samples:
         experts = sample.rollout_routed_experts[:, layer]
         maps += [routing_map(experts), torch.zeros(1, EXPERTS, dtype=torch.bool)]
         valid += [torch.ones(len(experts), dtype=torch.bool), torch.zeros(1, dtype=torch.bool)]
-    return torch.cat(maps), torch.cat(valid)
+    index = router_index(samples)
+    rows = index.clamp(min=0)
+    return torch.cat(maps)[rows], torch.cat(valid)[rows] & (index >= 0)
+
+
+def batch_of(model, samples: list[Sample]) -> types.SimpleNamespace:
+    """What the plugins' forward contexts receive for one forward of `samples`."""
+    return types.SimpleNamespace(
+        model=model, samples=samples, token_index=router_rows(pack_samples(samples))
+    )
 
 
 class RouterLog:
@@ -419,7 +435,9 @@ def assign_unpicked_experts(model, plugins, samples: list[Sample], inputs: dict)
     routers = sorted(
         (m for m in model.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number
     )
-    batch = types.SimpleNamespace(model=model, samples=samples)
+    batch = batch_of(model, samples)
+    index = router_index(samples)
+    valid = index >= 0
     for layer, router in enumerate(routers):
         seen = []
         handle = router.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0]))
@@ -430,6 +448,7 @@ def assign_unpicked_experts(model, plugins, samples: list[Sample], inputs: dict)
         finally:
             handle.remove()
         worst = logits.topk(TOPK, dim=-1, largest=False).indices
+        worst = worst[valid][index[valid].argsort()]  # stream order
         start = 0
         for sample in samples:
             count = sample.rollout_routed_experts.shape[0]
@@ -456,7 +475,7 @@ def test_experts_the_routers_would_not_pick_still_train_every_router(dist_env):
                 assign_unpicked_experts(model, plugins, samples, inputs)
             model.train()
             log = RouterLog(model)
-            batch = types.SimpleNamespace(model=model, samples=samples)
+            batch = batch_of(model, samples)
             with plugins.forward_context(Role.ACTOR, Phase.TRAIN, batch):
                 loss = model(**inputs).square().mean()
             with plugins.forward_context(Role.ACTOR, Phase.BACKWARD, batch):

@@ -33,6 +33,18 @@ def _prepare_process(threads: int | None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
+def _import_rollout_libraries(kind: str) -> None:
+    """Import what an engine or the rollout manager needs once the model is there (the
+    tokenizer classes; the embedded engine's model classes), so that a freshly created actor
+    spends its import time while the trainer builds, not after."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+    if kind == "hf":
+        from transformers import AutoModelForCausalLM  # noqa: F401
+
+        import ember_rollout.hf_engine  # noqa: F401
+
+
 def _with_last(items: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
     """Each item with whether it is the last (one item of lookahead)."""
     current = next(items, None)
@@ -293,6 +305,13 @@ class TrainRank:
         """Write the actor as an HF checkpoint at `path` (collective; rank 0 writes)."""
         self.worker.export_hf(Path(path))
 
+    def save_tokenizer(self, path: str) -> None:
+        """Complete the export at `path` with the run's tokenizer and the token ids the model
+        stops at (rank 0, once, before any engine reads `path`)."""
+        from ember_rollout.tokenizer import save_tokenizer_for_model
+
+        save_tokenizer_for_model(self.config.data.tokenizer_path, path)
+
     def save(self, path: str) -> None:
         self.worker.save_checkpoint(Path(path))
 
@@ -316,11 +335,14 @@ class RolloutEngine:
     """
 
     def __init__(self, config: dict[str, Any], *, model_path: str, threads: int | None) -> None:
+        """Read the config and import the engine's libraries; ``start`` loads the model.
+
+        The driver creates engines before the trainer has exported `model_path`, so that their
+        imports overlap with the trainer's start-up, and calls ``start`` once it is written.
+        """
         _prepare_process(threads)
         from ember.config import load_config
         from ember.driver import INITIAL_WEIGHT_VERSION
-        from ember_rollout import LocalGroups, build_engine
-        from ember_rollout.tokenizer import load_tokenizer
 
         self.config, self.plugins = load_config(config)
         engine_config = self.config.engine
@@ -342,12 +364,26 @@ class RolloutEngine:
         if self.config.data.tokenizer_path is None:
             self.config.data.tokenizer_path = model_path
         self.loop = asyncio.new_event_loop()
-        self.engine = build_engine(engine_config, plugins=self.plugins)
-        self.loop.run_until_complete(self.engine.start())
-        if engine_config.kind == "hf" and self.engine.weight_version is None:
-            self.engine.weight_version = INITIAL_WEIGHT_VERSION
+        self.engine: Any = None
+        self.groups: Any = None
+        _import_rollout_libraries(engine_config.kind)
+
+    def start(self) -> None:
+        """Start the engine from `model_path` (idempotent): the embedded model loads it, SGLang
+        servers launch from it or are attached."""
+        if self.engine is not None:
+            return
+        from ember.driver import INITIAL_WEIGHT_VERSION
+        from ember_rollout import LocalGroups, build_engine
+        from ember_rollout.tokenizer import load_tokenizer
+
+        engine = build_engine(self.config.engine, plugins=self.plugins)
+        self.loop.run_until_complete(engine.start())
+        if self.config.engine.kind == "hf" and engine.weight_version is None:
+            engine.weight_version = INITIAL_WEIGHT_VERSION
         tokenizer = load_tokenizer(self.config.data.tokenizer_path)
-        self.groups = LocalGroups(self.engine, tokenizer, self.plugins)
+        self.engine = engine
+        self.groups = LocalGroups(engine, tokenizer, self.plugins)
 
     def generate(self, groups: list[Any]) -> list[list[Sample]]:
         """The samples of each `PromptGroup`, in order; plugins see each sample here."""
@@ -442,4 +478,5 @@ class RolloutEngine:
         self.loop.run_until_complete(self.engine.resume_memory(tags))
 
     def shutdown(self) -> None:
-        self.loop.run_until_complete(self.engine.shutdown())
+        if self.engine is not None:
+            self.loop.run_until_complete(self.engine.shutdown())

@@ -242,39 +242,37 @@ class Driver:
         # fails here, before any actor starts. CPU actors reserve nothing: the thread counts
         # above are what shares the cores.
         self.placement = placement = Placement.create(cfg)
+        model_dir = self.init_dir
+        # Every actor is created now and imports its libraries at once; the engines and the
+        # manager load the model only when `start` is called, after the trainer's export.
         train = [
             TrainRank.options(**placement.train_options(rank)).remote(
                 resolved, rank=rank, world_size=ray_cfg.data_parallel, threads=threads
             )
             for rank in range(ray_cfg.data_parallel)
         ]
-        # The rendezvous lives on rank 0's node, which need not be this one: ask rank 0 for
-        # its address before any rank initialises torch.distributed.
-        init_method = ray.get(train[0].rendezvous.remote())
-        ray.get([t.setup.remote(init_method) for t in train])
-        model_dir = self.init_dir
-        if not (reuse_init and _init_complete(model_dir)):
-            ray.get([t.export_hf.remote(str(model_dir)) for t in train])
-            self._save_tokenizer(model_dir)
-        # Colocated on GPUs, the trainer steps aside before the engines take the shared GPUs.
-        self.handoff = handoff = MemoryHandoff.for_run(cfg, [], train)
-        handoff.to_rollout()
         engines = [
             RolloutEngine.options(**placement.engine_options(j)).remote(
                 resolved, model_path=str(model_dir), threads=engine_threads
             )
             for j in range(ray_cfg.num_engines)
         ]
-        handoff.engines = engines
         manager = RolloutManager.options(**placement.manager_options()).remote(
             resolved, engines=engines, model_path=str(model_dir)
         )
         self.actors = Actors(train=train, engines=engines, manager=manager)
-
-    def _save_tokenizer(self, model_dir: Path) -> None:
-        from ember_rollout.tokenizer import save_tokenizer_for_model
-
-        save_tokenizer_for_model(self.config.data.tokenizer_path, model_dir)
+        # The rendezvous lives on rank 0's node, which need not be this one: ask rank 0 for
+        # its address before any rank initialises torch.distributed.
+        init_method = ray.get(train[0].rendezvous.remote())
+        ray.get([t.setup.remote(init_method) for t in train])
+        if not (reuse_init and _init_complete(model_dir)):
+            ray.get([t.export_hf.remote(str(model_dir)) for t in train])
+            ray.get(train[0].save_tokenizer.remote(str(model_dir)))
+        # Colocated on GPUs, the trainer steps aside before the engines take the shared GPUs.
+        self.handoff = handoff = MemoryHandoff.for_run(cfg, engines, train)
+        handoff.to_rollout()
+        ray.get([e.start.remote() for e in engines])
+        ray.get(manager.start.remote())
 
     # -- one iteration -----------------------------------------------------------------------
 

@@ -105,20 +105,31 @@ class RolloutManager:
     def __init__(
         self, config: dict[str, Any], *, engines: list[Any], model_path: str, threads: int = 1
     ) -> None:
-        from ember.actors import _prepare_process
+        """Read the config and import the rollout libraries; ``start`` (once the engines have
+        started) builds the generator."""
+        from ember.actors import _import_rollout_libraries, _prepare_process
 
         _prepare_process(threads)
         from ember.config import load_config
-        from ember_rollout import RolloutGenerator
 
         self.config, self.plugins = load_config(config)
         if self.config.data.tokenizer_path is None:
             self.config.data.tokenizer_path = model_path
         self.pool = EnginePool(engines, kind=self.config.engine.kind)
         self.loop = asyncio.new_event_loop()
+        self.generator: Any = None
+        _import_rollout_libraries("")
+
+    def start(self) -> None:
+        """Build the rollout generator: the prompts, the tokenizer (from the export), the served
+        model's shape (from engine 0, which must have started). Idempotent."""
+        if self.generator is not None:
+            return
+        from ember_rollout import RolloutGenerator
+
         self.generator = RolloutGenerator.from_config(
             runner=self.pool,
-            model_info=ray.get(engines[0].model_info.remote()),
+            model_info=ray.get(self.pool.engines[0].model_info.remote()),
             sampling=self.config.rollout,
             sections=self.config,
             plugins=self.plugins,

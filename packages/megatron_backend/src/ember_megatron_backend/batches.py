@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ember_core.types import PackedBatch, Sample, pack_samples
 from ember_megatron_backend import comm
-from ember_megatron_backend.forward import plan_micro_batches
+from ember_megatron_backend.forward import plan_micro_batches, router_rows
 
 __all__ = ["MicroBatch", "RolloutBatch", "pack_micro_batch", "plan_steps", "split_evenly"]
 
@@ -30,8 +30,9 @@ class MicroBatch:
     packed: PackedBatch
     """The packed stream the model sees (padded to a multiple of TP)."""
     token_index: Tensor | None = None
-    """Under sequence parallelism, [R] stream position of each row this rank's MoE routers see
-    (-1 for padding); None when the routers see the whole padded stream."""
+    """[R] stream position of each row this rank's MoE routers see (-1 for padding): the
+    padded [B, S] layout of local attention (``forward.router_rows``), or this rank's slice
+    under sequence parallelism; None when the routers see the whole padded stream."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -168,7 +169,7 @@ def pack_micro_batch(model: Any, samples: Sequence[Sample], indices: list[int]) 
     tp = ps.get_tensor_model_parallel_world_size()
     chosen = [samples[i] for i in indices]
     packed = pack_samples(chosen, pad_multiple=tp)
-    token_index = None
+    token_index = router_rows(packed)
     if getattr(_config(model), "sequence_parallel", False):
         # Each TP rank's routers see its contiguous slice of the padded stream.
         rows = packed.padded_length // tp

@@ -11,10 +11,19 @@ from torch import Tensor
 
 from ember_core.heads import PolicyHead, ValueHead
 from ember_core.types import PackedBatch, Sample, pack_samples
-from ember_megatron_backend.model import packed_causal_mask, uses_te_spec
+from ember_megatron_backend.model import uses_te_spec
 from ember_megatron_backend.parallel import device
 
-__all__ = ["ROLE_OUTPUTS", "ForwardOutput", "forward_only", "model_inputs", "plan_micro_batches"]
+__all__ = [
+    "ROLE_OUTPUTS",
+    "ForwardOutput",
+    "forward_only",
+    "model_inputs",
+    "plan_micro_batches",
+    "router_rows",
+    "run_model",
+    "stream_rows",
+]
 
 ROLE_OUTPUTS = {"actor": "policy", "ref": "policy", "critic": "value"}
 """What each role's forward produces: "policy" log-probs (and entropy) or critic "value"s."""
@@ -74,36 +83,86 @@ def plan_micro_batches(
     return plan
 
 
+def _padded_rows(batch: PackedBatch) -> tuple[Tensor, int]:
+    """For the padded [B, S] layout: each stream token's row in the flattened [B * S] batch, and
+    S (the longest sample)."""
+    lengths = torch.tensor(batch.total_lengths)
+    width = int(lengths.max())
+    sample_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    offsets = batch.cu_seqlens[: len(lengths)].to(torch.long)  # a padding segment left out
+    within = torch.arange(batch.num_tokens) - offsets[sample_of]
+    return sample_of * width + within, width
+
+
 def model_inputs(batch: PackedBatch) -> dict[str, Any]:
     """GPTModel keyword arguments for a packed batch on this rank's device.
 
-    Transformer Engine attention reads the packing from ``PackedSeqParams`` ("thd"); megatron-
-    core's local attention refuses those, so without TE a block-diagonal causal mask keeps the
-    samples apart. RoPE then runs over stream positions rather than per-sample ones; attention
-    scores only depend on position differences inside a sample, so the result is the same up to
-    rounding (checked against transformers within 1e-4 in fp32).
+    Transformer Engine attention reads the packing from ``PackedSeqParams`` ("thd"). megatron-
+    core's local attention refuses those, so without TE the samples go in as a right-padded
+    [B, S] batch under one causal mask: every sample starts at position 0 (RoPE sees its own
+    positions, as in transformers), real tokens never see the padding that follows them, and
+    attention costs B * S^2 rather than the (B * S)^2 of a block-diagonal mask over the stream.
+    ``stream_rows`` maps the output back to stream order and ``router_rows`` says which stream
+    token each MoE router row holds.
     """
     dev = device()
-    kwargs: dict[str, Any] = {
-        "input_ids": batch.tokens[None].to(dev),
-        "position_ids": batch.position_ids[None].to(dev),
-    }
     if uses_te_spec():
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = batch.cu_seqlens.to(dev, torch.int32)
         longest = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
-        kwargs["attention_mask"] = None
-        kwargs["packed_seq_params"] = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-        )
-    else:
-        kwargs["attention_mask"] = packed_causal_mask(batch.cu_seqlens, batch.padded_length).to(dev)
-    return kwargs
+        return {
+            "input_ids": batch.tokens[None].to(dev),
+            "position_ids": batch.position_ids[None].to(dev),
+            "attention_mask": None,
+            "packed_seq_params": PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=longest,
+                max_seqlen_kv=longest,
+            ),
+        }
+    rows, width = _padded_rows(batch)
+    ids = torch.zeros(batch.num_samples * width, dtype=torch.long)
+    ids[rows] = batch.tokens[: batch.num_tokens]
+    masked = torch.ones(width, width, dtype=torch.bool).triu(diagonal=1)
+    return {
+        "input_ids": ids.view(batch.num_samples, width).to(dev),
+        "position_ids": torch.arange(width).expand(batch.num_samples, width).to(dev),
+        # local attention builds its default causal mask on CUDA, so it is passed here.
+        "attention_mask": masked[None, None].to(dev),
+    }
+
+
+def stream_rows(output: Tensor, batch: PackedBatch) -> Tensor:
+    """The model's output [b, s, ...] for the inputs of ``model_inputs(batch)`` as
+    [num_tokens, ...] rows in stream order (padding dropped)."""
+    if uses_te_spec():
+        return output[0, : batch.num_tokens]
+    rows, _ = _padded_rows(batch)
+    flat = output.reshape(-1, *output.shape[2:])
+    return flat.index_select(0, rows.to(flat.device))
+
+
+def router_rows(batch: PackedBatch) -> Tensor | None:
+    """For the padded layout: [B * S] stream position of each row the MoE routers see (megatron-
+    core flattens [s, b] hidden states: row = s * B + b), -1 for padding; None for "thd", whose
+    router rows are the stream itself."""
+    if uses_te_spec():
+        return None
+    rows, width = _padded_rows(batch)
+    index = torch.full((batch.num_samples * width,), -1, dtype=torch.long)
+    index[rows] = torch.arange(batch.num_tokens)
+    # [b, s] -> [s, b] order
+    return index.view(batch.num_samples, width).t().reshape(-1)
+
+
+def run_model(model: Any, batch: PackedBatch) -> Tensor:
+    """`model` over `batch`: logits (or values) [num_tokens, ...] in stream order, whole rows
+    (vocabulary-sharded logits are gathered under TP)."""
+    out = model(**model_inputs(batch), runtime_gather_output=True)
+    return stream_rows(out, batch)
 
 
 @torch.no_grad()
@@ -161,9 +220,7 @@ def forward_only(
     try:
         for indices in plan:
             batch = pack_samples([samples[i] for i in indices], pad_multiple=tp)
-            # Logits are vocabulary-sharded under TP; the heads need whole rows.
-            out = model(**model_inputs(batch), runtime_gather_output=True)
-            rows = out[:, : batch.num_tokens]
+            rows = run_model(model, batch)
             if policy:
                 heads = head.log_probs(
                     rows,

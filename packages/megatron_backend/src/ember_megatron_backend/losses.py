@@ -19,7 +19,7 @@ from ember_core.algorithms import (
 from ember_core.config import AlgorithmConfig
 from ember_core.heads import HeadOutput, PolicyHead, ValueHead
 from ember_megatron_backend.batches import MicroBatch, RolloutBatch
-from ember_megatron_backend.forward import model_inputs
+from ember_megatron_backend.forward import run_model
 
 __all__ = [
     "actor_loss",
@@ -31,15 +31,9 @@ __all__ = [
 ]
 
 
-def _output_rows(model: Any, mb: MicroBatch) -> Tensor:
-    # Logits are vocabulary-sharded under TP; the heads need whole rows.
-    out = model(**model_inputs(mb.packed), runtime_gather_output=True)
-    return out[:, : mb.packed.num_tokens]
-
-
 def policy_forward(model: Any, mb: MicroBatch, temperature: float) -> HeadOutput:
     """Training forward of a policy: response log-probs and entropy, differentiable."""
-    rows = _output_rows(model, mb)
+    rows = run_model(model, mb.packed)
     packed = mb.packed
     return PolicyHead(temperature).log_probs(
         rows,
@@ -52,7 +46,7 @@ def policy_forward(model: Any, mb: MicroBatch, temperature: float) -> HeadOutput
 
 def value_forward(model: Any, mb: MicroBatch) -> list[Tensor]:
     """Training forward of the critic: values at the response rows, differentiable."""
-    rows = _output_rows(model, mb)
+    rows = run_model(model, mb.packed)
     return ValueHead().values(rows, mb.packed.total_lengths, mb.packed.response_lengths)
 
 

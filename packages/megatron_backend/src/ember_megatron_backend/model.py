@@ -268,9 +268,69 @@ def layer_spec(cfg: ModelConfig) -> Any:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=cfg.is_moe, qk_layernorm=True
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, qk_layernorm=True, normalization="RMSNorm"
     )
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention()
+    return spec
+
+
+def _sdpa_attention() -> type:
+    """megatron-core's local ``DotProductAttention`` with its core computed by torch's
+    ``scaled_dot_product_attention``.
+
+    The local module forms the scores with ``baddbmm``, masks them in place and runs torch's
+    softmax over rows of S keys, which for the short rows of RL samples costs more than the
+    matmuls; SDPA's fused CPU kernel computes the same attention (same scale, same mask, keys
+    and values shared across a query group) in one call, forward and backward. The class is
+    built on first use so importing this module does not import megatron-core.
+    """
+    global _SDPA_ATTENTION
+    if _SDPA_ATTENTION is not None:
+        return _SDPA_ATTENTION
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPAttention(DotProductAttention):
+        def forward(
+            self,
+            query: Tensor,
+            key: Tensor,
+            value: Tensor,
+            attention_mask: Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: Tensor | None = None,
+            packed_seq_params: Any = None,
+        ) -> Tensor:
+            if packed_seq_params is not None or attention_bias is not None:
+                raise ValueError(
+                    "local attention takes neither packed_seq_params nor an attention bias"
+                )
+            if self.softmax_offset is not None:
+                raise ValueError("local SDPA attention supports softmax_type='vanilla' only")
+            scale = self.softmax_scale
+            if self.config.apply_query_key_layer_scaling:
+                scale *= self.layer_number  # the local softmax multiplies the divisor back
+            # [s, b, heads, d] -> [b, heads, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            context = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                # megatron-core's masks are True where masked, SDPA's where attended.
+                attn_mask=None if attention_mask is None else ~attention_mask,
+                is_causal=attention_mask is None and self.attn_mask_type.name == "causal",
+                dropout_p=self.attention_dropout.p if self.training else 0.0,
+                scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+            # [b, heads, s, d] -> [s, b, heads * d]
+            return context.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
+
+    _SDPA_ATTENTION = SDPAttention
+    return SDPAttention
+
+
+_SDPA_ATTENTION: type | None = None
 
 
 class ValueOutputLayer(torch.nn.Module):

@@ -174,7 +174,18 @@ class TorchAdamW(ModelOptimizer):
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
+            # One kernel per op over all tensors instead of a Python loop over them (torch
+            # picks the loop on CPU unless asked).
+            foreach=True,
         )
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        # The parameters the gradient norm counts (TP duplicates once), dense and expert.
+        self._norm_groups: tuple[list[Tensor], list[Tensor]] = ([], [])
+        for param in self.params:
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                self._norm_groups[int(not getattr(param, "allreduce", True))].append(param)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -190,8 +201,7 @@ class TorchAdamW(ModelOptimizer):
         if self.cfg.clip_grad > 0:
             coeff = self.cfg.clip_grad / (grad_norm + 1e-6)  # megatron-core's formula
             if coeff < 1.0:
-                for param in self.params:
-                    param.grad.mul_(coeff)
+                torch._foreach_mul_([param.grad for param in self.params], coeff)
         lr = learning_rate(step_index, self.cfg)
         self._set_lr(self.optimizer.param_groups, lr)
         self.optimizer.step()
@@ -202,15 +212,13 @@ class TorchAdamW(ModelOptimizer):
     def _grad_norm(self) -> float:
         """Global L2 norm: TP duplicates counted once, summed over the model-parallel groups."""
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
 
         sums = torch.zeros(2, dtype=torch.float64)  # [dense, expert]
-        for param in self.params:
-            if not (param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)):
-                continue
-            expert = not getattr(param, "allreduce", True)
-            sums[int(expert)] += param.grad.detach().double().square().sum()
+        for k, params in enumerate(self._norm_groups):
+            if params:
+                grads = [param.grad.detach() for param in params]
+                norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+                sums[k] = torch.stack(norms).square().sum()
         dense, expert = sums[:1].clone(), sums[1:].clone()
         if dist.is_initialized():
             comm.all_reduce(dense, group=ps.get_model_parallel_group())
