@@ -95,10 +95,22 @@ def test_default_config_maps_to_the_issue_hyper_parameters():
     assert {k: mapping.kwargs[k] for k in expected} == expected
     assert mapping.steps_per_rollout == 4 and mapping.threads is None
     rows = {r.ember: r for r in mapping.rows}
-    # What cannot be mapped is printed as such, with the reason.
-    assert rows["engine.hf.dtype"].trl == "-" and "on-policy" in rows["engine.hf.dtype"].note
+    # Both sample in fp32 from the weights they train.
+    assert (rows["engine.hf.dtype"].ember_value, rows["engine.hf.dtype"].trl_value) == (
+        "float32",
+        "float32",
+    )
     assert "token mean" in rows["algorithm.entropy_coef"].note
-    assert "reference" in rows["algorithm.use_kl_loss, kl_loss_coef"].note
+    # What cannot be mapped, or differs, is printed as such, with the reason.
+    other = bench_peer.trl_mapping(
+        bench_peer.load_run_config(
+            [*DEFAULT_SETS, "engine.hf.dtype=bfloat16", "algorithm.use_kl_loss=true"]
+        )
+    )
+    others = {r.ember: r for r in other.rows}
+    assert others["engine.hf.dtype"].trl == "-" and "on-policy" in others["engine.hf.dtype"].note
+    assert "reference" in others["algorithm.use_kl_loss, kl_loss_coef"].note
+    assert other.kwargs["beta"] == 0.0
     text = bench_peer.format_mapping(mapping)
     assert text.splitlines()[0].split() == ["Ember", "key", "value", "TRL", "GRPOConfig", "value",
                                             "note"]  # fmt: skip

@@ -5,8 +5,9 @@
         [--out DIR] [--set key=value ...]
 
 TRL lives in the `peer` dependency group, which the default install leaves out; when it is
-missing, the bench runs itself again through `uv run --group peer`, which installs it. Both sides run one after the other, each as a command of its own: Ember as
-`uv run ember train --set ...` (the default config plus the bench's overrides), TRL as a fresh
+missing, the bench runs itself again through `uv run --group peer`, which installs it. Both
+sides run one after the other, each as a command of its own: Ember as `uv run ember train
+--set ...` (the default config plus the bench's overrides), TRL as a fresh
 Python process driving `trl.GRPOTrainer`. Both start from the same weights (the `hf_init/`
 that Ember exports at the start of its run; with `--only trl`, an export of the same initial
 weights), the same toy tokenizer (saved in that directory), the same prompts
@@ -210,7 +211,7 @@ UNMAPPED = {
     "algorithm.kl_coef": "TRL has no KL penalty in the reward",
     "algorithm.kl_loss_type": "TRL's KL is k3 (Ember's low_var_kl, unclamped)",
     "algorithm.use_tis": "TRL corrects only vLLM samples; here it samples with the policy",
-    "engine.hf.dtype": "TRL samples with the fp32 policy it trains (exactly on-policy)",
+    "engine.hf.dtype": "TRL samples with the policy it trains, in its dtype (exactly on-policy)",
     "ray.data_parallel": "TRL runs in one process here",
     "rollout.async": "TRL generates and trains in turn",
     "group_sampling.dynamic_filter": "TRL keeps every group",
@@ -323,7 +324,11 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
     kwargs["model_init_kwargs"] = {"dtype": "float32"}
     add("train.model_overrides.moe_aux_loss_coeff", aux, "router_aux_loss_coef", aux)
     add("engine.kind", config.engine.kind, "use_vllm", False, True)
-    unmapped("engine.hf.dtype", config.engine.hf.dtype, config.engine.kind == "hf")
+    if config.engine.kind == "hf" and config.engine.hf.dtype == train.dtype:
+        # Both sample from the weights they train, in the dtype they train them in.
+        add("engine.hf.dtype", config.engine.hf.dtype, "(samples with)", train.dtype, kwarg=False)
+    else:
+        unmapped("engine.hf.dtype", config.engine.hf.dtype, config.engine.kind == "hf")
     add("data.toy", _toy_text(config.data.toy), "train_dataset", "same", True, kwarg=False)
     add("data.shuffle", config.data.shuffle, "shuffle_dataset", config.data.shuffle)
     add("rollout.seed, train.seed, data.seed", f"{roll.seed}, {train.seed}, {config.data.seed}",

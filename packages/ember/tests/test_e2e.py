@@ -60,6 +60,7 @@ def test_kl_checker_alone_passes_in_ci_mode(tmp_path):
     run = ember(
         "--plugins", "ci_kl_checker",
         "--set", "ci.test=true",
+        "--set", "algorithm.use_kl_loss=true",  # a reference model, for the checks that need one
         "--set", "run.num_rollouts=1",
         "--set", "run.save_interval=0",
         run_dir=tmp_path,

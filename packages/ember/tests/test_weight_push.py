@@ -424,6 +424,7 @@ def test_hf_engines_receive_rank_0s_buckets_over_gloo_and_the_driver_holds_no_we
         "ray.num_engines=2",
         "rollout.rollout_batch_size=4",
         "train.model_overrides.moe_ffn_hidden_size=256",  # about 1.7 MB in bf16
+        "engine.hf.dtype=bfloat16",  # weights travel in the engine's dtype
         "weights.bucket_mb=1",
     )
     ray, recorder = on_ray.ray, on_ray.recorder
