@@ -152,10 +152,18 @@ def match_calls(
     (samples, layer, used map, rollout map, valid rows)."""
     if len(calls) != per_micro_batch * len(micro_batches):
         raise RuntimeError(f"{len(calls)} router calls for {len(micro_batches)} micro-batches")
+    from ember_core.types import pack_samples
+    from ember_megatron_backend.forward import router_rows
+
     out = []
     for k, samples in enumerate(micro_batches):
         want, valid = rollout_maps(samples, layers, experts)
+        index = router_rows(pack_samples(samples))  # router row -> stream position (or None)
         for layer, used in calls[k * per_micro_batch : (k + 1) * per_micro_batch]:
+            if index is not None:  # the padded layout's rows, back to stream order
+                stream = torch.zeros(want.shape[0], used.shape[-1], dtype=used.dtype)
+                stream[index[index >= 0]] = used[index >= 0]
+                used = stream
             out.append((samples, layer, used, want[:, layer], valid))
     return out
 
