@@ -272,7 +272,65 @@ def layer_spec(cfg: ModelConfig) -> Any:
         num_experts=num_experts, qk_layernorm=True, normalization="RMSNorm"
     )
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention()
+    if cfg.is_moe:
+        spec.submodules.mlp.submodules.experts.module = _grouped_local_experts()
     return spec
+
+
+def _grouped_local_experts() -> type:
+    """megatron-core's ``SequentialMLP`` (one MLP module per local expert, the same parameters
+    and names) computing all experts at once with torch's ``grouped_mm``.
+
+    The sequential module runs each expert's two linear layers, activation and probability
+    scaling as separate modules, so a layer of E experts costs about 10 E small ops forward and
+    more backward; here the experts' weights are stacked (gradients flow back to each expert's
+    own parameter) and two grouped matmuls cover every expert. Configurations it does not cover
+    (expert tensor parallelism, biases, clamped or non-gated activations, fp8) run megatron-
+    core's own loop.
+    """
+    global _GROUPED_EXPERTS
+    if _GROUPED_EXPERTS is not None:
+        return _GROUPED_EXPERTS
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class GroupedLocalExperts(SequentialMLP):
+        def _grouped(self) -> bool:
+            c = self.config
+            return (
+                self.tp_group.size() == 1
+                and not c.add_bias_linear
+                and c.gated_linear_unit
+                and c.activation_func is F.silu
+                and getattr(c, "activation_func_clamp_value", None) is None
+                and not getattr(c, "glu_linear_offset", 0.0)
+                and not (c.fp8 or c.fp4)
+                and not c.use_te_activation_func
+                and not c.moe_apply_probs_on_input
+            )
+
+        def forward(
+            self,
+            permuted_local_hidden_states: Tensor,
+            tokens_per_expert: Tensor,
+            permuted_probs: Tensor,
+        ) -> tuple[Tensor, None]:
+            if not self._grouped():
+                return super().forward(
+                    permuted_local_hidden_states, tokens_per_expert, permuted_probs
+                )
+            x = permuted_local_hidden_states
+            offsets = torch.as_tensor(tokens_per_expert).to(x.device).cumsum(0).to(torch.int32)
+            fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2F, H]
+            fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
+            gate, linear = F.grouped_mm(x, fc1.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+            hidden = (F.silu(gate) * linear * permuted_probs.unsqueeze(-1)).to(x.dtype)
+            return F.grouped_mm(hidden, fc2.transpose(1, 2), offs=offsets), None
+
+    _GROUPED_EXPERTS = GroupedLocalExperts
+    return GroupedLocalExperts
+
+
+_GROUPED_EXPERTS: type | None = None
 
 
 def _sdpa_attention() -> type:
