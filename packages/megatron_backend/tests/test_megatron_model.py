@@ -123,3 +123,85 @@ def test_critic_outputs_one_value_per_token(dist_env):
     assert torch.count_nonzero(values) == 0  # zero-initialised value layer
     values.sum().backward()
     assert critic.output_layer.weight.grad.abs().sum() > 0
+
+
+def _experts(model):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    return [m for m in model.modules() if isinstance(m, SequentialMLP)]
+
+
+def _forward_backward(model, ids, pos, mask):
+    model.zero_grad()
+    logits = model(ids, pos, attention_mask=mask)
+    (logits.float().logsumexp(-1) * torch.linspace(0.5, 1.5, logits.shape[1])).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("moe_ffn_hidden_size", [32, 6], ids=["grouped", "unaligned-loop"])
+def test_grouped_experts_compute_what_megatron_cores_loop_computes(
+    dist_env, monkeypatch, moe_ffn_hidden_size
+):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    cfg = ModelConfig.preset("tiny-moe").replace(moe_ffn_hidden_size=moe_ffn_hidden_size)
+    model = build_model(cfg, seed=0)
+    experts = _experts(model)
+    assert experts and all(type(e) is not SequentialMLP for e in experts)
+    ids, pos, mask = _batch(cfg, [5, 7, 9])
+    # Each expert keeps its own parameters under megatron-core's names.
+    names = [n for n, _ in model.named_parameters()]
+    assert "decoder.layers.0.mlp.experts.local_experts.7.linear_fc2.weight" in names
+    grouped = [e._grouped(torch.zeros(1, cfg.hidden_size)) for e in experts]
+    assert all(grouped) == (moe_ffn_hidden_size == 32)
+    logits, grads = _forward_backward(model, ids, pos, mask)
+    loop_forward = SequentialMLP.forward
+    calls = []
+
+    def loop(self, *args):
+        calls.append(self)
+        return loop_forward(self, *args)
+
+    monkeypatch.setattr(type(experts[0]), "forward", loop)
+    loop_logits, loop_grads = _forward_backward(model, ids, pos, mask)
+    assert len(calls) == len(experts)
+    torch.testing.assert_close(logits, loop_logits, atol=1e-6, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, loop_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert grads["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].abs().sum() > 0
+
+
+def test_padded_layout_matches_the_packed_stream_and_maps_router_rows(dist_env):
+    from ember_core.types import Sample, pack_samples
+    from ember_megatron_backend.forward import model_inputs, router_rows, run_model
+
+    cfg = ModelConfig.preset("tiny-moe")
+    model = build_model(cfg, seed=0).eval()
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 9, 2, 7]
+    samples = [
+        Sample(
+            tokens=torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), response_length=1
+        )
+        for n in lengths
+    ]
+    batch = pack_samples(samples)
+    inputs = model_inputs(batch)
+    assert inputs["input_ids"].shape == (4, 9)  # [B, longest]
+    rows_seen = []
+    router = next(m for m in model.modules() if type(m).__name__ == "TopKRouter")
+    handle = router.register_forward_pre_hook(lambda m, args: rows_seen.append(args[0]))
+    with torch.no_grad():
+        padded = run_model(model, batch)  # [T, V] in stream order
+        ids, pos, mask = _batch(cfg, lengths)
+        ids = batch.tokens[None]
+        stream = model(ids, pos, attention_mask=mask)[0]
+    handle.remove()
+    assert padded.shape == (sum(lengths), cfg.vocab_size)
+    torch.testing.assert_close(padded, stream, atol=1e-5, rtol=0)
+    # Router rows: [S * B] in megatron-core's [s, b] order, padding -1.
+    index = router_rows(batch)
+    assert index.shape == (9 * 4,) and rows_seen[0].numel() // cfg.hidden_size == 9 * 4
+    assert index[:4].tolist() == [0, 5, 14, 16]  # position 0 of each sample
+    assert sorted(index[index >= 0].tolist()) == list(range(sum(lengths)))
+    assert index[2 * 4 + 2] == -1  # sample 2 has 2 tokens: position 2 is padding

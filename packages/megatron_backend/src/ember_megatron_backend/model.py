@@ -286,7 +286,8 @@ def _grouped_local_experts() -> type:
     more backward; here the experts' weights are stacked (gradients flow back to each expert's
     own parameter) and two grouped matmuls cover every expert. Configurations it does not cover
     (expert tensor parallelism, biases, clamped or non-gated activations, fp8) run megatron-
-    core's own loop.
+    core's own loop, and so do widths whose rows are not a multiple of 16 bytes, which the
+    kernel refuses.
     """
     global _GROUPED_EXPERTS
     if _GROUPED_EXPERTS is not None:
@@ -294,10 +295,17 @@ def _grouped_local_experts() -> type:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     class GroupedLocalExperts(SequentialMLP):
-        def _grouped(self) -> bool:
+        def _grouped(self, x: Tensor) -> bool:
             c = self.config
+            # torch's CPU kernel wants 16-byte aligned rows and data.
+            aligned = all(
+                n * x.element_size() % 16 == 0 for n in (c.hidden_size, c.moe_ffn_hidden_size)
+            )
             return (
-                self.tp_group.size() == 1
+                x.device.type == "cpu"  # GPUs without TE keep megatron-core's loop
+                and aligned
+                and x.data_ptr() % 16 == 0
+                and self.tp_group.size() == 1
                 and not c.add_bias_linear
                 and c.gated_linear_unit
                 and c.activation_func is F.silu
@@ -314,7 +322,7 @@ def _grouped_local_experts() -> type:
             tokens_per_expert: Tensor,
             permuted_probs: Tensor,
         ) -> tuple[Tensor, None]:
-            if not self._grouped():
+            if not self._grouped(permuted_local_hidden_states):
                 return super().forward(
                     permuted_local_hidden_states, tokens_per_expert, permuted_probs
                 )
