@@ -16,6 +16,30 @@ bench_learning = load_tool("bench_learning")  # imports bench_peer, registered j
 DEFAULT_SETS = bench_peer.ember_overrides("copy", 3, 3, 200, None, [])
 
 
+# -- TRL from the peer group ------------------------------------------------------------------
+
+
+def test_without_trl_the_bench_runs_itself_again_with_the_peer_group_once(monkeypatch):
+    execs = []
+    monkeypatch.setattr(bench_peer.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(bench_peer.shutil, "which", lambda name: "/opt/uv")
+    monkeypatch.setattr(bench_peer.sys, "argv", ["tools/bench_peer.py", "--rollouts", "3"])
+    monkeypatch.setattr(bench_peer.os, "execve", lambda *call: execs.append(call))
+    monkeypatch.delenv(bench_peer.REEXEC_ENV, raising=False)
+    with pytest.raises(SystemExit, match="peer"):  # execve (faked here) would not return
+        bench_peer.require_trl()
+    ((path, argv, env),) = execs
+    assert path == "/opt/uv"
+    assert argv == ["/opt/uv", "run", "--group", "peer", "python", "tools/bench_peer.py",
+                    "--rollouts", "3"]  # fmt: skip
+    assert env[bench_peer.REEXEC_ENV] == "1"
+    # Run again (TRL still missing): it says what to do instead of looping.
+    monkeypatch.setenv(bench_peer.REEXEC_ENV, "1")
+    with pytest.raises(SystemExit, match="uv run --group peer"):
+        bench_peer.require_trl()
+    assert len(execs) == 1
+
+
 # -- arguments and overrides -----------------------------------------------------------------
 
 
