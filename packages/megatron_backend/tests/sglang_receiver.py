@@ -70,6 +70,9 @@ def main(argv: list[str]) -> None:
         for name, dtype, shape, start, end in spans:
             received[name] = flat[start:end].view(dtype).reshape(shape).clone()
     torch.save(received, out)
+    # Tear the group down before exiting: a gloo group left alive at interpreter exit can abort
+    # the process from its worker threads ("terminate called without an active exception").
+    dist.destroy_process_group(pg)
 
 
 if __name__ == "__main__":
