@@ -33,13 +33,13 @@ def _prepare_process(threads: int | None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-def _import_rollout_libraries(kind: str) -> None:
+def _import_rollout_libraries(*, embedded_engine: bool) -> None:
     """Import what an engine or the rollout manager needs once the model is there (the
-    tokenizer classes; the embedded engine's model classes), so that a freshly created actor
-    spends its import time while the trainer builds, not after."""
+    tokenizer classes; with `embedded_engine`, the model classes too), so that a freshly
+    created actor spends its import time while the trainer builds, not after."""
     from transformers import AutoTokenizer  # noqa: F401
 
-    if kind == "hf":
+    if embedded_engine:
         from transformers import AutoModelForCausalLM  # noqa: F401
 
         import ember_rollout.hf_engine  # noqa: F401
@@ -366,7 +366,7 @@ class RolloutEngine:
         self.loop = asyncio.new_event_loop()
         self.engine: Any = None
         self.groups: Any = None
-        _import_rollout_libraries(engine_config.kind)
+        _import_rollout_libraries(embedded_engine=engine_config.kind == "hf")
 
     def start(self) -> None:
         """Start the engine from `model_path` (idempotent): the embedded model loads it, SGLang

@@ -118,7 +118,7 @@ class RolloutManager:
         self.pool = EnginePool(engines, kind=self.config.engine.kind)
         self.loop = asyncio.new_event_loop()
         self.generator: Any = None
-        _import_rollout_libraries("")
+        _import_rollout_libraries(embedded_engine=False)
 
     def start(self) -> None:
         """Build the rollout generator: the prompts, the tokenizer (from the export), the served

@@ -123,7 +123,11 @@ def model_inputs(batch: PackedBatch) -> dict[str, Any]:
                 max_seqlen_kv=longest,
             ),
         }
-    rows, width = _padded_rows(batch)
+    return _padded_inputs(batch, *_padded_rows(batch))
+
+
+def _padded_inputs(batch: PackedBatch, rows: Tensor, width: int) -> dict[str, Any]:
+    dev = device()
     ids = torch.zeros(batch.num_samples * width, dtype=torch.long)
     ids[rows] = batch.tokens[: batch.num_tokens]
     masked = torch.ones(width, width, dtype=torch.bool).triu(diagonal=1)
@@ -140,7 +144,10 @@ def stream_rows(output: Tensor, batch: PackedBatch) -> Tensor:
     [num_tokens, ...] rows in stream order (padding dropped)."""
     if uses_te_spec():
         return output[0, : batch.num_tokens]
-    rows, _ = _padded_rows(batch)
+    return _gather_rows(output, _padded_rows(batch)[0])
+
+
+def _gather_rows(output: Tensor, rows: Tensor) -> Tensor:
     flat = output.reshape(-1, *output.shape[2:])
     return flat.index_select(0, rows.to(flat.device))
 
@@ -161,8 +168,11 @@ def router_rows(batch: PackedBatch) -> Tensor | None:
 def run_model(model: Any, batch: PackedBatch) -> Tensor:
     """`model` over `batch`: logits (or values) [num_tokens, ...] in stream order, whole rows
     (vocabulary-sharded logits are gathered under TP)."""
-    out = model(**model_inputs(batch), runtime_gather_output=True)
-    return stream_rows(out, batch)
+    if uses_te_spec():
+        return stream_rows(model(**model_inputs(batch), runtime_gather_output=True), batch)
+    rows, width = _padded_rows(batch)  # once for the inputs and the output
+    out = model(**_padded_inputs(batch, rows, width), runtime_gather_output=True)
+    return _gather_rows(out, rows)
 
 
 @torch.no_grad()
