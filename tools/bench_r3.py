@@ -153,17 +153,14 @@ def match_calls(
     if len(calls) != per_micro_batch * len(micro_batches):
         raise RuntimeError(f"{len(calls)} router calls for {len(micro_batches)} micro-batches")
     from ember_core.types import pack_samples
-    from ember_megatron_backend.forward import router_rows
+    from ember_megatron_backend.forward import router_rows_to_stream
 
     out = []
     for k, samples in enumerate(micro_batches):
         want, valid = rollout_maps(samples, layers, experts)
-        index = router_rows(pack_samples(samples))  # router row -> stream position (or None)
+        packed = pack_samples(samples)
         for layer, used in calls[k * per_micro_batch : (k + 1) * per_micro_batch]:
-            if index is not None:  # the padded layout's rows, back to stream order
-                stream = torch.zeros(want.shape[0], used.shape[-1], dtype=used.dtype)
-                stream[index[index >= 0]] = used[index >= 0]
-                used = stream
+            used = router_rows_to_stream(used, packed)
             out.append((samples, layer, used, want[:, layer], valid))
     return out
 

@@ -161,7 +161,7 @@ def _own_experts(worker, samples):
     from megatron.core.transformer.moe.router import TopKRouter
 
     from ember_core.types import pack_samples
-    from ember_megatron_backend.forward import forward_only, router_rows
+    from ember_megatron_backend.forward import forward_only, router_rows_to_stream
 
     maps = {}
     routers = [m for m in worker.actor.modules() if isinstance(m, TopKRouter)]
@@ -175,10 +175,7 @@ def _own_experts(worker, samples):
         for h in hooks:
             h.remove()
     ids = torch.stack([maps[layer] for layer in range(LAYERS)], dim=1)  # [R, layers, E]
-    index = router_rows(pack_samples(samples))  # router row -> stream position
-    if index is not None:
-        valid = index >= 0
-        ids = ids[valid][index[valid].argsort()]  # [T, layers, E] in stream order
+    ids = router_rows_to_stream(ids, pack_samples(samples))  # [T, layers, E]
     topk = ids.float().topk(2, dim=-1).indices.flip(-1)  # same set, another order
     out, start = [], 0
     for s in samples:

@@ -32,7 +32,11 @@ from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E4
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError  # noqa: E402
 from ember_ci_kl_checker import plugin as checker_plugin  # noqa: E402
 from ember_megatron_backend.config import BackendConfig, OptimizerConfig  # noqa: E402
-from ember_megatron_backend.forward import model_inputs, router_rows  # noqa: E402
+from ember_megatron_backend.forward import (  # noqa: E402
+    model_inputs,
+    router_rows,
+    router_rows_to_stream,
+)
 from ember_megatron_backend.model import build_model  # noqa: E402
 from ember_megatron_backend.parallel import destroy_distributed, init_distributed  # noqa: E402
 from ember_megatron_backend.worker import MegatronWorker  # noqa: E402
@@ -436,8 +440,6 @@ def assign_unpicked_experts(model, plugins, samples: list[Sample], inputs: dict)
         (m for m in model.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number
     )
     batch = batch_of(model, samples)
-    index = router_index(samples)
-    valid = index >= 0
     for layer, router in enumerate(routers):
         seen = []
         handle = router.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0]))
@@ -448,7 +450,7 @@ def assign_unpicked_experts(model, plugins, samples: list[Sample], inputs: dict)
         finally:
             handle.remove()
         worst = logits.topk(TOPK, dim=-1, largest=False).indices
-        worst = worst[valid][index[valid].argsort()]  # stream order
+        worst = router_rows_to_stream(worst, pack_samples(samples))
         start = 0
         for sample in samples:
             count = sample.rollout_routed_experts.shape[0]

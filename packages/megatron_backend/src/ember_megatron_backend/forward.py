@@ -21,6 +21,7 @@ __all__ = [
     "model_inputs",
     "plan_micro_batches",
     "router_rows",
+    "router_rows_to_stream",
     "run_model",
     "stream_rows",
 ]
@@ -163,6 +164,18 @@ def router_rows(batch: PackedBatch) -> Tensor | None:
     index[rows] = torch.arange(batch.num_tokens)
     # [b, s] -> [s, b] order
     return index.view(batch.num_samples, width).t().reshape(-1)
+
+
+def router_rows_to_stream(values: Tensor, batch: PackedBatch) -> Tensor:
+    """Per-row values of the MoE routers ([R, ...], e.g. a routing map) in stream order
+    ([num_tokens, ...]); the values themselves for "thd", whose router rows are the stream."""
+    index = router_rows(batch)
+    if index is None:
+        return values[: batch.num_tokens]
+    real = index >= 0
+    out = values.new_zeros(batch.num_tokens, *values.shape[1:])
+    out[index[real]] = values[real.to(values.device)]
+    return out
 
 
 def run_model(model: Any, batch: PackedBatch) -> Tensor:
