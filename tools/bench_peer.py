@@ -211,6 +211,8 @@ UNMAPPED = {
     "algorithm.kl_coef": "TRL has no KL penalty in the reward",
     "algorithm.kl_loss_type": "TRL's KL is k3 (Ember's low_var_kl, unclamped)",
     "algorithm.use_tis": "TRL corrects only vLLM samples; here it samples with the policy",
+    "algorithm.use_rollout_log_probs": "TRL computes the old log-probs with a forward of the "
+    "policy; Ember takes them from its engine (the same in fp32, ~1e-9 apart)",
     "engine.hf.dtype": "TRL samples with the policy it trains, in its dtype (exactly on-policy)",
     "ray.data_parallel": "TRL runs in one process here",
     "rollout.async": "TRL generates and trains in turn",
@@ -303,6 +305,7 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
     add("algorithm.loss_reduction", alg.loss_reduction, "loss_type",
         {"sample": "grpo", "token": "bnpo"}[alg.loss_reduction], True)  # fmt: skip
     unmapped("algorithm.use_tis", True, alg.use_tis)
+    unmapped("algorithm.use_rollout_log_probs", True, alg.use_rollout_log_probs)
     add("train.optimizer.lr", opt.lr, "learning_rate", opt.lr)
     add("train.optimizer.lr_warmup_steps", opt.lr_warmup_steps, "warmup_steps", opt.lr_warmup_steps)
     add("train.optimizer.lr_decay_style", opt.lr_decay_style, "lr_scheduler_type", schedule, True)

@@ -85,15 +85,23 @@ def test_engines_share_the_cores_and_overlap_shares_them_with_training():
 # --------------------------------------------------------------------------------------------
 
 
+TRAINER_OLD = "algorithm.use_rollout_log_probs=false"
+
+
 def test_rollout_async_turns_tis_on_unless_use_tis_is_set():
-    config, _ = load_config("default", overrides=["rollout.async=true"])
+    config, _ = load_config("default", overrides=["rollout.async=true", TRAINER_OLD])
     assert config.rollout.async_ is True and config.algorithm.use_tis is True
     config, _ = load_config("default", overrides=["rollout.async=true", "algorithm.use_tis=false"])
     assert config.rollout.async_ is True and config.algorithm.use_tis is False
     config, _ = load_config("default")
     assert config.rollout.async_ is False and config.algorithm.use_tis is False
-    config, _ = load_config("default", overrides=["algorithm.use_tis=true"])
+    config, _ = load_config("default", overrides=["algorithm.use_tis=true", TRAINER_OLD])
     assert config.algorithm.use_tis is True
+    # Old log-probs from the engine are already the sampling policy's: nothing to correct.
+    config, _ = load_config("default", overrides=["rollout.async=true"])
+    assert config.algorithm.use_rollout_log_probs and config.algorithm.use_tis is False
+    with pytest.raises(ValueError, match=r"use_tis=true with use_rollout_log_probs=true"):
+        load_config("default", overrides=["algorithm.use_tis=true"])
 
 
 def test_the_key_is_async_in_files_and_resolved_configs(tmp_path):
@@ -132,7 +140,7 @@ TINY = [
 def test_two_engines_one_step_off_policy_on_ray(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "ember.cli", "train", *TINY]
-        + ["--set", "ray.num_engines=2", "--set", "rollout.async=true"]
+        + ["--set", "ray.num_engines=2", "--set", "rollout.async=true", "--set", TRAINER_OLD]
         + ["--set", "run.num_rollouts=3", "--set", f"run.dir={tmp_path}"],
         capture_output=True,
         text=True,

@@ -314,6 +314,44 @@ def test_hooks_see_every_pass_and_step(dist_env):
     assert [r[0] for r in recorder.rollouts] == [0, 1]
 
 
+def test_engine_log_probs_as_old_log_probs_skip_the_actor_forward(dist_env):
+    """`use_rollout_log_probs`: no actor scoring forward; training then runs exactly as a scored
+    run whose engine returned the trainer's own log-probs (the ratio is taken against them)."""
+    samples = make_samples()
+    scored = MegatronWorker(backend(), algorithm(), sampling())
+    reference = scored.prepare(0, samples)
+    for sample, log_probs in zip(samples, reference.log_probs, strict=True):
+        sample.rollout_log_probs = log_probs.tolist()
+    reference = scored.prepare(0, samples)
+    want = scored.train(0, reference)
+
+    plugins, recorder = EmberPlugins(), RecordingPlugin()
+    plugins.register(recorder, "recorder")
+    worker = MegatronWorker(backend(), algorithm(use_rollout_log_probs=True), sampling(), plugins)
+    batch = worker.prepare(0, samples)
+    assert not [p for p in recorder.passes if p[1] == Phase.LOG_PROB]
+    assert batch.log_probs is batch.rollout_log_probs and batch.entropy is None
+    rollout = worker.log_rollout_data(0, batch)
+    assert "rollout/log_probs" not in rollout and "rollout/entropy" not in rollout
+    assert "rollout/train_rollout_logprob_abs_diff" not in rollout
+    assert rollout["rollout/rollout_log_probs"] == pytest.approx(
+        scored.log_rollout_data(0, reference)["rollout/log_probs"], abs=1e-6
+    )
+    got = worker.train(0, batch)
+    mismatch = "train/train_rollout_logprob_abs_diff"
+    for step, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            if key != mismatch or step == 0:
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+    assert got[0]["train/ppo_kl"] == 0.0  # the engine's log-probs were the trainer's own
+    # Later steps: this step's log-probs against the engine's, so the update shows.
+    assert got[1][mismatch] > 1e-4 and want[1][mismatch] == 0.0
+    samples[5].rollout_log_probs = None
+    with pytest.raises(ValueError, match=r"use_rollout_log_probs.*sample 5 \(group 2\)"):
+        worker.prepare(1, samples)
+
+
 def test_bad_batches_name_the_sample(dist_env):
     worker = MegatronWorker(backend(), algorithm(use_tis=True), sampling())
     samples = make_samples()

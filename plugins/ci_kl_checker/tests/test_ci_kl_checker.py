@@ -71,13 +71,19 @@ def host():
 
 
 def configure(
-    host: EmberPlugins, *, ci_test: bool = True, reference: bool = True, **section
+    host: EmberPlugins,
+    *,
+    ci_test: bool = True,
+    reference: bool = True,
+    engine_old: bool = False,
+    **section,
 ) -> None:
-    """Configure a CI run; `reference`: the config's KL loss asks for a reference model."""
+    """Configure a CI run; `reference`: the config's KL loss asks for a reference model;
+    `engine_old`: the old log-probs are the engine's (`algorithm.use_rollout_log_probs`)."""
     config = CoreConfig(
         plugins=host.enabled,
         ci=CIConfig(test=ci_test),
-        algorithm=AlgorithmConfig(use_kl_loss=reference),
+        algorithm=AlgorithmConfig(use_kl_loss=reference, use_rollout_log_probs=engine_old),
     )
     host.configure(config, {"ci_kl_checker": KLCheckerConfig(**section)})
 
@@ -154,8 +160,8 @@ def test_later_steps_and_rollouts_are_not_checked_on_policy(host):
         host.after_train_step(1, 0, 2, drifted_step)
 
 
-def without(metrics: dict, key: str) -> dict:
-    return {k: v for k, v in metrics.items() if k != key}
+def without(metrics: dict, *keys: str) -> dict:
+    return {k: v for k, v in metrics.items() if k not in keys}
 
 
 MISSING = {
@@ -219,6 +225,36 @@ def test_a_later_rollout_with_engine_log_probs_needs_the_train_mismatch_too(host
         host.after_train_step(
             2, 1, 9, without(ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff")
         )
+
+
+def test_engine_old_log_probs_stand_the_exact_checks_down_and_keep_the_first_step_ceiling(
+    host, caplog
+):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    configure(host, engine_old=True)
+    (record,) = caplog.records
+    assert "algorithm.use_rollout_log_probs=true" in record.getMessage()
+    # No trainer log-probs before training: the rollout logs the engine's alone.
+    rollout = without(
+        ON_POLICY_ROLLOUT,
+        "rollout/log_probs",
+        "rollout/log_probs_ref_max_abs_diff",
+        "rollout/train_rollout_logprob_abs_diff",
+    )
+    host.after_log_rollout_data(0, rollout)
+    first = {**ON_POLICY_STEP, "train/ppo_kl": 3e-4}  # the mismatch, signed
+    host.after_train_step(0, 0, 0, first)
+    # Later steps compare weights the step already moved with the engine's: not a mismatch.
+    moved = {**first, "train/train_rollout_logprob_abs_diff": 0.4}
+    host.after_train_step(0, 1, 1, moved)
+    with pytest.raises(KLCheckError) as info:
+        host.after_train_step(1, 0, 4, moved)
+    assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
+    # The actor/reference KL at the run's first step is still the trainer's own: exact.
+    configure(host, engine_old=True)
+    with pytest.raises(KLCheckError) as info:
+        host.after_train_step(0, 0, 0, {**first, "train/kl_loss": 1e-5})
+    assert info.value.check == Check.KL_LOSS
 
 
 def test_checks_the_config_rules_out_are_said_once_and_need_no_metric(host, caplog):

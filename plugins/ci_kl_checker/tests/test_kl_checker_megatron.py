@@ -99,8 +99,11 @@ def make_samples(count: int = 4) -> list[Sample]:
     return samples
 
 
-def worker_with(checker: EmberPlugins, train: BackendConfig, *, disable: bool) -> MegatronWorker:
+def worker_with(
+    checker: EmberPlugins, train: BackendConfig, *, disable: bool, engine_old: bool = False
+) -> MegatronWorker:
     config = RunConfig(train=train)
+    config.algorithm.use_rollout_log_probs = engine_old
     checker.configure(config, {"ci_kl_checker": KLCheckerConfig(disable=disable)})
     return MegatronWorker(train, config.algorithm, SamplingConfig(), checker)
 
@@ -209,3 +212,26 @@ def test_engine_log_probs_beyond_the_ceiling_stop_the_run(checker):
     assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
     assert info.value.metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx(0.25)
     assert info.value.metrics["train/ppo_kl"] == 0.0 and info.value.metrics["train/kl_loss"] == 0.0
+
+
+@pytest.mark.parametrize("offset", [0.05, -0.25])
+def test_engine_old_log_probs_train_within_the_ceiling_and_stop_beyond_it(checker, offset):
+    """With `use_rollout_log_probs` the first step's ratio is taken against the engine's
+    log-probs: its ppo_kl is their offset, which no longer fails; the ceiling still does."""
+    scorer = MegatronWorker(backend(), AlgorithmConfig(), SamplingConfig())  # same weights
+    samples = with_engine_log_probs(scorer, offset)
+    worker = worker_with(checker, backend(), disable=False, engine_old=True)
+    batch = worker.prepare(0, samples)
+    rollout = worker.log_rollout_data(0, batch)
+    assert "rollout/log_probs" not in rollout and "rollout/rollout_log_probs" in rollout
+    if offset > 0:
+        steps = worker.train(0, batch)
+        assert steps[0]["train/ppo_kl"] == pytest.approx(offset, abs=1e-6)
+        assert steps[0]["train/train_rollout_logprob_abs_diff"] == pytest.approx(offset, abs=1e-6)
+        assert steps[0]["train/kl_loss"] == 0.0  # the reference forward still runs
+        return
+    with pytest.raises(KLCheckError) as info:
+        worker.train(0, batch)
+    assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
+    assert info.value.step == "rollout 0, step 0 (accumulated step 0)"
+    assert info.value.metrics["train/ppo_kl"] == pytest.approx(offset, abs=1e-6)

@@ -270,9 +270,18 @@ class AlgorithmConfig:
     """Weight of the entropy bonus (subtracted from the loss)."""
     loss_reduction: Literal["sample", "token"] = "sample"
     """sample: mean over each sample's tokens, then over samples; token: mean over all tokens."""
+    use_rollout_log_probs: bool = False
+    """Take the old policy's log-probs of the PPO ratio from the engine (each sample's
+    `rollout_log_probs`) instead of a scoring forward of the trainer: one actor forward over the
+    rollout less per iteration. Exact where the engine samples in the trainer's dtype from the
+    trainer's weights; otherwise the first step's ratio carries the train/rollout mismatch.
+    Without that forward, rollout/log_probs, rollout/entropy and the routing metrics are not
+    logged; train/train_rollout_logprob_abs_diff compares the step's own log-probs with the
+    engine's (at step 0: the mismatch)."""
     use_tis: bool | None = None
     """Truncated importance sampling: scale the policy loss by clamp(exp(lp_train - lp_rollout));
-    null (the default) becomes true when `rollout.async` is true and false otherwise."""
+    null (the default) becomes true when `rollout.async` is true (and `use_rollout_log_probs`
+    false) and false otherwise."""
     tis_clip: float = 2.0
     """Upper clamp of the TIS weight."""
     tis_clip_low: float = 0.0
@@ -317,6 +326,13 @@ class AlgorithmConfig:
             f"0 <= tis_clip_low < tis_clip={self.tis_clip}",
         )
         check(self.value_clip > 0, "value_clip", self.value_clip, "> 0")
+        if self.use_rollout_log_probs and self.use_tis:
+            raise ValueError(
+                "use_tis=true with use_rollout_log_probs=true: TIS weighs the trainer's old "
+                "log-probs against the engine's, and use_rollout_log_probs makes them the same "
+                "(the ratio is already taken against the policy that sampled); set one of them "
+                "false"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -347,7 +363,8 @@ class CoreConfig:
 
 def resolve_tis(algorithm: AlgorithmConfig, rollout: SamplingConfig) -> None:
     """Settle `algorithm.use_tis` when it was left unset (None): on exactly in `rollout.async`
-    mode, whose samples come from weights one version older than the trainer's. Reading a run
+    mode, whose samples come from weights one version older than the trainer's, unless the old
+    log-probs are already the engine's (`use_rollout_log_probs`). Reading a run
     config (`ember.config.load_config`) does this, so the resolved config holds a boolean."""
     if algorithm.use_tis is None:
-        algorithm.use_tis = rollout.async_
+        algorithm.use_tis = rollout.async_ and not algorithm.use_rollout_log_probs

@@ -52,9 +52,10 @@ class RolloutBatch:
     loss_masks: list[Tensor]
     """1 where a response token is trained on."""
     log_probs: list[Tensor]
-    """Old actor log-probs at the rollout temperature."""
-    entropy: list[Tensor]
-    """Old actor entropy at the rollout temperature."""
+    """Old actor log-probs at the rollout temperature: the trainer's, or with
+    `algorithm.use_rollout_log_probs` the engine's (the same tensors as `rollout_log_probs`)."""
+    entropy: list[Tensor] | None
+    """Old actor entropy at the rollout temperature; None when the actor was not scored."""
     advantages: list[Tensor]
     """Advantages from the configured estimator (whitened across ranks when configured)."""
     returns: list[Tensor]

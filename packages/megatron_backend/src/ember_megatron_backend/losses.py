@@ -112,7 +112,10 @@ def actor_loss(
         metrics["dual_clipfrac"] = per_token["dual_clipfrac"]
     if batch.rollout_log_probs is not None:
         rollout = _cat(batch.rollout_log_probs, idx, device)
-        metrics["train_rollout_logprob_abs_diff"] = (old - rollout).abs()
+        # The trainer's old log-probs against the engine's; when the old ones are the engine's
+        # (use_rollout_log_probs), this step's own (at step 0 the same weights: the mismatch).
+        trained = log_probs.detach() if algorithm.use_rollout_log_probs else old
+        metrics["train_rollout_logprob_abs_diff"] = (trained - rollout).abs()
         if algorithm.use_tis:
             weights, tis = tis_weights(
                 old, rollout, tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low

@@ -113,10 +113,22 @@ def masked_max_abs_diff(
 
 
 def _masked_means(per_token: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Per-sample means over counted tokens, and which samples have any counted token."""
-    pairs = zip(per_token, masks, strict=True)
-    sums = torch.stack([(t.double() * m.double()).sum() for t, m in pairs])
-    counts = torch.stack([m.double().sum() for m in masks])
+    """Per-sample means over counted tokens, and which samples have any counted token.
+
+    One concatenation and one segment sum for the whole batch (not a handful of ops per sample):
+    a rollout has hundreds of samples of a few tokens each.
+    """
+    if len(per_token) != len(masks):
+        raise ValueError(f"{len(per_token)} per-token tensors for {len(masks)} loss masks")
+    lengths = torch.tensor([m.numel() for m in masks])
+    if any(t.numel() != n for t, n in zip(per_token, lengths.tolist(), strict=True)):
+        raise ValueError("a per-token tensor's length differs from its sample's loss mask")
+    mask = torch.cat(masks).double()
+    segment = torch.repeat_interleave(torch.arange(len(masks)), lengths)
+    sums = torch.zeros(len(masks), dtype=torch.float64)
+    # where, not a product: an uncounted token's value (NaN on a tool's output) stays out.
+    sums.index_add_(0, segment, torch.where(mask > 0, torch.cat(per_token).double() * mask, 0.0))
+    counts = torch.zeros(len(masks), dtype=torch.float64).index_add_(0, segment, mask)
     has = counts > 0
     return sums[has] / counts[has], has
 
@@ -131,13 +143,18 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
     rollout/replay_agreement, logged only when routers replay, is the same for the experts the
     forward actually used. `REF_MAX_ABS_DIFF` (and `REF_REPLAYED_MAX_ABS_DIFF`, when the batch
     holds the replayed reference's log-probs) is a maximum over the counted tokens of all ranks.
+    When the old log-probs are the engine's (`algorithm.use_rollout_log_probs`), the metrics that
+    compare the trainer's own log-probs with something (rollout/log_probs, the mismatch, the
+    reference maxima) are left out.
     """
     means = SampleMeans(ROLLOUT_KEYS)
     masks = batch.loss_masks
     means.add("rollout/rewards", [float(s.reward) for s in batch.samples])
     means.add("rollout/response_length", batch.response_lengths)
+    # With `use_rollout_log_probs` the old log-probs are the engine's: nothing to compare.
+    scored = batch.log_probs is not batch.rollout_log_probs
     per_token = {
-        "rollout/log_probs": batch.log_probs,
+        "rollout/log_probs": batch.log_probs if scored else None,
         "rollout/ref_log_probs": batch.ref_log_probs,
         "rollout/rollout_log_probs": batch.rollout_log_probs,
         "rollout/entropy": batch.entropy,
@@ -145,7 +162,7 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
         "rollout/returns": batch.returns,
         "rollout/values": batch.values,
     }
-    if batch.rollout_log_probs is not None:
+    if batch.rollout_log_probs is not None and scored:
         per_token["rollout/train_rollout_logprob_abs_diff"] = [
             (a - b).abs() for a, b in zip(batch.log_probs, batch.rollout_log_probs, strict=True)
         ]
@@ -167,7 +184,7 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
         REF_REPLAYED_MAX_ABS_DIFF: batch.ref_replayed_log_probs,
     }
     for key, ref in maxima.items():
-        if ref is not None:
+        if ref is not None and scored:
             largest = masked_max_abs_diff(batch.log_probs, ref, masks, group)
             if largest is not None:
                 metrics[key] = largest

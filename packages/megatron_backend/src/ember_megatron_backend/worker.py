@@ -215,10 +215,15 @@ class MegatronWorker:
             ],
             dp_group,
         )
-        if self.algorithm.use_tis and not has_rollout_lp:
+        needs = [k for k in ("use_tis", "use_rollout_log_probs") if getattr(self.algorithm, k)]
+        if needs and not has_rollout_lp:
             missing = next((s for s in samples if s.rollout_log_probs is None), None)
             where = _describe(missing) if missing is not None else "a sample on another rank"
-            raise ValueError(f"use_tis needs rollout_log_probs on every sample; {where} has none")
+            raise ValueError(
+                f"algorithm.{needs[0]} needs rollout_log_probs on every sample; {where} has none"
+            )
+        # The engine's log-probs stand in for the old policy's: no actor forward here.
+        score_actor = not self.algorithm.use_rollout_log_probs
         steps = plan_steps(
             samples,
             self.config.num_steps_per_rollout,
@@ -229,7 +234,7 @@ class MegatronWorker:
         )
         n = len(samples)
         log_probs: list[Any] = [None] * n
-        entropy: list[Any] = [None] * n
+        entropy: list[Any] | None = [None] * n if score_actor else None
         ref_log_probs: list[Any] | None = [None] * n if self.ref is not None else None
         # A check-only second reference forward with the rollout's routing replayed, when a
         # plugin asks (the CI checker does at rollout 0 under routing replay).
@@ -237,7 +242,7 @@ class MegatronWorker:
         if self.ref is not None and self.plugins.replayed_reference_forward(rollout_id):
             replayed_ref = [None] * n
         values: list[Any] | None = [None] * n if self.critic is not None else None
-        routing = torch.zeros(n, 4, dtype=torch.float64) if has_experts else None
+        routing = torch.zeros(n, 4, dtype=torch.float64) if has_experts and score_actor else None
         temperature = self.sampling.temperature
         for indices in (mb for step in steps for mb in step):
             if self.ref is not None:
@@ -251,18 +256,23 @@ class MegatronWorker:
                             self.ref, mb.samples, role="ref", temperature=temperature
                         )
                     _scatter(replayed_ref, indices, out.log_probs)
-            mb = pack_micro_batch(self.actor, samples, indices)
-            record = (
-                self.routing.record(mb, routing)
-                if routing is not None and self.routing.active
-                else contextlib.nullcontext()
-            )
-            with self.plugins.forward_context(Role.ACTOR, Phase.LOG_PROB, mb), record:
-                out = forward_only(
-                    self.actor, mb.samples, role="actor", temperature=temperature, with_entropy=True
+            if score_actor:
+                mb = pack_micro_batch(self.actor, samples, indices)
+                record = (
+                    self.routing.record(mb, routing)
+                    if routing is not None and self.routing.active
+                    else contextlib.nullcontext()
                 )
-            _scatter(log_probs, indices, out.log_probs)
-            _scatter(entropy, indices, out.entropy)
+                with self.plugins.forward_context(Role.ACTOR, Phase.LOG_PROB, mb), record:
+                    out = forward_only(
+                        self.actor,
+                        mb.samples,
+                        role="actor",
+                        temperature=temperature,
+                        with_entropy=True,
+                    )
+                _scatter(log_probs, indices, out.log_probs)
+                _scatter(entropy, indices, out.entropy)
             if self.critic is not None:
                 mb = pack_micro_batch(self.critic, samples, indices)
                 with self.plugins.forward_context(Role.CRITIC, Phase.LOG_PROB, mb):
@@ -273,6 +283,8 @@ class MegatronWorker:
         rollout_lp = None
         if has_rollout_lp:
             rollout_lp = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
+        if not score_actor:
+            log_probs = rollout_lp
         advantages, returns = compute_advantages(
             self.algorithm.advantage_estimator,
             AdvantageInputs(

@@ -89,6 +89,13 @@ class KLChecker:
             every plugin is configured by then.
         reference: Why the config uses a reference model (`reference_reasons`); empty: none.
         ceiling: The mismatch ceiling (`train_rollout_logprob_abs_diff_threshold`).
+        engine_old_log_probs: The config takes the old log-probs from the engine
+            (`algorithm.use_rollout_log_probs`): the trainer computes none before training, so
+            the first-step ppo_kl holds the train/rollout mismatch instead of an exact zero,
+            and the actor/reference log-prob comparison of rollout 0 is not logged. Those two
+            checks stand down; the mismatch ceiling is checked at each rollout's first step,
+            where train/train_rollout_logprob_abs_diff is the trainer's log-probs at the
+            rollout's weights against the engine's.
     """
 
     def __init__(
@@ -98,8 +105,10 @@ class KLChecker:
         exemptions: Callable[[], Sequence[KLExemption]],
         reference: Sequence[str] = (),
         ceiling: float = KLCheckerConfig().train_rollout_logprob_abs_diff_threshold,
+        engine_old_log_probs: bool = False,
     ) -> None:
         self.active = active
+        self.engine_old_log_probs = engine_old_log_probs
         self.reference = list(reference)
         self.ceiling = ceiling
         self._exemptions_source = exemptions
@@ -124,13 +133,15 @@ class KLChecker:
         where = f"rollout {rollout_id}, step {step_id} (accumulated step {accumulated_step_id})"
         # Old and new actor log-probs come from the same weights (and, under routing replay,
         # the same experts) at the first step of a rollout, so their KL is exactly zero.
-        if step_id == 0:
+        if step_id == 0 and not self.engine_old_log_probs:
             self._expect_zero(Check.PPO_KL, PPO_KL, metrics, where, _PPO_KL_REQUIRED)
         # Actor and reference hold the same weights only before the first update.
         if accumulated_step_id == 0 and self._applies(KL_LOSS, metrics):
             self._expect_zero(Check.KL_LOSS, KL_LOSS, metrics, where, self._reference_reason())
         self._engine_log_probs = {r for r in self._engine_log_probs if r >= rollout_id}
         engine = rollout_id in self._engine_log_probs
+        if self.engine_old_log_probs and step_id > 0:
+            return  # the metric then includes this rollout's own updates
         if engine or TRAIN_MISMATCH in metrics:
             self._expect_ceiling(TRAIN_MISMATCH, metrics, where, self._engine_reason(rollout_id))
 
@@ -138,7 +149,13 @@ class KLChecker:
         """Whether to ask for the check-only reference forward that replays the rollout's
         routing: at rollout 0 of a CI run with a reference, when plugins exempted the
         actor/reference checks for routing alone."""
-        return self.active and rollout_id == 0 and bool(self.reference) and self._routing_only()
+        return (
+            self.active
+            and rollout_id == 0
+            and bool(self.reference)
+            and not self.engine_old_log_probs
+            and self._routing_only()
+        )
 
     def after_log_rollout_data(self, rollout_id: int, metrics: Mapping[str, Any]) -> None:
         """At rollout 0, check that actor and reference agree on every counted token's
@@ -147,7 +164,11 @@ class KLChecker:
         if not self.active:
             return
         where = f"rollout {rollout_id} (log_rollout_data)"
-        if rollout_id == 0 and self._applies(REF_MAX_ABS_DIFF, metrics):
+        if (
+            rollout_id == 0
+            and self._applies(REF_MAX_ABS_DIFF, metrics)
+            and not (self.engine_old_log_probs and REF_MAX_ABS_DIFF not in metrics)
+        ):
             self._expect_zero(
                 Check.ROLLOUT_REF_LOG_PROBS,
                 REF_MAX_ABS_DIFF,
@@ -168,7 +189,9 @@ class KLChecker:
             )
         if ROLLOUT_LOG_PROBS in metrics:
             self._engine_log_probs.add(rollout_id)
-        if ROLLOUT_LOG_PROBS in metrics or ROLLOUT_MISMATCH in metrics:
+        if (
+            ROLLOUT_LOG_PROBS in metrics and not self.engine_old_log_probs
+        ) or ROLLOUT_MISMATCH in metrics:
             self._expect_ceiling(ROLLOUT_MISMATCH, metrics, where, self._engine_reason(rollout_id))
 
     def _applies(self, name: str, metrics: Mapping[str, Any]) -> bool:
@@ -279,6 +302,16 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
         )
     ci_test = ci_test_enabled(config)
     reference = reference_reasons(config)
+    engine_old = _flag(config, "algorithm", "use_rollout_log_probs")
+    if ci_test and engine_old and not section.disable:
+        logger.info(
+            "ci_kl_checker: %s and %s stand down: algorithm.use_rollout_log_probs=true takes the "
+            "old log-probs from the engine, so the trainer computes none to compare; %s is "
+            "checked at the first step of each rollout",
+            Check.PPO_KL,
+            Check.ROLLOUT_REF_LOG_PROBS,
+            Check.TRAIN_ROLLOUT_MISMATCH,
+        )
     if section.disable:
         logger.warning(
             "ci_kl_checker: disabled by %s.disable=true; none of its checks runs%s",
@@ -298,6 +331,7 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
         exemptions=plugins.kl_check_exemptions,
         reference=reference,
         ceiling=section.train_rollout_logprob_abs_diff_threshold,
+        engine_old_log_probs=engine_old,
     )
 
 
