@@ -199,6 +199,47 @@ def test_gradients_match_autograd_through_naive(chunk_bytes, terms):
     assert x_ref.grad.abs().sum() > 1.0  # the check is not vacuous
 
 
+@pytest.mark.parametrize("long_response", [False, True])
+def test_short_and_long_spans_take_their_paths_and_agree_with_autograd(long_response):
+    """Chunks of many short responses are gathered by one row index, chunks of long spans read
+    slice by slice (heads._GATHER_BELOW); both give the naive head's values and gradients."""
+    from ember_core import heads
+
+    response = [2, 3, 1, 2] if not long_response else [40, 45]
+    total = [r + 3 for r in response]
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(sum(total), 11, generator=gen, dtype=torch.float64).float()
+    tokens = torch.randint(0, 11, (sum(total),), generator=gen)
+    taken = []
+    real = heads._row_index
+
+    def spy(pieces, device):
+        index = real(pieces, device)
+        taken.append(index is not None)
+        return index
+
+    heads._row_index = spy
+    try:
+        x = logits.clone().requires_grad_()
+        out = PolicyHead(0.9).log_probs(x, tokens, total, response, with_entropy=True)
+        weighted_loss(out.log_probs, out.entropy).backward()
+    finally:
+        heads._row_index = real
+    assert taken == [not long_response] * 2  # forward and backward of the one chunk
+    x_ref = logits.double().requires_grad_()
+    ref_lp, ref_h, start = [], [], 0
+    ref_log_p = torch.log_softmax(x_ref / 0.9, dim=-1)
+    for length, resp in zip(total, response, strict=True):
+        rows = torch.arange(start + length - resp - 1, start + length - 1)
+        ref_lp.append(ref_log_p[rows, tokens[rows + 1]])
+        ref_h.append(-(ref_log_p[rows].exp() * ref_log_p[rows]).sum(-1))
+        start += length
+    weighted_loss(ref_lp, ref_h).backward()
+    for got, want in zip(out.log_probs, ref_lp, strict=True):
+        assert_close(got, want.float().detach(), rtol=1e-5, atol=1e-5)
+    assert_close(x.grad, x_ref.grad.float(), rtol=1e-4, atol=1e-6)
+
+
 def test_gradient_of_log_probs_only_head_output():
     logits, tokens = make_batch()
     x = logits.clone().requires_grad_()

@@ -320,8 +320,32 @@ def _plan_chunks(spans: Sequence[tuple[int, int]], chunk_rows: int) -> list[_Chu
     return chunks
 
 
-def _load_scaled(logits_TV: Tensor, pieces, temperature: float, z_CV: Tensor) -> None:
+_GATHER_BELOW = 32
+"""A chunk whose pieces average fewer rows than this is read and written through one row index
+(index_select / index_copy_) instead of one slice op per piece: many short responses (a few
+tokens each) would otherwise cost a handful of tiny ops per sample."""
+
+
+def _row_index(pieces: list[tuple[int, int, int]], device: torch.device) -> Tensor | None:
+    """The chunk's source rows in chunk order, when the chunk is gathered (see _GATHER_BELOW)."""
+    rows = sum(stop - start for start, stop, _ in pieces)
+    if len(pieces) < 2 or rows >= _GATHER_BELOW * len(pieces):
+        return None
+    index = [r for start, stop, _ in pieces for r in range(start, stop)]
+    return torch.tensor(index, dtype=torch.long, device=device)
+
+
+def _load_scaled(
+    logits_TV: Tensor, pieces, temperature: float, z_CV: Tensor, index: Tensor | None
+) -> None:
     """Fill z_CV with the chunk's rows of logits / temperature, in fp32."""
+    if index is not None:
+        if logits_TV.dtype == torch.float32:
+            torch.index_select(logits_TV, 0, index, out=z_CV)
+        else:
+            z_CV.copy_(logits_TV.index_select(0, index))
+        z_CV.div_(temperature)
+        return
     for start, stop, row in pieces:
         dst = z_CV[row : row + stop - start]
         if logits_TV.dtype == torch.float32:
@@ -338,7 +362,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
       H = lse - mu,                          dH/dz_k = -p_k (z_k - mu)
     and d/dlogits = (d/dz) / t. Besides the [T, V] gradient itself, only two fp32 [C, V]
     chunk buffers are allocated. Rows are read in place from the logits, span by span: gathering
-    the selected rows first (index_select) would copy most of the logits again.
+    the selected rows first (index_select) would copy most of the logits again. Only a chunk of
+    many short spans is gathered, chunk by chunk (`_GATHER_BELOW`; for a half-precision logits
+    tensor that adds one [C, V] temporary in its dtype).
     """
 
     @staticmethod
@@ -355,7 +381,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for n0, n1, pieces in chunks:
             z, log_p = z_CV[: n1 - n0], log_p_CV[: n1 - n0]
             targets = targets_N[n0:n1, None]
-            _load_scaled(logits_TV, pieces, temperature, z)
+            _load_scaled(logits_TV, pieces, temperature, z, _row_index(pieces, device))
             torch.log_softmax(z, dim=1, out=log_p)
             log_probs_N[n0:n1] = log_p.gather(1, targets)[:, 0]
             lse_N[n0:n1] = z.gather(1, targets)[:, 0] - log_probs_N[n0:n1]
@@ -399,13 +425,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
         direct = grad_TV.dtype == torch.float32
         for n0, n1, pieces in chunks:
             y, p = y_CV[: n1 - n0], p_CV[: n1 - n0]
-            for start, stop, row in pieces:
-                torch.add(
-                    -lse_N[n0 + row : n0 + row + stop - start, None],
-                    logits_TV[start:stop],
-                    alpha=1.0 / t,
-                    out=y[row : row + stop - start],
-                )
+            index = _row_index(pieces, grad_TV.device)
+            if index is not None:
+                _load_scaled(logits_TV, pieces, t, y, index)
+                y.sub_(lse_N[n0:n1, None])
+            else:
+                for start, stop, row in pieces:
+                    torch.add(
+                        -lse_N[n0 + row : n0 + row + stop - start, None],
+                        logits_TV[start:stop],
+                        alpha=1.0 / t,
+                        out=y[row : row + stop - start],
+                    )
             torch.exp(y, out=p)
             b = b_N[n0:n1, None]
             if a_N is None:
@@ -413,6 +444,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
             else:
                 torch.addcmul(b, y, a_N[n0:n1, None], out=y)
             targets, g_lp = targets_N[n0:n1, None], g_lp_N[n0:n1, None] / t
+            if index is not None:  # the whole chunk at once, then into its rows
+                torch.mul(p, y, out=p)
+                if grad_log_probs_N is not None:
+                    p.scatter_add_(1, targets, g_lp)
+                grad_TV.index_copy_(0, index, p.to(grad_TV.dtype))
+                continue
             if not direct:
                 torch.mul(p, y, out=p)
                 if grad_log_probs_N is not None:

@@ -85,6 +85,11 @@ class RaySection:
     """Ray cluster to join ("auto" or host:port); None starts a local Ray."""
     num_cpus: int | None = None
     """CPUs of a local Ray; None: all of this machine's."""
+    object_store_mb: int | None = None
+    """Object store of a local Ray, in MiB; None: Ray's default (30% of memory). What passes
+    through it is samples and metrics (weights travel by torch.distributed), so a small store
+    suffices for small runs, and Ray starts faster with one (about 1 s on a 2-core machine);
+    Ray spills objects to disk when it is full."""
     data_parallel: int = 1
     """Training ranks (Ray actors, one torch.distributed process each)."""
     gpus_per_rank: float = 0.0
@@ -109,6 +114,18 @@ class RaySection:
 
     def __post_init__(self) -> None:
         check(self.data_parallel >= 1, "data_parallel", self.data_parallel, ">= 1")
+        check(
+            self.object_store_mb is None or self.object_store_mb >= 80,
+            "object_store_mb",
+            self.object_store_mb,
+            ">= 80 (Ray's minimum object store is 75 MiB) or null",
+        )
+        if self.address is not None and self.object_store_mb is not None:
+            raise ValueError(
+                f"object_store_mb={self.object_store_mb}: sizes the Ray this run starts, and "
+                f"address={self.address!r} joins a running one (size its store where it starts: "
+                "`ray start --object-store-memory`)"
+            )
         check(
             0 <= self.gpus_per_rank <= 1,
             "gpus_per_rank",

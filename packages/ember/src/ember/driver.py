@@ -215,6 +215,11 @@ class Driver:
             # another process on this machine started last (ray 2.60 worker.py).
             address=ray_cfg.address or "local",
             num_cpus=ray_cfg.num_cpus if ray_cfg.address is None else None,
+            object_store_memory=(
+                ray_cfg.object_store_mb * 2**20
+                if ray_cfg.address is None and ray_cfg.object_store_mb is not None
+                else None
+            ),
             include_dashboard=False,
             log_to_driver=True,
             runtime_env={"env_vars": {**RAY_ENV, VERBOSE_ENV: "1" if verbose() else "0"}},

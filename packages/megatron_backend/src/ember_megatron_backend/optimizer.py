@@ -174,9 +174,9 @@ class TorchAdamW(ModelOptimizer):
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
-            # One kernel per op over all tensors instead of a Python loop over them (torch
-            # picks the loop on CPU unless asked).
-            foreach=True,
+            # One fused kernel for the whole update (torch picks a Python loop over the
+            # tensors on CPU unless asked); the same AdamW arithmetic.
+            fused=True,
         )
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
