@@ -37,16 +37,17 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-TRAINER_OLD = ("--set", "algorithm.use_rollout_log_probs=false")
-"""The trainer scores the old policy itself: the exact on-policy checks and the routing metrics
-need that forward (the default takes the old log-probs from the engine)."""
+ON_POLICY = ("--set", "rollout.async=false", "--set", "algorithm.use_rollout_log_probs=false")
+"""Rollout and training in turn, the trainer scoring the old policy itself: the exact on-policy
+checks and the routing metrics need both (the default overlaps them and takes the old
+log-probs from the engine)."""
 
 
 def test_r3_and_kl_checker_in_ci_mode(tmp_path):
     run = ember(
         "--plugins", "r3_routing,ci_kl_checker",
         "--set", "ci.test=true",
-        *TRAINER_OLD,
+        *ON_POLICY,
         "--set", "run.num_rollouts=2",
         "--set", "run.save_interval=0",
         run_dir=tmp_path,
@@ -67,7 +68,7 @@ def test_kl_checker_alone_passes_in_ci_mode(tmp_path):
         "--plugins", "ci_kl_checker",
         "--set", "ci.test=true",
         "--set", "algorithm.use_kl_loss=true",  # a reference model, for the checks that need one
-        *TRAINER_OLD,
+        *ON_POLICY,
         "--set", "run.num_rollouts=1",
         "--set", "run.save_interval=0",
         run_dir=tmp_path,
@@ -80,6 +81,7 @@ def test_kl_checker_alone_passes_in_ci_mode(tmp_path):
 def test_two_data_parallel_ranks(tmp_path):
     run = ember(
         "--set", "ray.data_parallel=2",
+        "--set", "rollout.async=false",
         "--set", "run.num_rollouts=2",
         "--set", "run.save_interval=0",
         run_dir=tmp_path,

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from ember.config import RaySection, load_config
-from ember.driver import actor_threads, staleness
+from ember.driver import actor_threads, staleness, summary_line
 from ember.rollout_manager import assign_groups
 from ember_core.types import Sample
 
@@ -89,17 +89,21 @@ TRAINER_OLD = "algorithm.use_rollout_log_probs=false"
 
 
 def test_rollout_async_turns_tis_on_unless_use_tis_is_set():
-    config, _ = load_config("default", overrides=["rollout.async=true", TRAINER_OLD])
-    assert config.rollout.async_ is True and config.algorithm.use_tis is True
-    config, _ = load_config("default", overrides=["rollout.async=true", "algorithm.use_tis=false"])
-    assert config.rollout.async_ is True and config.algorithm.use_tis is False
+    # The default run overlaps rollout and training with the engine's log-probs as the old
+    # policy's: the ratio is already against the sampling policy, so TIS stays off.
     config, _ = load_config("default")
+    assert config.rollout.async_ is True and config.algorithm.use_rollout_log_probs is True
+    assert config.algorithm.use_tis is False
+    config, _ = load_config("default", overrides=[TRAINER_OLD])
+    assert config.rollout.async_ is True and config.algorithm.use_tis is True
+    config, _ = load_config("default", overrides=[TRAINER_OLD, "algorithm.use_tis=false"])
+    assert config.algorithm.use_tis is False
+    config, _ = load_config("default", overrides=["rollout.async=false", TRAINER_OLD])
     assert config.rollout.async_ is False and config.algorithm.use_tis is False
-    config, _ = load_config("default", overrides=["algorithm.use_tis=true", TRAINER_OLD])
+    config, _ = load_config(
+        "default", overrides=["rollout.async=false", TRAINER_OLD, "algorithm.use_tis=true"]
+    )
     assert config.algorithm.use_tis is True
-    # Old log-probs from the engine are already the sampling policy's: nothing to correct.
-    config, _ = load_config("default", overrides=["rollout.async=true"])
-    assert config.algorithm.use_rollout_log_probs and config.algorithm.use_tis is False
     with pytest.raises(ValueError, match=r"use_tis=true with use_rollout_log_probs=true"):
         load_config("default", overrides=["algorithm.use_tis=true"])
 
@@ -164,3 +168,17 @@ def test_two_engines_one_step_off_policy_on_ray(tmp_path):
     resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert resolved["rollout"]["async"] is True and resolved["algorithm"]["use_tis"] is True
     assert all("perf/iteration_time" in r for r in rollouts)
+
+
+def test_the_summary_line_shows_the_mismatch_from_the_rollout_or_else_the_first_step():
+    steps = [
+        {"train/train_rollout_logprob_abs_diff": 3e-9},
+        {"train/train_rollout_logprob_abs_diff": 0.2},
+    ]
+    scored = {"rollout/rewards": 0.5, "rollout/train_rollout_logprob_abs_diff": 1e-3}
+    assert summary_line(7, scored, steps) == "rollout    7 | reward 0.500 | mismatch 1.00e-03"
+    # Old log-probs from the engine: no rollout-level comparison, the first step's instead.
+    engine = {"rollout/rewards": 0.5, "perf/rollout_tokens_per_s": 1234.4}
+    line = summary_line(7, engine, steps)
+    assert line == "rollout    7 | reward 0.500 | mismatch 3.00e-09 | 1234 tok/s"
+    assert summary_line(7, engine, []) == "rollout    7 | reward 0.500 | 1234 tok/s"

@@ -598,8 +598,12 @@ def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[st
     ]
     if "train/kl_loss" in last:
         parts.append(f"kl {last['train/kl_loss']:.2e}")
+    first = steps[0] if steps else {}
     if "rollout/train_rollout_logprob_abs_diff" in rollout:
         parts.append(f"mismatch {rollout['rollout/train_rollout_logprob_abs_diff']:.2e}")
+    elif "train/train_rollout_logprob_abs_diff" in first:
+        # Old log-probs from the engine: the first step's own log-probs against the engine's.
+        parts.append(f"mismatch {first['train/train_rollout_logprob_abs_diff']:.2e}")
     if "rollout/routing_agreement" in rollout:
         routing = f"routing {rollout['rollout/routing_agreement']:.4f}"
         if "rollout/replay_agreement" in rollout:
