@@ -7,7 +7,8 @@ Each measurement runs `ember train CONFIG` (default: the default CPU example) in
 for N rollouts and reads its `metrics.jsonl`; the first iteration, which pays for warm-up, is
 left out of every mean. Rows:
 
-- phases: per phase, the mean seconds per iteration, its share, and the first iteration.
+- phases: per phase, the mean seconds per iteration, its share, and the first iteration, with
+  rollout and training in turn (`rollout.async=false`).
 - engines: the rollout phase (`perf/rollout_time`) of 2 embedded engines of 1 thread each vs 1
   engine of 2 threads (`engine.hf.num_threads`), the same config otherwise. Target <= 0.8.
 - async: seconds per iteration (`perf/iteration_time`) with `rollout.async=true` vs without.
@@ -103,7 +104,8 @@ def main() -> None:
     def run(*extra: str) -> list[dict]:
         return measure(args.config, args.rollouts, [*args.set, *extra])
 
-    sync = run() if "phases" in rows or "async" in rows else None
+    # Phases add up only when rollout and training take turns (the default overlaps them).
+    sync = run("rollout.async=false") if "phases" in rows or "async" in rows else None
     if "phases" in rows:
         assert sync is not None
         phases(name, sync)

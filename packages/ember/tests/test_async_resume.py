@@ -28,7 +28,7 @@ RUN = [
 ]  # fmt: skip
 ASYNC = [*RUN, "--set", "rollout.async=true", "--set", "run.save_interval=1"]
 """A checkpoint after every rollout, the newest two kept."""
-SYNC = [*RUN, "--set", "run.save_interval=2"]
+SYNC = [*RUN, "--set", "rollout.async=false", "--set", "run.save_interval=2"]
 """Checkpoints after rollouts 1 and 3."""
 
 

@@ -107,6 +107,7 @@ KILL_RUN = [
     "--set", "run.plot=false",
     "--set", "run.tensorboard=false",
     "--set", "ray.threads_per_actor=1",
+    "--set", "rollout.async=false",  # the synchronous loop (test_async_resume covers the other)
 ]  # fmt: skip
 
 

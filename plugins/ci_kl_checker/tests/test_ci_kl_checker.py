@@ -10,7 +10,7 @@ import pytest
 
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
 from ember_ci_kl_checker import plugin as checker_plugin
-from ember_core.config import AlgorithmConfig, CIConfig, CoreConfig, from_dict
+from ember_core.config import AlgorithmConfig, CIConfig, CoreConfig, SamplingConfig, from_dict
 from ember_core.hookspecs import ExemptionScope, KLExemption, hookimpl
 from ember_core.plugins import EmberPlugins, installed_plugins
 
@@ -76,14 +76,17 @@ def configure(
     ci_test: bool = True,
     reference: bool = True,
     engine_old: bool = False,
+    one_step_off: bool = False,
     **section,
 ) -> None:
     """Configure a CI run; `reference`: the config's KL loss asks for a reference model;
-    `engine_old`: the old log-probs are the engine's (`algorithm.use_rollout_log_probs`)."""
+    `engine_old`: the old log-probs are the engine's (`algorithm.use_rollout_log_probs`);
+    `one_step_off`: rollout and training overlap (`rollout.async`)."""
     config = CoreConfig(
         plugins=host.enabled,
         ci=CIConfig(test=ci_test),
         algorithm=AlgorithmConfig(use_kl_loss=reference, use_rollout_log_probs=engine_old),
+        rollout=SamplingConfig(async_=one_step_off),
     )
     host.configure(config, {"ci_kl_checker": KLCheckerConfig(**section)})
 
@@ -255,6 +258,29 @@ def test_engine_old_log_probs_stand_the_exact_checks_down_and_keep_the_first_ste
     with pytest.raises(KLCheckError) as info:
         host.after_train_step(0, 0, 0, {**first, "train/kl_loss": 1e-5})
     assert info.value.check == Check.KL_LOSS
+
+
+@pytest.mark.parametrize("as_mapping", [False, True])
+def test_one_step_off_runs_bound_the_mismatch_at_rollout_0_only(host, caplog, as_mapping):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    if as_mapping:
+        config = {"ci": {"test": True}, "rollout": {"async": True}, "plugins": host.enabled}
+        host.configure(config, {"ci_kl_checker": KLCheckerConfig()})
+    else:
+        configure(host, reference=False, one_step_off=True)
+    assert any("rollout.async=true" in r.getMessage() for r in caplog.records)
+    lagging = {**ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff": 0.3}
+    # After rollout 0 the engine's weights are one update behind the trainer's.
+    host.after_log_rollout_data(
+        1, {**ON_POLICY_ROLLOUT, "rollout/train_rollout_logprob_abs_diff": 0.3}
+    )
+    host.after_train_step(1, 0, 4, lagging)
+    with pytest.raises(KLCheckError) as info:
+        host.after_train_step(0, 0, 0, lagging)
+    assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
+    with pytest.raises(KLCheckError) as info:
+        host.after_train_step(1, 0, 4, {**lagging, "train/ppo_kl": 1e-3})  # still exact
+    assert info.value.check == Check.PPO_KL
 
 
 def test_checks_the_config_rules_out_are_said_once_and_need_no_metric(host, caplog):
