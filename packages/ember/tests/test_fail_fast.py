@@ -86,6 +86,23 @@ def test_bad_paths_and_reward_names_fail_before_ray(capsys, no_ray, setting, exp
     assert expected in _one_error_line(capsys)
 
 
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        (
+            ["run.eval_interval=5", "run.eval_sets.held=/no/such/held.jsonl"],
+            "run.eval_sets.held='/no/such/held.jsonl': no such file",
+        ),
+        (["run.eval_sets.bad name=toy"], "run.eval_sets.bad name='toy': expected a set name"),
+        (["run.eval_samples_per_prompt=0"], "run.eval_samples_per_prompt=0: expected >= 1"),
+    ],
+)
+def test_bad_eval_sets_fail_before_ray(capsys, no_ray, settings, expected):
+    argv = ["train"] + [arg for setting in settings for arg in ("--set", setting)]
+    assert main(argv) == USAGE_ERROR
+    assert expected in _one_error_line(capsys)
+
+
 def test_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys, no_ray):
     path = tmp_path / "run.yaml"
     path.write_text("run:\n  name: x\nrollout:\n  temperature: [1.0, 2.0\n")

@@ -3,6 +3,7 @@ group assignment, staleness, threads, the `rollout.async` key, and a real Ray ru
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -182,3 +183,47 @@ def test_the_summary_line_shows_the_mismatch_from_the_rollout_or_else_the_first_
     line = summary_line(7, engine, steps)
     assert line == "rollout    7 | reward 0.500 | mismatch 3.00e-09 | 1234 tok/s"
     assert summary_line(7, engine, []) == "rollout    7 | reward 0.500 | 1234 tok/s"
+
+
+def test_evaluation_reads_every_eval_key_of_the_run_section():
+    from ember.config import RunSection
+    from ember.rollout_manager import evaluate_sets
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        async def evaluate(self, name, records, **kwargs):
+            self.calls.append((name, list(records), kwargs))
+            return {f"eval/{name}/reward": 0.5}
+
+    run = RunSection(eval_interval=3, eval_temperature=0.3, eval_samples_per_prompt=4)
+    gen = Recording()
+    metrics = asyncio.run(evaluate_sets(gen, {"a": [1, 2], "b": [3]}, run, 8))
+    assert gen.calls == [
+        ("a", [1, 2], dict(rollout_id=8, temperature=0.3, samples_per_prompt=4)),
+        ("b", [3], dict(rollout_id=8, temperature=0.3, samples_per_prompt=4)),
+    ]
+    assert metrics["eval/a/reward"] == 0.5 and metrics["perf/eval_time"] >= 0
+
+
+@pytest.mark.slow
+def test_eval_interval_evaluates_during_and_after_the_run(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "train", *TINY]
+        + ["--set", "run.num_rollouts=5", "--set", f"run.dir={tmp_path}"]
+        + ["--set", "run.eval_interval=2", "--set", "run.eval_prompts=3"]
+        + ["--set", "run.eval_samples_per_prompt=2", "--set", "run.plot=true"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    evals = [r for r in map(json.loads, lines) if r["kind"] == "eval"]
+    assert [r["rollout_id"] for r in evals] == [1, 3, 4]  # every 2nd rollout, and the last
+    for record in evals:
+        assert record["eval/toy/samples"] == 3 * 2
+        assert 0.0 <= record["eval/toy/reward"] <= 1.0 and 0.0 <= record["eval/toy/pass@2"] <= 1.0
+    assert "eval       4 | toy/reward" in run.stdout + run.stderr
+    assert (tmp_path / "plots" / "reward.png").is_file()

@@ -94,6 +94,47 @@ def test_answers_match(predicted, label, match):
     assert answers_match(predicted, label) is match
 
 
+@pytest.mark.parametrize(
+    ("response", "label", "reward"),
+    [
+        (r"so it is $\frac{1}{2}$", "0.5", 1.0),
+        (r"Therefore \boxed{0.5}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{\dfrac{3}{6}}", "1/2", 1.0),
+        (r"We get $x = 2$, so \boxed{2}", r"$2$", 1.0),
+        (r"\boxed{\sqrt{2}/2}", r"\frac{\sqrt{2}}{2}", 1.0),
+        ("The answer is 1,000.", "1000", 1.0),
+        (r"\boxed{3}", "4", 0.0),
+        (r"\boxed{\frac{1}{3}}", "0.33", 0.0),
+        ("I give up", "7", 0.0),
+        # math-verify parses nothing from this label: the previous comparison decides.
+        (r"\boxed{\text{yes}}", "Yes", 1.0),
+    ],
+)
+def test_math_reward_decides_equivalent_and_wrong_answers_with_math_verify(response, label, reward):
+    assert score("math", [sample(response, label)]) == [reward]
+
+
+def test_math_reward_without_a_label_names_the_sample():
+    for label in (None, "  "):
+        with pytest.raises(ValueError, match=r"sample 0 \(group 0\): the math reward needs"):
+            score("math", [sample(r"\boxed{1}", label)])
+
+
+def test_math_reward_runs_off_the_main_thread_without_its_signal_timeout(caplog):
+    import threading
+
+    from ember_rollout.rewards import math_answers_equal
+
+    result = []
+    worker = threading.Thread(
+        target=lambda: result.append(math_answers_equal("$0.5$", r"\frac{1}{2}"))
+    )
+    worker.start()
+    worker.join()
+    assert result == [True]
+    assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()]
+
+
 def test_math_reward_reads_boxed_labels_and_gsm8k_labels():
     samples = [
         sample(r"... \boxed{42}", r"The result is \boxed{42}"),

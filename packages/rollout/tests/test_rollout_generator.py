@@ -181,3 +181,70 @@ def test_overlong_prompts_counted_in_metrics(fp32_engine, tmp_path):
     data.overlong_prompt = "error"
     with pytest.raises(ValueError, match=r"prompts.jsonl:1: the prompt has 4 tokens"):
         asyncio.run(generator(fp32_engine, data=data, reward="test_flat_groups").generate(0))
+
+
+def test_evaluation_samples_each_prompt_n_times_at_its_temperature_and_scores_them(fp32_engine):
+    from ember_rollout.data import load_eval_sets
+
+    data = DataConfig(toy=ToyTaskConfig(num_prompts=64, seed=2))
+    gen = generator(fp32_engine, data=data)
+    records = load_eval_sets({}, data, prompts=5)["toy"]
+    requests, scored = [], []
+    runner, scorer = gen.runner.generate_groups, gen.scorer.score_groups
+
+    async def record_requests(groups):
+        requests.extend(r for g in groups for r in g.requests)
+        return await runner(groups)
+
+    async def record_scores(groups):
+        await scorer(groups)
+        scored.extend(groups)
+
+    gen.runner.generate_groups, gen.scorer.score_groups = record_requests, record_scores
+    position = gen.state_dict()
+    metrics = asyncio.run(
+        gen.evaluate("toy", records, rollout_id=4, temperature=0.05, samples_per_prompt=3)
+    )
+    assert len(requests) == 15 and {r.sampling.temperature for r in requests} == {0.05}
+    assert [g[0].prompt for g in scored] == [r.prompt for r in records]
+    samples = [s for g in scored for s in g]
+    assert metrics["eval/toy/samples"] == 15
+    assert metrics["eval/toy/reward"] == pytest.approx(sum(s.reward for s in samples) / 15)
+    assert metrics["eval/toy/pass@3"] == pytest.approx(
+        sum(any(s.reward >= 1.0 for s in g) for g in scored) / 5
+    )
+    assert set(metrics) == {
+        f"eval/toy/{k}"
+        for k in ("reward", "response_length", "truncated_ratio", "samples", "pass@3")
+    }
+    # Evaluation moves no prompt-stream position and draws seeds apart from the rollouts'.
+    assert gen.state_dict() == position
+    rollout_seeds = {
+        r.sampling.seed
+        for g in gen.prompt_groups([(r, [1, 2]) for r in records], 4, 0)
+        for r in g.requests
+    }
+    assert not rollout_seeds & {r.sampling.seed for r in requests}
+    one = asyncio.run(
+        gen.evaluate("toy", records, rollout_id=4, temperature=0.05, samples_per_prompt=1)
+    )
+    assert "eval/toy/pass@1" not in one and one["eval/toy/samples"] == 5
+
+
+def test_eval_sets_are_the_toy_task_drawn_again_or_named_files(tmp_path):
+    from ember_rollout.data import load_eval_sets, load_prompts
+
+    data = DataConfig(toy=ToyTaskConfig(num_prompts=64, seed=2))
+    (toy,) = load_eval_sets({}, data, prompts=7).values()
+    assert len(toy) == 7 and [r.prompt for r in toy] != [r.prompt for r in load_prompts(data)[:7]]
+    path = tmp_path / "held.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(9))
+    )
+    sets = load_eval_sets({"held": str(path), "toy": "toy"}, data, prompts=4)
+    assert [r.label for r in sets["held"]] == ["0", "1", "2", "3"] and len(sets["toy"]) == 4
+    with pytest.raises(ValueError, match=r"run.eval_sets.gone='.*gone.jsonl': no such file"):
+        load_eval_sets({"gone": str(tmp_path / "gone.jsonl")}, data, prompts=4)
+    on_file = DataConfig(prompt_data=str(path))
+    with pytest.raises(ValueError, match=r"run.eval_sets: empty, and the run trains on"):
+        load_eval_sets({}, on_file, prompts=4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ def _examples_dir() -> Path:
 
 EXAMPLES_DIR = _examples_dir()
 DEFAULT_CONFIG = "default"
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 """The example `ember train` runs with no config argument (examples/default.yaml)."""
 
 
@@ -54,11 +56,20 @@ class RunSection:
     keep_checkpoints: int = 2
     """Newest checkpoints kept on disk; older complete ones are deleted after a save."""
     eval_interval: int = 0
-    """Evaluate at eval_temperature every this many rollouts; 0 turns evaluation off."""
+    """Evaluate every eval set after every this many rollouts (rollouts interval - 1,
+    2 x interval - 1, ...) and after the last one, logging `eval/<set>/*` records; 0 turns
+    evaluation off."""
     eval_prompts: int = 32
-    """Prompts per evaluation."""
+    """Prompts per eval set: the first this many of each set."""
     eval_temperature: float = 0.01
-    """Sampling temperature of evaluations."""
+    """Sampling temperature of evaluations (top_p and top_k are the rollout's)."""
+    eval_samples_per_prompt: int = 1
+    """Responses per eval prompt; above 1, `eval/<set>/pass@<n>` is logged too (the fraction
+    of prompts with a response of full reward, 1.0)."""
+    eval_sets: dict[str, str] = field(default_factory=dict)
+    """Eval sets by name: a JSONL path (read with the data section's keys), or `toy` (the toy
+    task's prompts drawn with data.toy.seed + 1). Empty: one set named `toy` when the run trains
+    on the toy task (a run on `data.prompt_data` must name its sets)."""
     dump_rollouts: bool = False
     """Write every rollout's samples to rollouts/<id>.jsonl in the run directory."""
     tensorboard: bool = True
@@ -75,6 +86,25 @@ class RunSection:
         check(self.eval_interval >= 0, "eval_interval", self.eval_interval, ">= 0")
         check(self.eval_prompts >= 1, "eval_prompts", self.eval_prompts, ">= 1")
         check(self.eval_temperature > 0, "eval_temperature", self.eval_temperature, "> 0")
+        check(
+            self.eval_samples_per_prompt >= 1,
+            "eval_samples_per_prompt",
+            self.eval_samples_per_prompt,
+            ">= 1",
+        )
+        for name, source in self.eval_sets.items():
+            check(
+                bool(EVAL_SET_NAME.fullmatch(str(name))),
+                f"eval_sets.{name}",
+                source,
+                "a set name of letters, digits, '_', '-' or '.' (it names metrics)",
+            )
+            check(
+                isinstance(source, str) and bool(source),
+                f"eval_sets.{name}",
+                source,
+                "a JSONL path or 'toy'",
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -423,10 +453,12 @@ def check_inputs(config: RunConfig) -> None:
     Raises:
         ValueError: One line naming the key or the file (and line) and what was expected.
     """
-    from ember_rollout.data import load_prompts
+    from ember_rollout.data import load_eval_sets, load_prompts
     from ember_rollout.rewards import resolve_reward
 
     load_prompts(config.data)
+    if config.run.eval_interval:
+        load_eval_sets(config.run.eval_sets, config.data, prompts=config.run.eval_prompts)
     resolve_reward(config.reward.reward_fn)
     directories = {
         "data.tokenizer_path": config.data.tokenizer_path,

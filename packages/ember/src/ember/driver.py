@@ -439,6 +439,18 @@ class Driver:
             self._dump(rollout_id, batch.samples)
         return rollout_metrics, step_metrics, timings
 
+    def _eval_due(self, rollout_id: int) -> bool:
+        """Evaluate after rollouts interval - 1, 2 x interval - 1, ... and after the last."""
+        interval = self.config.run.eval_interval
+        last = rollout_id + 1 == self.config.run.num_rollouts
+        return bool(interval) and ((rollout_id + 1) % interval == 0 or last)
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        """Every eval set through the engines, on the weights trained on rollout `rollout_id`
+        (pushed at the end of its iteration; in async runs nothing is generating then)."""
+        assert self.actors is not None
+        return ray.get(self.actors.manager.evaluate.remote(rollout_id))
+
     def _dump(self, rollout_id: int, samples: list[Sample]) -> None:
         out = self.run_dir / "rollouts"
         out.mkdir(exist_ok=True)
@@ -565,6 +577,11 @@ class Driver:
                     accumulated += 1
                 bar.update(1)
                 bar.write(summary_line(rollout_id, rollout_metrics, steps))
+                if self._eval_due(rollout_id):
+                    evaluation = self.evaluate(rollout_id)
+                    sink.log("eval", rollout_id, rollout_id, evaluation)
+                    bar.set_postfix_str(eval_line(evaluation), refresh=False)
+                    bar.write(f"eval    {rollout_id:4d} | {eval_line(evaluation)}")
                 interval = cfg.run.save_interval
                 if interval and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == total):
                     self.save(rollout_id, accumulated)
@@ -611,6 +628,15 @@ def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[st
         parts.append(routing)
     if "perf/rollout_tokens_per_s" in rollout:
         parts.append(f"{rollout['perf/rollout_tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+def eval_line(metrics: dict[str, float]) -> str:
+    """The eval figures of one evaluation: each set's mean reward (and pass@n)."""
+    parts = []
+    for key, value in metrics.items():
+        if key.startswith("eval/") and (key.endswith("/reward") or "/pass@" in key):
+            parts.append(f"{key[len('eval/') :]} {value:.3f}")
     return " | ".join(parts)
 
 

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from ember.metrics import read_metrics
 
 PANELS: dict[str, tuple[str, ...]] = {
-    "reward": ("rollout/rewards", "eval/rewards"),
+    "reward": ("rollout/rewards", "eval/*/reward", "eval/*/pass@*"),
     "kl": ("train/kl_loss", "train/ppo_kl"),
     "entropy": ("rollout/entropy", "train/entropy_loss"),
     "mismatch": ("rollout/train_rollout_logprob_abs_diff",),
     "routing": ("rollout/routing_agreement", "rollout/replay_agreement"),
 }
-"""Each output file (`<name>.png`) and the metric keys it draws, where the run logged them."""
+"""Each output file (`<name>.png`) and the metric keys it draws (shell-style patterns), where the
+run logged them."""
 
 
 def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
@@ -48,7 +50,10 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         for key, value in record.items():
             if "/" in key and isinstance(value, int | float):
                 series[key].append((x, float(value)))
-    panels = {name: [k for k in keys if series.get(k)] for name, keys in PANELS.items()}
+    panels = {
+        name: [k for pattern in patterns for k in sorted(series) if fnmatchcase(k, pattern)]
+        for name, patterns in PANELS.items()
+    }
     panels = {name: keys for name, keys in panels.items() if keys}
     if not panels:
         raise ValueError(f"{run_dir}: metrics.jsonl holds none of the plotted metrics yet")

@@ -4,6 +4,7 @@ filters and rewards, and spreads each rollout's prompt groups over the engine ac
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +94,28 @@ class EnginePool:
         return ray.get(self.engines[engine].generate.remote(groups))
 
 
+async def evaluate_sets(
+    generator: Any, sets: dict[str, Any], run: Any, rollout_id: int
+) -> dict[str, float]:
+    """Every eval set through `generator` (a `RolloutGenerator`) with the run section's eval
+    settings (`eval_temperature`, `eval_samples_per_prompt`); their metrics and
+    `perf/eval_time`."""
+    started = time.perf_counter()
+    metrics: dict[str, float] = {}
+    for name, records in sets.items():
+        metrics.update(
+            await generator.evaluate(
+                name,
+                records,
+                rollout_id=rollout_id,
+                temperature=run.eval_temperature,
+                samples_per_prompt=run.eval_samples_per_prompt,
+            )
+        )
+    metrics["perf/eval_time"] = time.perf_counter() - started
+    return metrics
+
+
 @ray.remote
 class RolloutManager:
     """Generates rollouts over `ray.num_engines` engine actors: the run's one `RolloutGenerator`
@@ -118,6 +141,7 @@ class RolloutManager:
         self.pool = EnginePool(engines, kind=self.config.engine.kind)
         self.loop = asyncio.new_event_loop()
         self.generator: Any = None
+        self.eval_sets: dict[str, Any] | None = None
         _import_rollout_libraries(embedded_engine=False)
 
     def start(self) -> None:
@@ -133,6 +157,20 @@ class RolloutManager:
             sampling=self.config.rollout,
             sections=self.config,
             plugins=self.plugins,
+        )
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        """Generate and score every eval set (`run.eval_sets`) on the engines' current weights:
+        the `eval/<set>/*` metrics and `perf/eval_time`."""
+        from ember_rollout.data import load_eval_sets
+
+        run = self.config.run
+        if self.eval_sets is None:
+            self.eval_sets = load_eval_sets(
+                run.eval_sets, self.config.data, prompts=run.eval_prompts
+            )
+        return self.loop.run_until_complete(
+            evaluate_sets(self.generator, self.eval_sets, run, rollout_id)
         )
 
     def generate(self, rollout_id: int) -> RolloutBatch:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,8 +56,9 @@ def read_jsonl(
     input_key: str = "prompt",
     label_key: str | None = "label",
     metadata_key: str | None = None,
+    key: str = "data.prompt_data",
 ) -> list[PromptRecord]:
-    """Read one prompt per line; blank lines are skipped.
+    """Read one prompt per line; blank lines are skipped. Errors name the file as `key`.
 
     Raises:
         ValueError: The file is missing, unreadable or empty, a line is not UTF-8 or not a JSON
@@ -63,12 +66,12 @@ def read_jsonl(
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"data.prompt_data={str(path)!r}: no such file")
+        raise ValueError(f"{key}={str(path)!r}: no such file")
     records = []
     try:
         handle = path.open("rb")
     except OSError as exc:
-        raise ValueError(f"data.prompt_data={str(path)!r}: cannot read ({exc.strerror})") from None
+        raise ValueError(f"{key}={str(path)!r}: cannot read ({exc.strerror})") from None
     with handle:
         for lineno, raw in enumerate(handle, start=1):
             where = f"{path}:{lineno}"
@@ -88,9 +91,9 @@ def read_jsonl(
                 ) from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for key in (input_key, label_key, metadata_key):
-                if key is not None and key not in row:
-                    raise ValueError(f"{where}: no {key!r} key (keys: {', '.join(sorted(row))})")
+            for name in (input_key, label_key, metadata_key):
+                if name is not None and name not in row:
+                    raise ValueError(f"{where}: no {name!r} key (keys: {', '.join(sorted(row))})")
             metadata = row[metadata_key] if metadata_key else {}
             if not isinstance(metadata, dict):
                 raise ValueError(f"{where}: {metadata_key!r} must be an object")
@@ -103,7 +106,7 @@ def read_jsonl(
                 )
             )
     if not records:
-        raise ValueError(f"data.prompt_data={str(path)!r}: no prompts in the file")
+        raise ValueError(f"{key}={str(path)!r}: no prompts in the file")
     return records
 
 
@@ -120,6 +123,46 @@ def load_prompts(config: DataConfig) -> list[PromptRecord]:
         PromptRecord(prompt=r["prompt"], label=r["label"], source=f"toy:{i}")
         for i, r in enumerate(make_toy_prompts(config.toy))
     ]
+
+
+def load_eval_sets(
+    sets: Mapping[str, str], data: DataConfig, *, prompts: int
+) -> dict[str, list[PromptRecord]]:
+    """The named eval sets (`run.eval_sets`), each cut to its first `prompts` prompts.
+
+    A source is a JSONL path, read with the data section's keys like `data.prompt_data`, or
+    `toy`: the toy task of `data.toy` drawn with seed `data.toy.seed + 1`. No sets: one named
+    `toy` when the run trains on the toy task.
+
+    Raises:
+        ValueError: No sets while the run trains on `data.prompt_data`, or a file that does
+            not read (naming the set, the file and the line).
+    """
+    if not sets:
+        if data.prompt_data is not None:
+            raise ValueError(
+                "run.eval_sets: empty, and the run trains on data.prompt_data; name the eval "
+                "sets (--set run.eval_sets.<name>=<file.jsonl>)"
+            )
+        sets = {"toy": "toy"}
+    out: dict[str, list[PromptRecord]] = {}
+    for name, source in sets.items():
+        if source == "toy":
+            toy = dataclasses.replace(data.toy, seed=data.toy.seed + 1, num_prompts=prompts)
+            out[name] = [
+                PromptRecord(prompt=r["prompt"], label=r["label"], source=f"eval toy:{i}")
+                for i, r in enumerate(make_toy_prompts(toy))
+            ]
+            continue
+        records = read_jsonl(
+            source,
+            input_key=data.input_key,
+            label_key=data.label_key,
+            metadata_key=data.metadata_key,
+            key=f"run.eval_sets.{name}",
+        )
+        out[name] = records[:prompts]
+    return out
 
 
 class PromptDataset:

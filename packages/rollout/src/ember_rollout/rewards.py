@@ -1,12 +1,14 @@
-"""Reward functions chosen by name: the toy verifier, `math` final-answer match, and user code."""
+"""Reward functions chosen by name: the toy verifier, `math` (math-verify), and user code."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
 import inspect
+import logging
 import math
 import re
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -230,10 +232,61 @@ def answers_match(predicted: str | None, label: Any) -> bool:
     return a is not None and b is not None and a == b
 
 
+MATH_VERIFY_TIMEOUT_S = 5
+"""Seconds math-verify may spend parsing or comparing one answer (its SIGALRM timeout, which
+only the main thread can set; elsewhere it runs without one)."""
+
+
+def _drop_timeout_notice(record: logging.LogRecord) -> bool:
+    """math-verify warns on every call made without its timeout (off the main thread)."""
+    return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_drop_timeout_notice)
+
+
+def math_answers_equal(response: str, label: Any) -> bool:
+    """Whether a solution's final answer equals the reference answer, decided by math-verify.
+
+    math-verify extracts the final answer of `response` (the last \\boxed{}, else a LaTeX or
+    plain expression) and of the label, and compares them symbolically and numerically
+    (`\\frac{1}{2}` equals `0.5`, `1,000` equals `1000`); a label that does not parse as it is
+    is read again as inline LaTeX. Where math-verify parses nothing from either side, or finds
+    the two unequal, the earlier comparison still decides: `answers_match` on
+    `extract_final_answer(response)` (equal normalised text, or equal numbers), so an answer
+    such as `\\text{yes}` against `Yes` still counts. A GSM8K-style label keeps only what
+    follows its last '####'.
+    """
+    from math_verify import parse, verify
+
+    gold_text = str(label)
+    if "####" in gold_text:
+        gold_text = gold_text.rsplit("####", 1)[1].strip()
+    main = threading.current_thread() is threading.main_thread()
+    seconds = MATH_VERIFY_TIMEOUT_S if main else None
+    gold = parse(gold_text, parsing_timeout=seconds)
+    if not gold and "$" not in gold_text:  # bare LaTeX such as \\frac{\\sqrt{2}}{2}
+        gold = parse(f"${gold_text}$", parsing_timeout=seconds)
+    predicted = parse(response, parsing_timeout=seconds)
+    if gold and predicted and verify(gold, predicted, timeout_seconds=seconds):
+        return True
+    fallback = _boxed(gold_text) or gold_text
+    return answers_match(extract_final_answer(response), fallback)
+
+
 @register_reward("math")
 def math_reward(sample: Sample) -> float:
-    """1.0 when the response's final answer matches the label, else 0.0."""
+    """1.0 when the response's final answer equals the label (`math_answers_equal`), else 0.0.
+
+    Raises:
+        ValueError: The sample has no label (naming it): a math reward needs the reference.
+    """
     label = sample.label
-    if isinstance(label, str):
-        label = _boxed(label) or label.rsplit("####", 1)[-1]
-    return 1.0 if answers_match(extract_final_answer(sample.response), label) else 0.0
+    if label is None or (isinstance(label, str) and not label.strip()):
+        raise ValueError(
+            f"sample {sample.index} (group {sample.group_index}): the math reward needs the "
+            f"reference answer as its label, got {label!r} (data.label_key names the key of "
+            "the prompt file that holds it)"
+        )
+    return 1.0 if math_answers_equal(sample.response, label) else 0.0

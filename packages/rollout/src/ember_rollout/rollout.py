@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import statistics
@@ -139,7 +140,7 @@ class LocalGroups:
         return sample
 
 
-def request_seed(seed: int, rollout_id: int, round_id: int, group: int, sample: int) -> int:
+def request_seed(seed: int | str, rollout_id: int, round_id: int, group: int, sample: int) -> int:
     """A sampler seed for one request, fixed by the run seed and the request's position."""
     return random.Random(f"{seed}/{rollout_id}/{round_id}/{group}/{sample}").getrandbits(63)
 
@@ -332,11 +333,80 @@ class RolloutGenerator:
             )
         return generated
 
+    # -- evaluation ----------------------------------------------------------------------------
+
+    async def evaluate(
+        self,
+        name: str,
+        records: Sequence[PromptRecord],
+        *,
+        rollout_id: int,
+        temperature: float,
+        samples_per_prompt: int,
+    ) -> dict[str, float]:
+        """Generate `samples_per_prompt` responses to each of `records` at `temperature`, score
+        them with the run's reward, and return the `eval/<name>/*` metrics.
+
+        Metrics: `reward` (mean over samples), `response_length` (mean), `truncated_ratio`,
+        `samples` (how many were generated), and with several samples per prompt `pass@<n>`:
+        the fraction of prompts with at least one sample whose reward reaches 1.0 (full credit
+        of the built-in rewards). Requests get
+        seeds of their own (by set name and rollout), apart from the training rollouts'; no
+        dynamic filter, no prompt-stream position moves.
+
+        Raises:
+            ValueError: No prompt of the set fits `data.max_prompt_len`.
+        """
+        prompts = [(r, ids) for r in records if (ids := self.encoder.encode(r)) is not None]
+        if not prompts:
+            raise ValueError(f"eval set {name!r}: no prompt fits data.max_prompt_len")
+        sampling = dataclasses.replace(
+            self.sampling, temperature=temperature, n_samples_per_prompt=samples_per_prompt
+        )
+        groups = self.prompt_groups(
+            prompts, rollout_id, 0, sampling=sampling, stream=f"eval {name}"
+        )
+        generated = await self.runner.generate_groups(groups)
+        if [len(g) for g in generated] != [samples_per_prompt] * len(groups):
+            raise EngineError(
+                f"eval {name!r} at rollout {rollout_id}: asked for {len(groups)} groups of "
+                f"{samples_per_prompt}, got sizes {[len(g) for g in generated]}"
+            )
+        await self.scorer.score_groups(generated)
+        samples = [s for group in generated for s in group]
+        prefix = f"eval/{name}"
+        metrics = {
+            f"{prefix}/reward": statistics.fmean(float(s.reward) for s in samples),
+            f"{prefix}/response_length": statistics.fmean(s.response_length for s in samples),
+            f"{prefix}/truncated_ratio": statistics.fmean(
+                float(s.status == SampleStatus.TRUNCATED) for s in samples
+            ),
+            f"{prefix}/samples": float(len(samples)),
+        }
+        if samples_per_prompt > 1:
+            passed = [any(float(s.reward) >= 1.0 for s in group) for group in generated]
+            metrics[f"{prefix}/pass@{samples_per_prompt}"] = statistics.fmean(passed)
+        return metrics
+
     def prompt_groups(
-        self, prompts: list[tuple[PromptRecord, list[int]]], rollout_id: int, round_id: int
+        self,
+        prompts: list[tuple[PromptRecord, list[int]]],
+        rollout_id: int,
+        round_id: int,
+        *,
+        sampling: SamplingConfig | None = None,
+        stream: str = "rollout",
     ) -> list[PromptGroup]:
-        """The requests of one sampling round, one group per prompt, each with its own seed."""
-        sampling, n = self.sampling, self.sampling.n_samples_per_prompt
+        """The requests of one sampling round, one group per prompt, each with its own seed.
+
+        Args:
+            sampling: Sampling settings instead of the run's (evaluation).
+            stream: Names the requests and, unless "rollout", separates their seeds from the
+                training rollouts'.
+        """
+        sampling = sampling or self.sampling
+        n = sampling.n_samples_per_prompt
+        seed = sampling.seed if stream == "rollout" else f"{sampling.seed}/{stream}"
         fields = self.plugins.rollout_request_fields(self.runner.kind) if self.plugins else {}
         stop = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         groups = []
@@ -350,10 +420,10 @@ class RolloutGenerator:
                         top_p=sampling.top_p,
                         top_k=sampling.top_k,
                         stop_token_ids=stop,
-                        seed=request_seed(sampling.seed, rollout_id, round_id, g, j),
+                        seed=request_seed(seed, rollout_id, round_id, g, j),
                     ),
                     fields=dict(fields),
-                    name=f"rollout {rollout_id} round {round_id} sample {g * n + j} (group {g})",
+                    name=f"{stream} {rollout_id} round {round_id} sample {g * n + j} (group {g})",
                 )
                 for j in range(n)
             ]
