@@ -93,7 +93,9 @@ def live_groups() -> set[str]:
 
 
 def config_of(*overrides: str):
-    return load_config("default", overrides=list(overrides))[0]
+    """The default config with `overrides`, rollout and training in turn unless they say
+    otherwise (the default overlaps them, which shared GPUs refuse)."""
+    return load_config("default", overrides=["rollout.async=false", *overrides])[0]
 
 
 # --------------------------------------------------------------------------------------------
