@@ -141,19 +141,27 @@ TINY = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
-def test_two_engines_one_step_off_policy_on_ray(tmp_path):
+def train_tiny(run_dir, *settings: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`ember train` on the TINY settings plus `settings` (key=value) into `run_dir`: the
+    finished process and the run's metrics records."""
+    sets = [arg for setting in (*settings, f"run.dir={run_dir}") for arg in ("--set", setting)]
     run = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "train", *TINY]
-        + ["--set", "ray.num_engines=2", "--set", "rollout.async=true", "--set", TRAINER_OLD]
-        + ["--set", "run.num_rollouts=3", "--set", f"run.dir={tmp_path}"],
+        [sys.executable, "-m", "ember.cli", "train", *TINY, *sets],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    rollouts = [r for r in map(json.loads, lines) if r["kind"] == "rollout"]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return run, [json.loads(line) for line in lines]
+
+
+@pytest.mark.slow
+def test_two_engines_one_step_off_policy_on_ray(tmp_path):
+    _, records = train_tiny(
+        tmp_path, "ray.num_engines=2", "rollout.async=true", TRAINER_OLD, "run.num_rollouts=3"
+    )
+    rollouts = [r for r in records if r["kind"] == "rollout"]
     assert [r["rollout_id"] for r in rollouts] == [0, 1, 2]
     # Every rollout used both engines; 4 groups of 2 split whole, 2 groups each.
     assert [(r["rollout/engine0_requests"], r["rollout/engine1_requests"]) for r in rollouts] == [
@@ -209,18 +217,15 @@ def test_evaluation_reads_every_eval_key_of_the_run_section():
 
 @pytest.mark.slow
 def test_eval_interval_evaluates_during_and_after_the_run(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "train", *TINY]
-        + ["--set", "run.num_rollouts=5", "--set", f"run.dir={tmp_path}"]
-        + ["--set", "run.eval_interval=2", "--set", "run.eval_prompts=3"]
-        + ["--set", "run.eval_samples_per_prompt=2", "--set", "run.plot=true"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run, records = train_tiny(
+        tmp_path,
+        "run.num_rollouts=5",
+        "run.eval_interval=2",
+        "run.eval_prompts=3",
+        "run.eval_samples_per_prompt=2",
+        "run.plot=true",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    evals = [r for r in map(json.loads, lines) if r["kind"] == "eval"]
+    evals = [r for r in records if r["kind"] == "eval"]
     assert [r["rollout_id"] for r in evals] == [1, 3, 4]  # every 2nd rollout, and the last
     for record in evals:
         assert record["eval/toy/samples"] == 3 * 2

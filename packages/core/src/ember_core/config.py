@@ -217,7 +217,8 @@ class SamplingConfig:
     async_: bool = field(default=False, metadata={KEY: "async"})
     """One-step-off-policy training: rollout i+1 generates while the trainer trains on rollout i,
     from weights one version old (`rollout/staleness` 1), and `algorithm.use_tis` turns on
-    unless set. The Python field is `async_` (`async` is a keyword)."""
+    unless set (or unless `algorithm.use_rollout_log_probs` already takes the ratio against the
+    sampling policy). The Python field is `async_` (`async` is a keyword)."""
 
     def __post_init__(self) -> None:
         check(self.rollout_batch_size >= 1, "rollout_batch_size", self.rollout_batch_size, ">= 1")
