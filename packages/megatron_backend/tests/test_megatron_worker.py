@@ -330,7 +330,8 @@ def test_engine_log_probs_as_old_log_probs_skip_the_actor_forward(dist_env):
     worker = MegatronWorker(backend(), algorithm(use_rollout_log_probs=True), sampling(), plugins)
     batch = worker.prepare(0, samples)
     assert not [p for p in recorder.passes if p[1] == Phase.LOG_PROB]
-    assert batch.log_probs is batch.rollout_log_probs and batch.entropy is None
+    assert batch.old_from_engine and batch.log_probs is batch.rollout_log_probs
+    assert batch.entropy is None
     rollout = worker.log_rollout_data(0, batch)
     assert "rollout/log_probs" not in rollout and "rollout/entropy" not in rollout
     assert "rollout/train_rollout_logprob_abs_diff" not in rollout

@@ -77,6 +77,12 @@ class RolloutBatch:
     def response_lengths(self) -> list[int]:
         return [s.response_length for s in self.samples]
 
+    @property
+    def old_from_engine(self) -> bool:
+        """The old log-probs are the engine's (`algorithm.use_rollout_log_probs`): the trainer
+        computed none of its own to compare with anything."""
+        return self.log_probs is self.rollout_log_probs
+
 
 def split_evenly(count: int, parts: int) -> list[range]:
     """`parts` contiguous ranges covering range(count), sizes differing by at most one."""

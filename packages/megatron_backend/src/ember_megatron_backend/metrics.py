@@ -151,8 +151,7 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
     masks = batch.loss_masks
     means.add("rollout/rewards", [float(s.reward) for s in batch.samples])
     means.add("rollout/response_length", batch.response_lengths)
-    # With `use_rollout_log_probs` the old log-probs are the engine's: nothing to compare.
-    scored = batch.log_probs is not batch.rollout_log_probs
+    scored = not batch.old_from_engine
     per_token = {
         "rollout/log_probs": batch.log_probs if scored else None,
         "rollout/ref_log_probs": batch.ref_log_probs,
