@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -351,6 +352,27 @@ def test_engine_log_probs_as_old_log_probs_skip_the_actor_forward(dist_env):
     samples[5].rollout_log_probs = None
     with pytest.raises(ValueError, match=r"use_rollout_log_probs.*sample 5 \(group 2\)"):
         worker.prepare(1, samples)
+
+
+def test_uncounted_tokens_never_reach_a_loss_even_as_nan(dist_env):
+    """A token with loss mask 0 (a tool's output in a multi-turn sample) may carry NaN engine
+    log-probs: losses, metrics and weights stay finite, and equal a run with other values."""
+    runs = []
+    for filler in (math.nan, -1.0):
+        samples = make_samples(masked=True)  # each sample's first response token uncounted
+        for sample in samples:
+            sample.rollout_log_probs[0] = filler
+        alg = algorithm(use_rollout_log_probs=True, use_kl_loss=True, kl_loss_coef=0.1)
+        worker = MegatronWorker(backend(), alg, sampling())
+        batch = worker.prepare(0, samples)
+        rollout = worker.log_rollout_data(0, batch)
+        steps = worker.train(0, batch)
+        weights = torch.cat([p.detach().flatten() for p in worker.actor.parameters()])
+        runs.append((rollout, steps, weights))
+    (rollout, steps, weights), (rollout_ok, steps_ok, weights_ok) = runs
+    assert all(math.isfinite(v) for step in steps for v in step.values())
+    assert bool(weights.isfinite().all()) and torch.equal(weights, weights_ok)
+    assert rollout == rollout_ok and steps == steps_ok
 
 
 def test_bad_batches_name_the_sample(dist_env):

@@ -94,9 +94,17 @@ def actor_loss(
     log_probs = torch.cat(head.log_probs)
     device = log_probs.device
     idx = mb.indices
-    old = _cat(batch.log_probs, idx, device)
-    advantages = _cat(batch.advantages, idx, device)
     mask = _cat(batch.loss_masks, idx, device)
+    counted = mask > 0
+
+    def given(tensors: list[Tensor]) -> Tensor:
+        # Uncounted tokens (a tool's output) may carry anything, NaN included: zero them before
+        # any arithmetic, since 0 x NaN in the backward pass would still reach the weights.
+        values = _cat(tensors, idx, device)
+        return torch.where(counted, values, torch.zeros_like(values))
+
+    old = given(batch.log_probs)
+    advantages = given(batch.advantages)
     lengths = [batch.samples[i].response_length for i in idx]
     clip = dict(
         eps_clip=algorithm.eps_clip,
@@ -111,7 +119,7 @@ def actor_loss(
     if algorithm.eps_clip_c is not None:
         metrics["dual_clipfrac"] = per_token["dual_clipfrac"]
     if batch.rollout_log_probs is not None:
-        rollout = _cat(batch.rollout_log_probs, idx, device)
+        rollout = given(batch.rollout_log_probs)
         # The trainer's old log-probs against the engine's; when the old ones are the engine's
         # (use_rollout_log_probs), this step's own (at step 0 the same weights: the mismatch).
         trained = log_probs.detach() if algorithm.use_rollout_log_probs else old
@@ -124,7 +132,7 @@ def actor_loss(
             metrics.update(tis)
     kl = None
     if batch.ref_log_probs is not None:
-        kl = approx_kl(log_probs, _cat(batch.ref_log_probs, idx, device), algorithm.kl_loss_type)
+        kl = approx_kl(log_probs, given(batch.ref_log_probs), algorithm.kl_loss_type)
     return compose_loss(
         pg,
         mask,
