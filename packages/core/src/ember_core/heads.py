@@ -371,17 +371,21 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def forward(ctx, logits_TV, targets_N, spans, temperature, with_entropy, chunk_rows):
         device = logits_TV.device
         num_rows = targets_N.shape[0]
-        chunks = _plan_chunks(spans, chunk_rows)
-        rows = max((n1 - n0 for n0, n1, _ in chunks), default=0)
+        # Each chunk with its row index (None: read slice by slice), for backward too.
+        chunks = [
+            (n0, n1, pieces, _row_index(pieces, device))
+            for n0, n1, pieces in _plan_chunks(spans, chunk_rows)
+        ]
+        rows = max((n1 - n0 for n0, n1, _, _ in chunks), default=0)
         z_CV = torch.empty(rows, logits_TV.shape[1], dtype=torch.float32, device=device)
         log_p_CV = torch.empty_like(z_CV)
         log_probs_N = torch.empty(num_rows, dtype=torch.float32, device=device)
         lse_N = torch.empty_like(log_probs_N)
         entropy_N = torch.empty(num_rows if with_entropy else 0, dtype=torch.float32, device=device)
-        for n0, n1, pieces in chunks:
+        for n0, n1, pieces, index in chunks:
             z, log_p = z_CV[: n1 - n0], log_p_CV[: n1 - n0]
             targets = targets_N[n0:n1, None]
-            _load_scaled(logits_TV, pieces, temperature, z, _row_index(pieces, device))
+            _load_scaled(logits_TV, pieces, temperature, z, index)
             torch.log_softmax(z, dim=1, out=log_p)
             log_probs_N[n0:n1] = log_p.gather(1, targets)[:, 0]
             lse_N[n0:n1] = z.gather(1, targets)[:, 0] - log_probs_N[n0:n1]
@@ -390,7 +394,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 # -sum_v p_v log p_v as a batched dot product: no [C, V] product temporary.
                 entropy_N[n0:n1] = torch.bmm(p.unsqueeze(1), log_p.unsqueeze(2))[:, 0, 0].neg_()
         ctx.save_for_backward(logits_TV, targets_N, lse_N, entropy_N)
-        ctx.spans, ctx.temperature, ctx.chunk_rows = spans, temperature, chunk_rows
+        ctx.spans, ctx.temperature, ctx.chunks = spans, temperature, chunks
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy_N)
@@ -418,14 +422,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
             a_N, b_N = None, -g_lp_N / t
         else:
             a_N, b_N = -grad_entropy_N / t, -(grad_entropy_N * entropy_N + g_lp_N) / t
-        chunks = _plan_chunks(spans, ctx.chunk_rows)
-        rows = max((n1 - n0 for n0, n1, _ in chunks), default=0)
+        chunks = ctx.chunks
+        rows = max((n1 - n0 for n0, n1, _, _ in chunks), default=0)
         y_CV = torch.empty(rows, logits_TV.shape[1], dtype=torch.float32, device=grad_TV.device)
         p_CV = torch.empty_like(y_CV)
         direct = grad_TV.dtype == torch.float32
-        for n0, n1, pieces in chunks:
+        for n0, n1, pieces, index in chunks:
             y, p = y_CV[: n1 - n0], p_CV[: n1 - n0]
-            index = _row_index(pieces, grad_TV.device)
             if index is not None:
                 _load_scaled(logits_TV, pieces, t, y, index)
                 y.sub_(lse_N[n0:n1, None])

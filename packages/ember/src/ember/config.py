@@ -37,8 +37,9 @@ def _examples_dir() -> Path:
 
 EXAMPLES_DIR = _examples_dir()
 DEFAULT_CONFIG = "default"
-EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 """The example `ember train` runs with no config argument (examples/default.yaml)."""
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""What an eval set's name may hold: it becomes part of metric keys (`eval/<name>/reward`)."""
 
 
 @dataclass(kw_only=True, slots=True)

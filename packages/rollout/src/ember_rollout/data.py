@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ember_rollout.config import DataConfig
+from ember_rollout.config import DataConfig, ToyTaskConfig
 from ember_rollout.toy_task import make_toy_prompts
 
 Prompt = str | list[dict[str, str]]
@@ -119,9 +119,14 @@ def load_prompts(config: DataConfig) -> list[PromptRecord]:
             label_key=config.label_key,
             metadata_key=config.metadata_key,
         )
+    return _toy_records(config.toy, "toy")
+
+
+def _toy_records(toy: ToyTaskConfig, source: str) -> list[PromptRecord]:
+    """The toy task's prompts as records, each's source `<source>:<index>`."""
     return [
-        PromptRecord(prompt=r["prompt"], label=r["label"], source=f"toy:{i}")
-        for i, r in enumerate(make_toy_prompts(config.toy))
+        PromptRecord(prompt=r["prompt"], label=r["label"], source=f"{source}:{i}")
+        for i, r in enumerate(make_toy_prompts(toy))
     ]
 
 
@@ -149,10 +154,7 @@ def load_eval_sets(
     for name, source in sets.items():
         if source == "toy":
             toy = dataclasses.replace(data.toy, seed=data.toy.seed + 1, num_prompts=prompts)
-            out[name] = [
-                PromptRecord(prompt=r["prompt"], label=r["label"], source=f"eval toy:{i}")
-                for i, r in enumerate(make_toy_prompts(toy))
-            ]
+            out[name] = _toy_records(toy, "eval toy")
             continue
         records = read_jsonl(
             source,

@@ -350,9 +350,8 @@ class RolloutGenerator:
         Metrics: `reward` (mean over samples), `response_length` (mean), `truncated_ratio`,
         `samples` (how many were generated), and with several samples per prompt `pass@<n>`:
         the fraction of prompts with at least one sample whose reward reaches 1.0 (full credit
-        of the built-in rewards). Requests get
-        seeds of their own (by set name and rollout), apart from the training rollouts'; no
-        dynamic filter, no prompt-stream position moves.
+        of the built-in rewards). Requests get seeds of their own (by set name and rollout),
+        apart from the training rollouts'; no dynamic filter, no prompt-stream position moves.
 
         Raises:
             ValueError: No prompt of the set fits `data.max_prompt_len`.
