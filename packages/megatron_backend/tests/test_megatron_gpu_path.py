@@ -64,7 +64,7 @@ def test_gpu_bf16_attention_softmax_keeps_packed_samples_apart(dist_env, monkeyp
     monkeypatch.setattr(model_module, "uses_gpu", lambda: True)  # a GPU without TE
     cfg = ModelConfig.preset("tiny-moe")
     config = transformer_config(cfg, dtype=torch.bfloat16)
-    attention_spec = layer_spec(cfg).submodules.self_attention
+    attention_spec = layer_spec(config).layer_specs[0].submodules.self_attention
     attention = build_module(
         attention_spec.submodules.core_attention,
         config=config,
@@ -158,7 +158,7 @@ def _gpu_initialised(seed: int):
     """`build_model(seed=seed)` through megatron-core's GPU initialisation, run on CPU: weights
     are drawn inside the RNG tracker's forks (cpu.py emulates the tracker with CPU generators),
     and the allocations on ``torch.cuda.current_device()`` land on the CPU."""
-    with cpu.ddp_buffers_on_cpu():
+    with cpu.cuda_device_is_cpu():
         return build_model(
             ModelConfig.preset("tiny-moe"),
             seed=seed,

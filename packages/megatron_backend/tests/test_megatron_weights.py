@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM
 from ember_core.heads import PolicyHead
 from ember_core.types import Sample, pack_samples
 from ember_megatron_backend.hf_layout import (
+    family_of,
     hf_config,
+    hf_names,
     megatron_names,
     merge_qkv,
     model_config_from_hf,
@@ -24,11 +26,19 @@ from ember_megatron_backend.weights import (
     hf_shapes,
     iter_hf_weights,
     load_hf_checkpoint,
+    named_tensors,
     shard,
     unshard,
 )
 
-PRESETS = ["tiny-moe", "tiny-dense"]
+PRESETS = [
+    "tiny-moe",
+    "tiny-dense",
+    "tiny-deepseek-v3",
+    "tiny-glm4-moe",
+    "tiny-qwen2-moe",
+    "tiny-mixtral",
+]
 
 
 def _config(preset: str) -> ModelConfig:
@@ -42,9 +52,9 @@ def hf_dir(request, tmp_path_factory):
     cfg = _config(request.param)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config(cfg))
-    with torch.no_grad():  # norms start at 1: perturb them so a swapped norm is caught
-        for name, p in model.named_parameters():
-            if "norm" in name:
+    with torch.no_grad():  # norms start at 1, biases at 0: perturb them so a swap is caught
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name or "bias" in name:
                 p.add_(0.2 * torch.randn_like(p))
     path = tmp_path_factory.mktemp(request.param) / "hf"
     model.save_pretrained(path)
@@ -73,7 +83,8 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(dist_env, hf_dir, tmp_path):
     for key, tensor in reference.items():
         assert torch.equal(reloaded[key], tensor), key
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3MoeForCausalLM" if cfg.is_moe else "Qwen3ForCausalLM"]
+    assert config["architectures"] == [family_of(cfg).hf.architecture]
+    assert config["model_type"] == cfg.family
 
 
 def _reference_log_probs(model, samples, temperature):
@@ -97,8 +108,8 @@ def test_megatron_log_probs_match_exported_transformers_model(dist_env, preset, 
         cfg = _config(preset)
     model = build_model(cfg, seed=3).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layernorm" in name:
+        for name, p in named_tensors(model):
+            if "layernorm" in name or "bias" in name:
                 p.add_(0.2 * torch.randn_like(p))
     hf = AutoModelForCausalLM.from_pretrained(export_hf_checkpoint(model, cfg, tmp_path / "x"))
     hf.eval()
@@ -132,7 +143,7 @@ def test_megatron_log_probs_match_exported_transformers_model(dist_env, preset, 
     assert spread.std() > 0.5, "logits too uniform for the comparison to mean anything"
 
 
-def test_in_memory_iterator_matches_checkpoint_and_fused_layout(dist_env, hf_dir):
+def test_in_memory_iterator_matches_checkpoint(dist_env, hf_dir):
     cfg, path, reference = hf_dir
     model = build_model(cfg, seed=1)
     load_hf_checkpoint(model, path, cfg)
@@ -140,27 +151,25 @@ def test_in_memory_iterator_matches_checkpoint_and_fused_layout(dist_env, hf_dir
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         assert pairs.keys() == set(f.keys())
         assert all(torch.equal(pairs[k], f.get_tensor(k)) for k in f.keys())
-    # transformers 5 keeps experts fused in memory: the fused iterator loads strictly into it.
-    fused = dict(iter_hf_weights(model, cfg, fused_experts=True, dtype=torch.bfloat16))
-    target = AutoModelForCausalLM.from_config(hf_config(cfg)).to(torch.bfloat16)
-    missing, unexpected = target.load_state_dict(fused, strict=False)
-    assert not unexpected
-    assert set(missing) <= {"lm_head.weight"} and (cfg.tie_word_embeddings or not missing)
-    for key, tensor in reference.items():
-        assert torch.equal(target.state_dict()[key], tensor.to(torch.bfloat16)), key
+    assert sorted(hf_names(cfg)) == sorted(pairs)  # the description names what transformers writes
 
 
-def test_loading_a_fused_expert_checkpoint(dist_env, tmp_path):
+def test_loading_a_fused_expert_checkpoint(dist_env, hf_dir, tmp_path):
+    """A checkpoint written from transformers 5's in-memory state (experts fused)."""
     from safetensors.torch import save_file
 
-    cfg = _config("tiny-moe")
-    source = build_model(cfg, seed=2)
-    fused = {k: v.contiguous() for k, v in iter_hf_weights(source, cfg, fused_experts=True)}
+    cfg, path, reference = hf_dir
+    if not cfg.is_moe or cfg.family == "mixtral":
+        pytest.skip("fused storage applies to the mlp.experts layout")
+    fused = {k: v.contiguous() for k, v in reference.items() if "inv_freq" not in k}
     (tmp_path / "ckpt").mkdir()
     save_file(fused, str(tmp_path / "ckpt" / "model.safetensors"))
+    expected = build_model(cfg, seed=2)
+    load_hf_checkpoint(expected, path, cfg)
     target = build_model(cfg, seed=4)
     load_hf_checkpoint(target, tmp_path / "ckpt", cfg)
-    for (name, a), (_, b) in zip(source.named_parameters(), target.named_parameters(), strict=True):
+    pairs = zip(named_tensors(expected), named_tensors(target), strict=True)
+    for (name, a), (_, b) in pairs:
         assert torch.equal(a, b), name
 
 
@@ -179,7 +188,11 @@ def test_critic_loads_trunk_and_keeps_value_layer(dist_env, hf_dir):
 
 def test_other_architecture_names_first_mismatch_and_shapes(dist_env, hf_dir):
     cfg, path, _ = hf_dir
-    wider = cfg.replace(hidden_size=2 * cfg.hidden_size)
+    # (Qwen2-MoE ties head_dim to hidden_size / heads: widen both.)
+    wider = cfg.replace(
+        hidden_size=2 * cfg.hidden_size,
+        head_dim=2 * cfg.head_dim if cfg.family == "qwen2_moe" else cfg.head_dim,
+    )
     with pytest.raises(ValueError) as err:
         load_hf_checkpoint(build_model(wider, seed=0), path, wider)
     message = str(err.value)
@@ -243,6 +256,7 @@ def test_model_config_from_hf_rejects_other_models():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_megatron_names_are_the_unsharded_model_names(dist_env, preset):
     cfg = ModelConfig.preset(preset)
-    assert megatron_names(cfg) == [n for n, _ in build_model(cfg, seed=0).named_parameters()]
+    built = [n for n, _ in named_tensors(build_model(cfg, seed=0))]
+    assert sorted(megatron_names(cfg)) == sorted(built) and len(built) == len(set(built))
     critic = build_model(cfg, critic=True, seed=0)
-    assert megatron_names(cfg, critic=True) == [n for n, _ in critic.named_parameters()]
+    assert sorted(megatron_names(cfg, critic=True)) == sorted(n for n, _ in named_tensors(critic))

@@ -246,6 +246,7 @@ def _check_meta(directory: Path, meta: dict[str, Any], expect: dict[str, Any]) -
             f"checkpoint {directory} was written by {meta.get('world_size')} ranks, this run has "
             f"{_world()}; resume with the same number of ranks"
         )
+    expect = json.loads(json.dumps(expect))  # as the metadata file holds it (tuples as lists)
     for key, ours in expect.items():
         saved = meta.get(key)
         if not isinstance(ours, dict):

@@ -24,13 +24,19 @@ The spots (megatron-core 0.16.1, torch 2.14 CPU build):
    ``RouterGatingLinearFunction`` reads it on every router forward, so every MoE forward without
    TE raises ``NameError``. Bound to ``None``, which selects the plain ``torch.mm`` path. This one
    is not CPU specific, so ``patch_missing_te_names()`` is applied on GPU too when TE is absent.
+   Likewise ``transformer.multi_latent_attention`` sets ``HAVE_TE = True`` whenever megatron's
+   TE extension module imports, which it does without TE (binding ``TELinear`` to a mock), and
+   then ``isinstance(..., TELinear)`` fails building any MLA layer: it is set to whether
+   Transformer Engine imports.
 6. ``moe.router.Router.gating`` moves the router weight (and bias) to
    ``torch.cuda.current_device()`` whenever it finds them on CPU, on every forward. Replaced by
    the same gating without the move (router dtype ``moe_router_dtype`` still honoured).
 7. ``DistributedDataParallel`` allocates its contiguous gradient buffers (``main_grad``) with
-   ``device=torch.cuda.current_device()`` in ``_ParamAndGradBuffer.__init__``. Not patched
-   globally: ``ddp_buffers_on_cpu()`` makes ``torch.cuda.current_device`` answer ``"cpu"`` only
-   while a DDP wrapper is being built (the call would raise there otherwise). Gradient
+   ``device=torch.cuda.current_device()`` in ``_ParamAndGradBuffer.__init__``, and ``TopKRouter``
+   its expert-bias buffers (sigmoid routers with a bias: DeepSeek-V3, GLM-4.5) the same way. Not
+   patched globally: ``cuda_device_is_cpu()`` makes ``torch.cuda.current_device`` answer
+   ``"cpu"`` only while a DDP wrapper or a model is being built (the call would raise there
+   otherwise). Gradient
    reduction itself (gloo all-reduce of the buffers) needs nothing. megatron-core's optimizer
    wrappers allocate on CUDA in many places, so CPU runs use torch's AdamW instead
    (``ember_megatron_backend.optimizer``).
@@ -59,7 +65,7 @@ import torch
 __all__ = [
     "apply_cpu_patches",
     "cpu_patches_applied",
-    "ddp_buffers_on_cpu",
+    "cuda_device_is_cpu",
     "patch_missing_te_names",
 ]
 
@@ -73,11 +79,15 @@ def cpu_patches_applied() -> bool:
 
 
 def patch_missing_te_names() -> None:
-    """Bind ``moe_utils.te_general_gemm`` to ``None`` when Transformer Engine is absent (spot 5)."""
+    """Bind the names megatron-core reads as if Transformer Engine were there (spot 5)."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
 
 
 def apply_cpu_patches() -> None:
@@ -114,14 +124,14 @@ def apply_cpu_patches() -> None:
 
 
 @contextlib.contextmanager
-def ddp_buffers_on_cpu():
+def cuda_device_is_cpu():
     """While held, ``torch.cuda.current_device()`` returns ``"cpu"`` (spot 7); CPU runs only.
 
     Raises:
         RuntimeError: if a CUDA device is available.
     """
     if torch.cuda.is_available():
-        raise RuntimeError("ddp_buffers_on_cpu() is for CPU-only runs; CUDA is available here")
+        raise RuntimeError("cuda_device_is_cpu() is for CPU-only runs; CUDA is available here")
     original = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"
     try:

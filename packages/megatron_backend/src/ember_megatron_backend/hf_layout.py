@@ -1,36 +1,45 @@
-"""Parameter names and layouts: megatron-core GPTModel <-> transformers Qwen3-MoE / Qwen3.
+"""Parameter names and layouts: megatron-core GPTModel <-> transformers checkpoints, per family.
 
-Everything here is pure tensor bookkeeping on *full* (unsharded) tensors named as in a model
-built with TP = PP = EP = 1 and the local layer spec ("global Megatron names"); ``weights.py``
-adds the sharding and the I/O. The transformers side is the checkpoint (safetensors) layout that
-``from_pretrained`` loads and SGLang reads: one tensor per expert
-(``mlp.experts.{e}.gate_proj.weight`` ...), even though transformers 5 keeps experts fused in
-memory (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
+A family (``families.py``) is a declarative description: which checkpoint tensors each Megatron
+parameter is made of (``Param`` rules, grouped by where they sit in a layer), and how its
+transformers config reads and writes a ``ModelConfig`` (``HfConfig``). This module is the one
+mechanism that interprets those descriptions; adding a family adds a description, not code here.
+
+Everything here is pure bookkeeping on *full* (unsharded) tensors named as in a model built with
+TP = PP = EP = 1 and the local layer spec ("global Megatron names"); ``weights.py`` adds the
+sharding and the I/O. The transformers side is the checkpoint (safetensors) layout that
+``from_pretrained`` loads and SGLang reads: one tensor per expert, even though transformers 5
+keeps experts fused in memory.
 
 Layouts that are not a plain rename:
-- ``linear_qkv`` [G * (Q/G + 2) * D, H]: per query group g, its Q/G query heads, then its key
-  head, then its value head (D = head_dim). transformers keeps q_proj [Q * D, H], k_proj and
-  v_proj [G * D, H] apart.
-- ``linear_fc1`` (dense MLP and each expert) [2F, H]: gate rows, then up rows.
+- ``qkv``: Megatron's ``linear_qkv`` [G * (Q/G + 2) * D, ...]: per query group g, its Q/G query
+  heads, then its key head, then its value head (D = head_dim); transformers keeps q_proj
+  [Q * D, ...], k_proj and v_proj [G * D, ...] apart. Weights and biases alike.
+- ``glu``: ``linear_fc1`` of a SwiGLU MLP (dense, expert or shared) [2F, H]: gate rows, then up
+  rows.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ember_megatron_backend.model import ModelConfig
+from ember_megatron_backend.model import FAMILIES, ModelConfig
 
 __all__ = [
+    "Family",
+    "HfConfig",
     "HfRule",
-    "fuse_experts",
+    "Param",
+    "family_of",
     "hf_config",
+    "hf_names",
     "hf_rule",
+    "hf_shapes",
     "megatron_names",
     "merge_qkv",
     "model_config_from_hf",
@@ -38,45 +47,167 @@ __all__ = [
 ]
 
 
-def merge_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: ModelConfig) -> Tensor:
-    """q_proj, k_proj, v_proj weights -> Megatron ``linear_qkv`` weight (grouped layout)."""
-    g, d = cfg.num_query_groups, cfg.head_dim
-    per_group = cfg.num_attention_heads // g
-    hidden = q.shape[-1]
-    q_g = q.reshape(g, per_group * d, hidden)
-    k_g = k.reshape(g, d, hidden)
-    v_g = v.reshape(g, d, hidden)
-    return torch.cat([q_g, k_g, v_g], dim=1).reshape(g * (per_group + 2) * d, hidden)
+# --- the description language -------------------------------------------------------------------
 
 
-def split_qkv(qkv: Tensor, cfg: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """Megatron ``linear_qkv`` weight -> q_proj, k_proj, v_proj weights."""
-    g, d = cfg.num_query_groups, cfg.head_dim
-    per_group = cfg.num_attention_heads // g
-    hidden = qkv.shape[-1]
-    q, k, v = qkv.reshape(g, (per_group + 2) * d, hidden).split([per_group * d, d, d], dim=1)
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One Megatron parameter and the checkpoint tensors it is made of.
+
+    Names are relative: in a layer rule to ``decoder.layers.{i}.`` (Megatron) and
+    ``model.layers.{i}.`` (checkpoint); in an expert rule ``{e}`` is the expert index.
+    """
+
+    megatron: str
+    """Megatron name (relative)."""
+    hf: tuple[str, ...]
+    """Checkpoint names (relative), in the order the layout merges them."""
+    layout: str = "same"
+    """How the checkpoint tensors make the Megatron one: "same", "qkv" or "glu"."""
+    when: str = ""
+    """A ModelConfig attribute the parameter exists under (truthy), "!attr" for falsy; empty
+    for always."""
+
+    def applies(self, cfg: ModelConfig) -> bool:
+        """Whether `cfg` has this parameter."""
+        if not self.when:
+            return True
+        negate = self.when.startswith("!")
+        value = bool(getattr(cfg, self.when.lstrip("!")))
+        return value != negate
+
+
+def p(megatron: str, *hf: str, layout: str = "same", when: str = "") -> Param:
+    """Shorthand for a ``Param``."""
+    return Param(megatron, hf, layout, when)
+
+
+def swiglu(
+    megatron: str,
+    hf: str,
+    *,
+    gate: str = "gate_proj",
+    up: str = "up_proj",
+    down: str = "down_proj",
+    when: str = "",
+) -> tuple[Param, Param]:
+    """The two parameters of a SwiGLU MLP at Megatron prefix `megatron` and checkpoint prefix
+    `hf` (the checkpoint's projection names may differ, as Mixtral's w1/w3/w2)."""
     return (
-        q.reshape(g * per_group * d, hidden).contiguous(),
-        k.reshape(g * d, hidden).contiguous(),
-        v.reshape(g * d, hidden).contiguous(),
+        p(
+            f"{megatron}.linear_fc1.weight",
+            f"{hf}.{gate}.weight",
+            f"{hf}.{up}.weight",
+            layout="glu",
+            when=when,
+        ),
+        p(f"{megatron}.linear_fc2.weight", f"{hf}.{down}.weight", when=when),
     )
 
 
-def _cat0(*parts: Tensor) -> Tensor:
-    return torch.cat(parts, dim=0)
+@dataclass(frozen=True, slots=True)
+class HfConfig:
+    """How a family's transformers config reads and writes a ModelConfig."""
+
+    config_class: str
+    """transformers config class."""
+    architecture: str
+    """transformers model class, recorded in config.json ``architectures``."""
+    fields: tuple[tuple[str, str], ...]
+    """(ModelConfig field, HF config attribute) pairs copied both ways."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """HF attributes this family's models always have: written on export; on import an other
+    value is refused (the message names the attribute)."""
+    fixed_model: dict[str, Any] = field(default_factory=dict)
+    """ModelConfig fields every model of the family has (set on import, checked on export)."""
+    to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
+    """Further HF attributes computed from the ModelConfig (the ones not 1:1)."""
+    from_hf: Callable[[Any], dict[str, Any]] | None = None
+    """Further ModelConfig fields computed from the HF config; raises ValueError for what the
+    backend does not build."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A model family: its checkpoint names per layer site and its config mapping."""
+
+    model_type: str
+    """transformers ``model_type`` (= ``ModelConfig.family``)."""
+    attention: tuple[Param, ...]
+    """Attention and the layer's norms (every layer)."""
+    dense_mlp: tuple[Param, ...]
+    """The MLP of a dense layer."""
+    router: tuple[Param, ...] = ()
+    """The router of an MoE layer."""
+    expert: tuple[Param, ...] = ()
+    """One routed expert (``{e}``)."""
+    shared: tuple[Param, ...] = ()
+    """The shared expert(s) of an MoE layer, and their gate."""
+    hf: HfConfig | None = None
+    """The transformers config mapping."""
+    expert_fused: tuple[str, str] | None = None
+    """transformers 5's in-memory names of a layer's fused experts (gate_up [E, 2I, H], down
+    [E, H, I]), relative to the layer, where its checkpoint stores one tensor per expert."""
+    memory_renames: tuple[tuple[str, str], ...] = ()
+    """(checkpoint, in-memory) name fragments where transformers renames on load."""
+
+    def in_memory(self, name: str) -> str:
+        """The transformers in-memory name of checkpoint tensor `name` (experts aside)."""
+        for old, new in self.memory_renames:
+            name = name.replace(old, new)
+        return name
+
+
+TOP = (
+    p("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    p("decoder.final_layernorm.weight", "model.norm.weight"),
+)
+OUTPUT = p("output_layer.weight", "lm_head.weight")
+
+
+def family_of(cfg_or_name: ModelConfig | str) -> Family:
+    """The description of a family (by ModelConfig or ``model_type``)."""
+    from ember_megatron_backend.families import REGISTRY
+
+    name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.family
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model_type {name!r}; supported: {', '.join(FAMILIES)}"
+        ) from None
+
+
+# --- rules ------------------------------------------------------------------------------------
+
+
+def merge_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: ModelConfig) -> Tensor:
+    """q_proj, k_proj, v_proj weights or biases -> Megatron ``linear_qkv`` (grouped layout)."""
+    g, d = cfg.num_query_groups, cfg.head_dim
+    per_group = cfg.num_attention_heads // g
+    rest = q.shape[1:]
+    q_g = q.reshape(g, per_group * d, *rest)
+    k_g = k.reshape(g, d, *rest)
+    v_g = v.reshape(g, d, *rest)
+    return torch.cat([q_g, k_g, v_g], dim=1).reshape(g * (per_group + 2) * d, *rest)
+
+
+def split_qkv(qkv: Tensor, cfg: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Megatron ``linear_qkv`` weight or bias -> q_proj, k_proj, v_proj."""
+    g, d = cfg.num_query_groups, cfg.head_dim
+    per_group = cfg.num_attention_heads // g
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(g, (per_group + 2) * d, *rest).split([per_group * d, d, d], dim=1)
+    return (
+        q.reshape(g * per_group * d, *rest).contiguous(),
+        k.reshape(g * d, *rest).contiguous(),
+        v.reshape(g * d, *rest).contiguous(),
+    )
 
 
 def _halves(fc1: Tensor) -> tuple[Tensor, Tensor]:
     gate, up = fc1.chunk(2, dim=0)
     return gate.contiguous(), up.contiguous()
-
-
-def _same(t: Tensor) -> Tensor:
-    return t
-
-
-def _one(t: Tensor) -> tuple[Tensor]:
-    return (t,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,22 +222,80 @@ class HfRule:
     """Megatron tensor -> checkpoint tensors."""
 
 
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
-_LAYER_RENAMES = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.router.weight": "mlp.gate.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-_TOP_RENAMES = {
-    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-    "decoder.final_layernorm.weight": "model.norm.weight",
-    "output_layer.weight": "lm_head.weight",
-}
+def _rule(param: Param, hf_names: tuple[str, ...], cfg: ModelConfig) -> HfRule:
+    if param.layout == "same":
+        return HfRule(hf_names, lambda t: t, lambda t: (t,))
+    if param.layout == "glu":
+        return HfRule(hf_names, lambda g, u: torch.cat([g, u], dim=0), _halves)
+    if param.layout == "qkv":
+        return HfRule(
+            hf_names, lambda q, k, v: merge_qkv(q, k, v, cfg), lambda t: split_qkv(t, cfg)
+        )
+    raise ValueError(f"unknown layout {param.layout!r}")
+
+
+def _layer_params(cfg: ModelConfig, layer: int) -> Iterator[tuple[Param, int | None]]:
+    """The rules of decoder layer `layer` with the expert index each applies to (None: not an
+    expert parameter), in Megatron's order."""
+    fam = family_of(cfg)
+    for param in fam.attention:
+        if param.applies(cfg):
+            yield param, None
+    if layer not in cfg.moe_layers:
+        for param in fam.dense_mlp:
+            if param.applies(cfg):
+                yield param, None
+        return
+    for param in fam.router:
+        if param.applies(cfg):
+            yield param, None
+    for e in range(cfg.num_experts):
+        for param in fam.expert:
+            yield param, e
+    for param in fam.shared:
+        if param.applies(cfg):
+            yield param, None
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    megatron: str
+    hf: tuple[str, ...]
+    param: Param
+    layer: int | None
+    expert: int | None
+
+
+def _entries(cfg: ModelConfig, *, critic: bool = False) -> Iterator[_Entry]:
+    """Every tensor of the model: its global Megatron name and checkpoint names."""
+    yield _Entry(TOP[0].megatron, TOP[0].hf, TOP[0], None, None)
+    for i in range(cfg.num_layers):
+        for param, e in _layer_params(cfg, i):
+            sub = {} if e is None else {"e": e}
+            yield _Entry(
+                f"decoder.layers.{i}.{param.megatron.format(**sub)}",
+                tuple(f"model.layers.{i}.{n.format(**sub)}" for n in param.hf),
+                param,
+                i,
+                e,
+            )
+    yield _Entry(TOP[1].megatron, TOP[1].hf, TOP[1], None, None)
+    if critic or not cfg.tie_word_embeddings:
+        yield _Entry(OUTPUT.megatron, OUTPUT.hf, OUTPUT, None, None)
+
+
+_CACHE: dict[tuple[Any, ...], dict[str, HfRule]] = {}
+
+
+def _rules(cfg: ModelConfig) -> dict[str, HfRule]:
+    key = tuple(getattr(cfg, f) for f in cfg.__slots__)
+    rules = _CACHE.get(key)
+    if rules is None:
+        rules = {e.megatron: _rule(e.param, e.hf, cfg) for e in _entries(cfg, critic=True)}
+        if len(_CACHE) > 16:
+            _CACHE.clear()
+        _CACHE[key] = rules
+    return rules
 
 
 def hf_rule(name: str, cfg: ModelConfig) -> HfRule:
@@ -115,186 +304,135 @@ def hf_rule(name: str, cfg: ModelConfig) -> HfRule:
     Raises:
         KeyError: if `name` has no checkpoint counterpart (for example a critic's value layer).
     """
-    if name in _TOP_RENAMES:
-        return HfRule((_TOP_RENAMES[name],), _same, _one)
-    match = _LAYER.fullmatch(name)
-    if match is None:
-        raise KeyError(name)
-    layer, rest = match.groups()
-    prefix = f"model.layers.{layer}."
-    if rest in _LAYER_RENAMES:
-        return HfRule((prefix + _LAYER_RENAMES[rest],), _same, _one)
-    if rest == "self_attention.linear_qkv.weight":
-        names = tuple(prefix + f"self_attn.{p}_proj.weight" for p in "qkv")
-        return HfRule(names, lambda q, k, v: merge_qkv(q, k, v, cfg), lambda t: split_qkv(t, cfg))
-    if rest == "mlp.linear_fc1.weight":
-        names = (prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight")
-        return HfRule(names, _cat0, _halves)
-    expert = _EXPERT.fullmatch(rest)
-    if expert is not None:
-        e, which = expert.groups()
-        base = f"{prefix}mlp.experts.{e}."
-        if which == "linear_fc1":
-            return HfRule((base + "gate_proj.weight", base + "up_proj.weight"), _cat0, _halves)
-        return HfRule((base + "down_proj.weight",), _same, _one)
-    raise KeyError(name)
+    return _rules(cfg)[name]
 
 
 def megatron_names(cfg: ModelConfig, *, critic: bool = False) -> list[str]:
-    """Global Megatron parameter names of the full model, in GPTModel's order.
+    """Global Megatron names of the full model's tensors (parameters and the routers' expert
+    biases), layer by layer.
 
     Args:
         cfg: Model shape.
         critic: Name the value output layer instead of the vocabulary one.
     """
-    names = ["embedding.word_embeddings.weight"]
-    for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        names += [
-            p + "input_layernorm.weight",
-            p + "self_attention.linear_proj.weight",
-            p + "self_attention.linear_qkv.weight",
-            p + "self_attention.q_layernorm.weight",
-            p + "self_attention.k_layernorm.weight",
-            p + "pre_mlp_layernorm.weight",
-        ]
-        if cfg.is_moe:
-            names.append(p + "mlp.router.weight")
-            for e in range(cfg.num_experts):
-                q = f"{p}mlp.experts.local_experts.{e}."
-                names += [q + "linear_fc1.weight", q + "linear_fc2.weight"]
-        else:
-            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
-    names.append("decoder.final_layernorm.weight")
-    if critic or not cfg.tie_word_embeddings:
-        names.append("output_layer.weight")
-    return names
+    return [e.megatron for e in _entries(cfg, critic=critic)]
 
 
-_FUSED = re.compile(
-    r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
-)
+def hf_names(cfg: ModelConfig) -> list[str]:
+    """Checkpoint names of every tensor of the model, from its family's description."""
+    return [n for e in _entries(cfg) for n in e.hf]
 
 
-def fuse_experts(items: Sequence[tuple[str, Tensor]], cfg: ModelConfig) -> list[tuple[str, Tensor]]:
-    """Checkpoint-layout tensors -> transformers 5 in-memory layout (fused 3-D expert tensors).
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every tensor a transformers checkpoint of `cfg` holds.
 
-    Per-expert ``gate_proj``/``up_proj``/``down_proj`` of a layer become
-    ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I]; all other
-    tensors pass through. Every expert of a layer must be present in `items`.
+    The shapes are transformers' own: its model is built on the meta device (no memory), and
+    experts it keeps fused in memory are split per expert as the checkpoint stores them.
+
+    Raises:
+        AssertionError: when the family's description and transformers' model disagree on the
+            tensors there are (a defect of the description).
     """
-    out: list[tuple[str, Tensor]] = []
-    groups: dict[str, dict[str, dict[int, Tensor]]] = {}
-    for name, tensor in items:
-        match = _FUSED.fullmatch(name)
-        if match is None:
-            out.append((name, tensor))
-            continue
-        prefix, e, which = match.groups()
-        groups.setdefault(prefix, {}).setdefault(which, {})[int(e)] = tensor
-    for prefix, parts in groups.items():
-        experts = range(cfg.num_experts)
-        missing = [
-            f"{prefix}{e}.{w}.weight"
-            for w in ("gate_proj", "up_proj", "down_proj")
-            for e in experts
-            if e not in parts.get(w, {})
-        ]
-        if missing:
-            raise ValueError(f"cannot fuse experts: {missing[0]} is missing")
-        gate_up = [torch.cat([parts["gate_proj"][e], parts["up_proj"][e]], dim=0) for e in experts]
-        out.append((prefix + "gate_up_proj", torch.stack(gate_up)))
-        out.append((prefix + "down_proj", torch.stack([parts["down_proj"][e] for e in experts])))
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(cfg))
+    state = {n: tuple(t.shape) for n, t in model.state_dict().items() if "inv_freq" not in n}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    fam = family_of(cfg)
+    out: dict[str, tuple[int, ...]] = {}
+    used = set()
+    for entry in _entries(cfg):
+        for name in entry.hf:
+            if fam.in_memory(name) in state:
+                out[name] = state[fam.in_memory(name)]
+                used.add(fam.in_memory(name))
+            elif entry.expert is not None and fam.expert_fused is not None:
+                fused = [f"model.layers.{entry.layer}.{n}" for n in fam.expert_fused]
+                used.update(fused)
+                gate_up, down = state[fused[0]], state[fused[1]]  # [E, 2I, H], [E, H, I]
+                glu = entry.param.layout == "glu"
+                out[name] = (gate_up[1] // 2, gate_up[2]) if glu else down[1:]
+            else:
+                raise AssertionError(f"{fam.model_type}: transformers has no tensor {name}")
+    missing = sorted(set(state) - used)
+    if missing:
+        raise AssertionError(f"{fam.model_type}: the description lacks {missing[:3]}")
     return out
 
 
-def hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> Any:
-    """The transformers config (Qwen3MoeConfig or Qwen3Config) of a ModelConfig."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
+# --- configs ------------------------------------------------------------------------------------
 
-    common = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups,
-        head_dim=cfg.head_dim,
+
+def hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> Any:
+    """The transformers config of a ModelConfig (its family's config class)."""
+    import transformers
+
+    fam = family_of(cfg)
+    spec = fam.hf
+    for key, value in spec.fixed_model.items():
+        if getattr(cfg, key) != value:
+            raise ValueError(
+                f"{fam.model_type} models have {key}={value!r}; the config has "
+                f"{getattr(cfg, key)!r}"
+            )
+    values: dict[str, Any] = {hf: getattr(cfg, mine) for mine, hf in spec.fields}
+    values.update(spec.fixed)
+    values.update(
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         hidden_act="silu",
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.norm_epsilon,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=False,
-        initializer_range=cfg.init_method_std,
     )
-    if not cfg.is_moe:
-        config = Qwen3Config(intermediate_size=cfg.ffn_hidden_size, **common)
-        config.architectures = ["Qwen3ForCausalLM"]
-    else:
-        config = Qwen3MoeConfig(
-            intermediate_size=cfg.ffn_hidden_size or cfg.moe_ffn_hidden_size,
-            moe_intermediate_size=cfg.moe_ffn_hidden_size,
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.moe_router_topk,
-            norm_topk_prob=cfg.norm_topk_prob,
-            router_aux_loss_coef=cfg.moe_aux_loss_coeff,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            **common,
-        )
-        config.architectures = ["Qwen3MoeForCausalLM"]
+    if spec.to_hf is not None:
+        values.update(spec.to_hf(cfg))
+    config = getattr(transformers, spec.config_class)(**values)
+    config.architectures = [spec.architecture]
     config.dtype = dtype
     return config
 
 
+COMMON_FIELDS = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("num_layers", "num_hidden_layers"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("norm_epsilon", "rms_norm_eps"),
+    ("max_position_embeddings", "max_position_embeddings"),
+    ("tie_word_embeddings", "tie_word_embeddings"),
+    ("init_method_std", "initializer_range"),
+)
+
+
 def model_config_from_hf(config: Any, **overrides: Any) -> ModelConfig:
-    """A ModelConfig from a transformers Qwen3-MoE or Qwen3 config (``AutoConfig``).
+    """A ModelConfig from a transformers config (``AutoConfig``) of a supported family.
 
     Raises:
-        ValueError: for another architecture, or Qwen3-MoE features the backend does not build
-            (dense layers between MoE layers, sliding windows, attention biases).
+        ValueError: for another architecture, or features of a family the backend does not
+            build; the message names the config attribute.
     """
     model_type = getattr(config, "model_type", None)
-    if model_type not in ("qwen3_moe", "qwen3"):
-        raise ValueError(f"unsupported model_type {model_type!r}; expected 'qwen3_moe' or 'qwen3'")
-    if getattr(config, "attention_bias", False):
-        raise ValueError("attention_bias=True is not supported (Qwen3 has no attention bias)")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=True is not supported")
+    if model_type not in FAMILIES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+    spec = family_of(model_type).hf
+    for key, value in spec.fixed.items():
+        found = getattr(config, key, value)
+        if found != value and not (value in (None, False, 0) and not found):
+            raise ValueError(
+                f"{model_type} config has {key}={found!r}; only {key}={value!r} is supported"
+            )
     rope = getattr(config, "rope_parameters", None) or {}
-    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported, only 'default'")
-    fields: dict[str, Any] = dict(
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads,
-        head_dim=getattr(config, "head_dim", None)
-        or config.hidden_size // config.num_attention_heads,
-        vocab_size=config.vocab_size,
-        ffn_hidden_size=config.intermediate_size,
+    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    fields: dict[str, Any] = {mine: getattr(config, hf) for mine, hf in spec.fields}
+    fields.update(
+        family=model_type,
         rope_theta=float(rope_theta),
-        norm_epsilon=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         init_method_std=getattr(config, "initializer_range", 0.02),
     )
-    if model_type == "qwen3_moe":
-        sparse_step = getattr(config, "decoder_sparse_step", 1)
-        if getattr(config, "mlp_only_layers", None) or sparse_step != 1:
-            raise ValueError(
-                "Qwen3-MoE configs with dense layers (mlp_only_layers, decoder_sparse_step != 1) "
-                "are not supported"
-            )
-        fields.update(
-            num_experts=config.num_experts,
-            moe_ffn_hidden_size=config.moe_intermediate_size,
-            moe_router_topk=config.num_experts_per_tok,
-            norm_topk_prob=bool(config.norm_topk_prob),
-            # The load-balancing loss coefficient, as megatron-core names it (mbridge maps it the
-            # same way); model_overrides.moe_aux_loss_coeff=0 trains without the loss.
-            moe_aux_loss_coeff=float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0),
-        )
+    fields.update(spec.fixed_model)
+    if spec.from_hf is not None:
+        fields.update(spec.from_hf(config))
     fields.update(overrides)
     return ModelConfig(**fields)

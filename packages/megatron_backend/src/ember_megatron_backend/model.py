@@ -1,4 +1,11 @@
-"""Model provider: megatron-core GPTModel shaped as Qwen3-MoE or Qwen3 dense, actor or critic."""
+"""Model provider: a megatron-core GPTModel of one of the supported families, actor or critic.
+
+The families (``FAMILIES``; their HF <-> Megatron descriptions live in ``families.py``):
+Qwen3-MoE and Qwen3 dense, DeepSeek-V3 (multi-latent attention, sigmoid router with a per-expert
+bias, group-limited top-k, shared experts, first layers dense), GLM-4.5 MoE (sigmoid router with
+bias, shared experts, partial rotary, attention biases), Qwen2-MoE (a shared expert behind a
+sigmoid gate, attention biases) and Mixtral (softmax top-2).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from torch import Tensor
 from ember_megatron_backend.parallel import uses_gpu
 
 __all__ = [
+    "FAMILIES",
     "PRESETS",
     "ModelConfig",
     "ValueOutputLayer",
@@ -31,10 +39,17 @@ def _check_int(key: str, value: Any, *, minimum: int) -> None:
         raise ValueError(f"model.{key} must be an int >= {minimum}, got {value!r}")
 
 
+FAMILIES = ("qwen3_moe", "qwen3", "deepseek_v3", "glm4_moe", "qwen2_moe", "mixtral")
+"""Model families Ember builds, by transformers ``model_type``."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """Shape of a Qwen3-MoE (num_experts > 0) or Qwen3 dense (num_experts == 0) decoder."""
+    """Shape of a decoder of one of the supported families (``FAMILIES``)."""
 
+    family: str = ""
+    """transformers ``model_type`` of the family: one of ``FAMILIES``; empty means "qwen3_moe"
+    when num_experts > 0, else "qwen3"."""
     num_layers: int
     """Number of decoder layers."""
     hidden_size: int
@@ -42,14 +57,17 @@ class ModelConfig:
     num_attention_heads: int
     """Query heads."""
     num_query_groups: int
-    """Key/value heads (GQA groups); divides num_attention_heads."""
+    """Key/value heads (GQA groups); divides num_attention_heads. Multi-latent attention has one
+    key/value head per query head and ignores it."""
     head_dim: int
     """Width of one attention head (megatron-core's kv_channels); Qwen3 does not tie it to
-    hidden_size / num_attention_heads."""
+    hidden_size / num_attention_heads. Under multi-latent attention: the query/key width without
+    the rotary part (HF qk_nope_head_dim)."""
     vocab_size: int
     """Vocabulary size, unpadded: logits have exactly this many columns."""
     ffn_hidden_size: int = 0
-    """Intermediate width of the dense SwiGLU MLP (dense models; HF intermediate_size)."""
+    """Intermediate width of the dense SwiGLU MLP (dense models and dense layers; HF
+    intermediate_size)."""
     num_experts: int = 0
     """Routed experts per MoE layer; 0 builds a dense model."""
     moe_ffn_hidden_size: int = 0
@@ -62,6 +80,37 @@ class ModelConfig:
     """Load-balancing auxiliary loss coefficient; 0 disables the loss."""
     moe_router_dtype: str | None = "fp32"
     """Dtype of the router logits and softmax: "fp32", "fp64" or None (the activation dtype)."""
+    moe_router_score_function: str = "softmax"
+    """Router scores: "softmax" (Qwen, Mixtral) or "sigmoid" (DeepSeek-V3, GLM-4.5)."""
+    moe_router_expert_bias: bool = False
+    """A per-expert bias added to the sigmoid scores for the choice only (DeepSeek-V3's
+    e_score_correction_bias); kept as the checkpoint has it (no load-balancing updates)."""
+    moe_router_num_groups: int = 0
+    """Expert groups of group-limited routing (HF n_group); 0 routes over all experts."""
+    moe_router_group_topk: int = 0
+    """Groups each token may use under group-limited routing (HF topk_group)."""
+    moe_router_topk_scaling_factor: float = 1.0
+    """Factor on the routing weights (HF routed_scaling_factor)."""
+    moe_shared_expert_intermediate_size: int = 0
+    """Width of the shared expert(s) every token also goes through; 0 for none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by a learned sigmoid gate (Qwen2-MoE)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers (0-based) with a dense MLP instead of experts (DeepSeek-V3's first layers)."""
+    qk_layernorm: bool = True
+    """RMSNorm on each query and key head (Qwen3; GLM-4.5 use_qk_norm)."""
+    add_qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2, GLM-4.5)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head that RoPE rotates (GLM-4.5's partial_rotary_factor)."""
+    q_lora_rank: int = 0
+    """Multi-latent attention: rank of the query compression; 0 projects queries directly."""
+    kv_lora_rank: int = 0
+    """Multi-latent attention: rank of the key/value compression; > 0 selects MLA."""
+    qk_pos_emb_head_dim: int = 0
+    """Multi-latent attention: width of the rotary part of queries and keys (qk_rope_head_dim)."""
+    v_head_dim: int = 0
+    """Multi-latent attention: width of one value head."""
     rope_theta: float = 1_000_000.0
     """RoPE base."""
     norm_epsilon: float = 1e-6
@@ -121,11 +170,112 @@ class ModelConfig:
                 f"model.moe_router_dtype must be None, 'fp32' or 'fp64', got "
                 f"{self.moe_router_dtype!r}"
             )
+        self._check_family()
+
+    def _check_family(self) -> None:
+        if not self.family:
+            self.family = "qwen3_moe" if self.num_experts else "qwen3"
+        if self.family not in FAMILIES:
+            raise ValueError(
+                f"model.family must be one of {', '.join(FAMILIES)}, got {self.family!r}"
+            )
+        if (self.family == "qwen3") == bool(self.num_experts):
+            raise ValueError(
+                f"model.family={self.family!r} with num_experts={self.num_experts}: qwen3 is the "
+                "dense family (num_experts=0); every other family is MoE (num_experts > 0)"
+            )
+        for key in (
+            "moe_router_num_groups",
+            "moe_router_group_topk",
+            "moe_shared_expert_intermediate_size",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_pos_emb_head_dim",
+            "v_head_dim",
+        ):
+            _check_int(key, getattr(self, key), minimum=0)
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(
+                "model.moe_router_score_function must be 'softmax' or 'sigmoid', got "
+                f"{self.moe_router_score_function!r}"
+            )
+        if self.moe_router_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(
+                "model.moe_router_expert_bias needs moe_router_score_function='sigmoid'"
+            )
+        if self.moe_router_score_function == "sigmoid" and not self.norm_topk_prob:
+            # megatron-core always renormalises sigmoid top-k weights (moe_utils).
+            raise ValueError("model.norm_topk_prob=False is not supported with a sigmoid router")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if groups or group_topk:
+            if not (
+                groups and group_topk and self.num_experts % groups == 0 and group_topk <= groups
+            ):
+                raise ValueError(
+                    f"model.moe_router_num_groups={groups} must divide num_experts="
+                    f"{self.num_experts}, and moe_router_group_topk={group_topk} lie in [1, groups]"
+                )
+            if self.moe_router_topk != 2 * group_topk:
+                # megatron-core scores a group by its top (topk / group_topk) experts, transformers
+                # and SGLang by its top 2: they agree only when topk = 2 * group_topk.
+                raise ValueError(
+                    f"model.moe_router_topk={self.moe_router_topk} must be 2 x "
+                    f"moe_router_group_topk={group_topk} under group-limited routing"
+                )
+        if not isinstance(self.rotary_percent, int | float) or not 0 < self.rotary_percent <= 1:
+            raise ValueError(
+                f"model.rotary_percent must lie in (0, 1], got {self.rotary_percent!r}"
+            )
+        if not isinstance(self.moe_router_topk_scaling_factor, int | float) or not (
+            self.moe_router_topk_scaling_factor > 0
+        ):
+            raise ValueError(
+                "model.moe_router_topk_scaling_factor must be a number > 0, got "
+                f"{self.moe_router_topk_scaling_factor!r}"
+            )
+        self.dense_layers = tuple(sorted(set(self.dense_layers)))
+        if any(not isinstance(i, int) or not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(
+                f"model.dense_layers must be layer indices in [0, {self.num_layers}), got "
+                f"{list(self.dense_layers)}"
+            )
+        if self.dense_layers and self.ffn_hidden_size < 1:
+            raise ValueError("model.ffn_hidden_size must be >= 1 when there are dense_layers")
+        if self.multi_latent_attention:
+            if self.family != "deepseek_v3":
+                raise ValueError(
+                    "multi-latent attention (kv_lora_rank > 0) is DeepSeek-V3's, not "
+                    f"{self.family}'s"
+                )
+            if not (self.qk_pos_emb_head_dim and self.v_head_dim):
+                raise ValueError(
+                    "multi-latent attention needs model.qk_pos_emb_head_dim and v_head_dim >= 1"
+                )
+        elif self.family == "deepseek_v3":
+            raise ValueError(
+                "model.family='deepseek_v3' needs kv_lora_rank >= 1 (multi-latent attention)"
+            )
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ValueError(
+                "model.moe_shared_expert_gate needs moe_shared_expert_intermediate_size >= 1"
+            )
 
     @property
     def is_moe(self) -> bool:
         """Whether the MLPs are routed experts."""
         return self.num_experts > 0
+
+    @property
+    def multi_latent_attention(self) -> bool:
+        """Whether attention is DeepSeek's multi-latent attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Layers (0-based) whose MLP is routed experts."""
+        if not self.is_moe:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
@@ -153,6 +303,89 @@ PRESETS: dict[str, ModelConfig] = {
         num_experts=8,
         moe_ffn_hidden_size=32,
         moe_router_topk=2,
+        max_position_embeddings=512,
+    ),
+    # The other families at tiny-moe's size, each with its own features switched on.
+    "tiny-deepseek-v3": ModelConfig(
+        family="deepseek_v3",
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=4,
+        head_dim=16,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=16,
+        vocab_size=256,
+        ffn_hidden_size=128,
+        dense_layers=(0,),
+        num_experts=8,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_router_score_function="sigmoid",
+        moe_router_expert_bias=True,
+        moe_router_num_groups=4,
+        moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=2.5,
+        moe_shared_expert_intermediate_size=32,
+        qk_layernorm=False,
+        rope_theta=10_000.0,
+        max_position_embeddings=512,
+    ),
+    "tiny-glm4-moe": ModelConfig(
+        family="glm4_moe",
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        vocab_size=256,
+        ffn_hidden_size=128,
+        dense_layers=(0,),
+        num_experts=8,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_router_score_function="sigmoid",
+        moe_router_expert_bias=True,
+        moe_shared_expert_intermediate_size=32,
+        qk_layernorm=False,
+        add_qkv_bias=True,
+        rotary_percent=0.5,
+        rope_theta=10_000.0,
+        max_position_embeddings=512,
+    ),
+    "tiny-qwen2-moe": ModelConfig(
+        family="qwen2_moe",
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        vocab_size=256,
+        ffn_hidden_size=128,
+        num_experts=8,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        norm_topk_prob=False,
+        moe_shared_expert_intermediate_size=64,
+        moe_shared_expert_gate=True,
+        qk_layernorm=False,
+        add_qkv_bias=True,
+        max_position_embeddings=512,
+    ),
+    "tiny-mixtral": ModelConfig(
+        family="mixtral",
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        vocab_size=256,
+        num_experts=8,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        qk_layernorm=False,
         max_position_embeddings=512,
     ),
     "tiny-dense": ModelConfig(
@@ -197,21 +430,54 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
     if cfg.vocab_size % tp:
         # Megatron would pad the vocabulary; padded logit columns would change every softmax.
         raise ValueError(f"model.vocab_size={cfg.vocab_size} must be divisible by TP={tp}")
-    moe: dict[str, Any] = {}
+    family: dict[str, Any] = {}
     if cfg.is_moe:
-        moe = dict(
+        family.update(
             num_moe_experts=cfg.num_experts,
             moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
             moe_router_topk=cfg.moe_router_topk,
-            moe_router_score_function="softmax",
+            moe_router_score_function=cfg.moe_router_score_function,
             # Softmax over the k selected logits equals renormalised top-k softmax probs.
             moe_router_pre_softmax=not cfg.norm_topk_prob,
             moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff else "none",
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
             moe_router_dtype=cfg.moe_router_dtype,
             moe_grouped_gemm=uses_te_spec(),
+            moe_router_enable_expert_bias=cfg.moe_router_expert_bias,
+            # The bias is the checkpoint's, as the rollout engine serves it: no load-balancing
+            # updates, so trainer and engine keep routing alike.
+            moe_router_bias_update_rate=0.0,
+            moe_router_num_groups=cfg.moe_router_num_groups or None,
+            moe_router_group_topk=cfg.moe_router_group_topk or None,
+            moe_router_topk_scaling_factor=(
+                cfg.moe_router_topk_scaling_factor
+                if cfg.moe_router_topk_scaling_factor != 1.0
+                else None
+            ),
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or None,
+            moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+            moe_layer_freq=[0 if i in cfg.dense_layers else 1 for i in range(cfg.num_layers)],
         )
-    return TransformerConfig(
+    config_class = TransformerConfig
+    if cfg.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        family.update(
+            q_lora_rank=cfg.q_lora_rank or None,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_head_dim=cfg.head_dim,
+            qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            # Plain RoPE (no YaRN): softmax scale 1 / sqrt(qk_head_dim + qk_pos_emb_head_dim),
+            # as transformers computes it without rope scaling.
+            rope_type="rope",
+            rotary_base=cfg.rope_theta,
+            rotary_scaling_factor=1.0,
+            mscale=1.0,
+            mscale_all_dim=0.0,
+        )
+    return config_class(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size or cfg.moe_ffn_hidden_size,
@@ -220,11 +486,12 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
         kv_channels=cfg.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_epsilon,
-        qk_layernorm=True,
+        # MLA's query and key/value compressions are normalised through the same switch.
+        qk_layernorm=cfg.qk_layernorm or cfg.multi_latent_attention,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=cfg.add_qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
@@ -255,26 +522,28 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
         gradient_accumulation_fusion=False,
         # The alltoall dispatcher creates a CUDA stream in its constructor.
         moe_token_dispatcher_type="alltoall" if gpu else "allgather",
-        **moe,
+        **family,
     )
 
 
-def layer_spec(cfg: ModelConfig) -> Any:
-    """Decoder layer spec: Transformer Engine modules on GPUs where TE is installed, else local."""
+def layer_spec(config: Any) -> Any:
+    """Decoder block spec of this pipeline stage (dense and MoE layers as `config` places
+    them): Transformer Engine modules on GPUs where TE is installed, else local modules with
+    torch's SDPA attention and grouped expert matmuls."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    num_experts = cfg.num_experts or None
-    if uses_te_spec():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=cfg.is_moe, qk_layernorm=True
-        )
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, qk_layernorm=True, normalization="RMSNorm"
+    te = uses_te_spec()
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine=te, normalization="RMSNorm"
     )
-    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention()
-    if cfg.is_moe:
-        spec.submodules.mlp.submodules.experts.module = _grouped_local_experts()
-    return spec
+    if te:
+        return block
+    for spec in {id(s): s for s in block.layer_specs}.values():
+        spec.submodules.self_attention.submodules.core_attention = _sdpa_attention()
+        experts = getattr(spec.submodules.mlp.submodules, "experts", None)
+        if experts is not None:
+            experts.module = _grouped_local_experts()
+    return block
 
 
 def _grouped_local_experts() -> type:
@@ -343,7 +612,8 @@ _GROUPED_EXPERTS: type | None = None
 
 def _sdpa_attention() -> type:
     """megatron-core's local ``DotProductAttention`` with its core computed by torch's
-    ``scaled_dot_product_attention``.
+    ``scaled_dot_product_attention``; it also serves multi-latent attention, whose query/key
+    and value heads differ in width.
 
     The local module forms the scores with ``baddbmm``, masks them in place and runs torch's
     softmax over rows of S keys, which for the short rows of RL samples costs more than the
@@ -357,6 +627,18 @@ def _sdpa_attention() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SDPAttention(DotProductAttention):
+        def __init__(
+            self,
+            *args: Any,
+            k_channels: int | None = None,
+            v_channels: int | None = None,
+            **kw: Any,
+        ) -> None:
+            # Multi-latent attention names its query/key and value widths (TE's attention takes
+            # them; the local module does not). The core below reads widths from the tensors,
+            # and MLA passes its own softmax scale.
+            super().__init__(*args, **kw)
+
         def forward(
             self,
             query: Tensor,
@@ -453,7 +735,13 @@ def build_model(
     if adjust_config is not None:
         adjust_config(config)
     init_rng = _init_rng(seed) if seed is not None else contextlib.nullcontext()
-    with init_rng:
+    if uses_gpu():
+        on_device = contextlib.nullcontext()
+    else:
+        from ember_megatron_backend.cpu import cuda_device_is_cpu
+
+        on_device = cuda_device_is_cpu()  # routers' expert-bias buffers
+    with init_rng, on_device:
         model = _gpt_model(config, cfg, critic=critic)
     if critic and model.post_process:
         model.output_layer = ValueOutputLayer(
@@ -496,7 +784,7 @@ def _gpt_model(config: Any, cfg: ModelConfig, *, critic: bool) -> Any:
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=layer_spec(config),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -505,6 +793,7 @@ def _gpt_model(config: Any, cfg: ModelConfig, *, critic: bool) -> Any:
         share_embeddings_and_output_weights=cfg.tie_word_embeddings and not critic,
         position_embedding_type="rope",
         rotary_base=cfg.rope_theta,
+        rotary_percent=cfg.rotary_percent,
     )
 
 

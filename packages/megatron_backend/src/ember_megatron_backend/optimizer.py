@@ -79,7 +79,7 @@ def wrap_ddp(model: Any) -> Any:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
     )
-    allocate = contextlib.nullcontext() if uses_gpu() else cpu.ddp_buffers_on_cpu()
+    allocate = contextlib.nullcontext() if uses_gpu() else cpu.cuda_device_is_cpu()
     with allocate:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()

@@ -30,11 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ember_megatron_backend import comm
-from ember_megatron_backend.hf_layout import (
-    fuse_experts,
-    hf_config,
-    hf_rule,
-)
+from ember_megatron_backend.hf_layout import hf_config, hf_rule, hf_shapes
 from ember_megatron_backend.model import ModelConfig, ValueOutputLayer
 
 __all__ = [
@@ -56,6 +52,9 @@ _TE_ALIASES = (
         re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$"),
         r"mlp.experts.local_experts.\2.\1.weight",
     ),
+    # Multi-latent attention: the query / key-value norms fused into the up projections.
+    (re.compile(r"linear_q_up_proj\.layer_norm_weight$"), "q_layernorm.weight"),
+    (re.compile(r"linear_kv_up_proj\.layer_norm_weight$"), "kv_layernorm.weight"),
 )
 _LAYER_IDX = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT_IDX = re.compile(r"\.local_experts\.(\d+)\.")
@@ -109,16 +108,26 @@ class _Placement:
     expert: bool  # split over the expert-tensor-parallel group, gathered over EP
 
 
-def _kind(global_name: str, critic: bool) -> str:
-    if global_name == "output_layer.weight":
-        return "replicated" if critic else "column"
-    if global_name.endswith(("word_embeddings.weight", "linear_qkv.weight")):
-        return "column"
-    if global_name.endswith("linear_fc1.weight"):
-        return "glu"
-    if global_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+def _kind(global_name: str, tensor: Tensor, critic: bool) -> str:
+    """How `tensor` is split over its tensor-parallel group, from megatron-core's own marks
+    (``tensor_model_parallel`` / ``partition_dim``, set on every split parameter)."""
+    if critic and global_name == "output_layer.weight":
+        return "replicated"
+    if not getattr(tensor, "tensor_model_parallel", False):
+        return "replicated"
+    if getattr(tensor, "partition_dim", 0) == 1:
         return "row"
-    return "replicated"
+    # SwiGLU fc1 holds [gate; up]: each half is split on its own.
+    return "glu" if global_name.endswith("linear_fc1.weight") else "column"
+
+
+def named_tensors(model: Any) -> Iterator[tuple[str, Tensor]]:
+    """The tensors that make a model's weights: its parameters, then its routers' expert
+    biases (buffers that the checkpoint holds and the optimizer does not train)."""
+    yield from model.named_parameters()
+    for name, buffer in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            yield name, buffer
 
 
 def _unwrap(model: Any) -> Any:
@@ -141,7 +150,7 @@ def _placements(model: Any, cfg: ModelConfig) -> dict[str, _Placement]:
     local_experts = cfg.num_experts // ps.get_expert_model_parallel_world_size()
     critic = _is_critic(model)
     out = {}
-    for local_name, _ in model.named_parameters():
+    for local_name, tensor in named_tensors(model):
         name = local_name
         for pattern, repl in _TE_ALIASES:
             name = pattern.sub(repl, name)
@@ -149,7 +158,7 @@ def _placements(model: Any, cfg: ModelConfig) -> dict[str, _Placement]:
         name = _EXPERT_IDX.sub(
             lambda m: f".local_experts.{int(m[1]) + ep_rank * local_experts}.", name
         )
-        out[local_name] = _Placement(name, _kind(name, critic), ".local_experts." in name)
+        out[local_name] = _Placement(name, _kind(name, tensor, critic), ".local_experts." in name)
     return out
 
 
@@ -170,52 +179,6 @@ def _group(expert: bool) -> tuple[int, int, Any]:
 
 
 # --- reading checkpoints ------------------------------------------------------------------------
-
-
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> shape of every tensor a transformers checkpoint of `cfg` holds."""
-    h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "self_attn.q_norm.weight": (d,),
-                p + "self_attn.k_norm.weight": (d,),
-            }
-        )
-        if cfg.is_moe:
-            f = cfg.moe_ffn_hidden_size
-            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
-            for e in range(cfg.num_experts):
-                x = f"{p}mlp.experts.{e}."
-                shapes.update(
-                    {
-                        x + "gate_proj.weight": (f, h),
-                        x + "up_proj.weight": (f, h),
-                        x + "down_proj.weight": (h, f),
-                    }
-                )
-        else:
-            f = cfg.ffn_hidden_size
-            shapes.update(
-                {
-                    p + "mlp.gate_proj.weight": (f, h),
-                    p + "mlp.up_proj.weight": (f, h),
-                    p + "mlp.down_proj.weight": (h, f),
-                }
-            )
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
 
 
 _FUSED_KEY = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$")
@@ -279,9 +242,25 @@ class CheckpointReader:
         return tensor if half is None else tensor.chunk(2, dim=0)[half].contiguous()
 
 
-def _check_checkpoint(reader: CheckpointReader, cfg: ModelConfig, tied_ok: bool) -> None:
+def _mtp_names(path: Path, names: set[str], cfg: ModelConfig) -> set[str]:
+    """Tensors of the multi-token-prediction layers a DeepSeek-V3 / GLM-4.5 checkpoint appends
+    after its decoder layers (config.json ``num_nextn_predict_layers``); training does not use
+    them."""
+    config = path / "config.json"
+    extra = (
+        json.loads(config.read_text()).get("num_nextn_predict_layers", 0) if config.is_file() else 0
+    )
+    mtp = range(cfg.num_layers, cfg.num_layers + int(extra or 0))
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    return {n for n in names if (m := layer.match(n)) and int(m[1]) in mtp}
+
+
+def _check_checkpoint(
+    reader: CheckpointReader, cfg: ModelConfig, tied_ok: bool, path: Path
+) -> None:
     expected = hf_shapes(cfg)
     available = set(reader.keys())
+    available -= _mtp_names(path, available, cfg)
     for name, shape in expected.items():
         if name not in available:
             raise ValueError(f"checkpoint lacks parameter {name} (expected shape {list(shape)})")
@@ -314,8 +293,8 @@ def load_hf_checkpoint(model: Any, path: str | os.PathLike[str], cfg: ModelConfi
     model = _unwrap(model)
     critic = _is_critic(model)
     reader = CheckpointReader(path)
-    _check_checkpoint(reader, cfg, tied_ok=cfg.tie_word_embeddings or critic)
-    params = dict(model.named_parameters())
+    _check_checkpoint(reader, cfg, tied_ok=cfg.tie_word_embeddings or critic, path=Path(path))
+    params = dict(named_tensors(model))
     for local_name, place in _placements(model, cfg).items():
         if critic and place.global_name == "output_layer.weight":
             continue
@@ -357,7 +336,7 @@ def _iter_full_megatron(model: Any, cfg: ModelConfig) -> Iterator[tuple[str, Ten
     ep_group = ps.get_expert_model_parallel_group()
     local_experts = cfg.num_experts // ep_size
     placements = _placements(model, cfg)
-    for local_name, param in model.named_parameters():
+    for local_name, param in named_tensors(model):
         place = placements[local_name]
         if cfg.tie_word_embeddings and place.global_name == "output_layer.weight":
             continue  # the embedding already holds it
@@ -374,13 +353,10 @@ def _iter_full_megatron(model: Any, cfg: ModelConfig) -> Iterator[tuple[str, Ten
 
 
 def iter_hf_weights(
-    model: Any,
-    cfg: ModelConfig,
-    *,
-    dtype: torch.dtype | None = None,
-    fused_experts: bool = False,
+    model: Any, cfg: ModelConfig, *, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, Tensor]]:
-    """(hf_name, tensor) pairs of this rank's pipeline stage, full (gathered over TP/ETP/EP).
+    """(hf_name, tensor) pairs of this rank's pipeline stage, full (gathered over TP/ETP/EP),
+    named as the family's checkpoints name them (one tensor per expert, as SGLang reads them).
 
     Tensors stay on the parameters' device. Every rank of the TP/EP groups must consume the
     iterator in step, since gathering is collective. Under PP each stage yields its own layers
@@ -389,10 +365,8 @@ def iter_hf_weights(
     Args:
         model: An actor or reference GPTModel (possibly wrapped); not a critic.
         cfg: Its shape.
-        dtype: Cast to this dtype (default: keep the parameters' dtype).
-        fused_experts: Yield experts in the transformers 5 in-memory layout
-            (``mlp.experts.gate_up_proj`` / ``down_proj``), ready for ``load_state_dict`` on a
-            transformers model, instead of the per-expert checkpoint layout SGLang reads.
+        dtype: Cast to this dtype (default: keep the parameters' dtype). Routers' expert biases
+            stay in float32, as checkpoints keep them.
 
     Raises:
         ValueError: for a critic (its value layer has no transformers counterpart).
@@ -400,35 +374,12 @@ def iter_hf_weights(
     model = _unwrap(model)
     if _is_critic(model):
         raise ValueError("a critic has no transformers counterpart to export")
-
-    def per_param() -> Iterator[list[tuple[str, Tensor]]]:
-        for name, full in _iter_full_megatron(model, cfg):
-            rule = hf_rule(name, cfg)
-            tensors = rule.split(full)
-            if dtype is not None:
-                tensors = [t.to(dtype) for t in tensors]
-            yield list(zip(rule.hf_names, tensors, strict=True))
-
-    if not fused_experts or not cfg.is_moe:
-        for pairs in per_param():
-            yield from pairs
-        return
-    pending: list[tuple[str, Tensor]] = []  # one layer's experts, fused when the layer ends
-    layer_of = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.")
-    current = None
-    for pairs in per_param():
-        for name, tensor in pairs:
-            match = layer_of.match(name)
-            if match is None:
-                yield name, tensor
-                continue
-            if current is not None and match[1] != current:
-                yield from fuse_experts(pending, cfg)
-                pending = []
-            current = match[1]
-            pending.append((name, tensor))
-    if pending:
-        yield from fuse_experts(pending, cfg)
+    for name, full in _iter_full_megatron(model, cfg):
+        rule = hf_rule(name, cfg)
+        tensors = rule.split(full)
+        if dtype is not None and not name.endswith("expert_bias"):
+            tensors = [t.to(dtype) for t in tensors]
+        yield from zip(rule.hf_names, tensors, strict=True)
 
 
 def export_hf_checkpoint(
@@ -466,7 +417,7 @@ def export_hf_checkpoint(
     tensors = {}
     for name, t in iter_hf_weights(unwrapped, cfg, dtype=dtype):
         if keep:
-            tensors[name] = t.detach().to("cpu", dtype).clone()
+            tensors[name] = t.detach().to("cpu").clone()
     if pp_size > 1:
         stages: list[dict[str, Tensor] | None] = [None] * pp_size
         comm.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
