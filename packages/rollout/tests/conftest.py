@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ember_rollout.config import HFEngineConfig, TinyModelConfig
+from ember_rollout.families import FAMILIES, write_family_checkpoint
 from ember_rollout.hf_engine import HFEngine
 
 # Layer 1 is dense, so the routed-experts layout is checked for zeros there too.
@@ -26,6 +27,22 @@ def fp32_engine() -> HFEngine:
 @pytest.fixture(scope="session")
 def bf16_engine() -> HFEngine:
     return make_engine("bfloat16")
+
+
+@pytest.fixture(scope="session", params=list(FAMILIES))
+def family_checkpoint(request, tmp_path_factory):
+    """(model_type, HF directory) of a tiny random model of each MoE family, as exported."""
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, write_family_checkpoint(path, request.param, seed=3)
+
+
+@pytest.fixture(scope="session")
+def family_engine(family_checkpoint) -> HFEngine:
+    """An fp32 hf engine serving `family_checkpoint`'s directory (through `model_path`)."""
+    _, path = family_checkpoint
+    engine = HFEngine(HFEngineConfig(model_path=str(path), dtype="float32"))
+    engine.load()
+    return engine
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,7 +9,9 @@ import pytest
 import torch
 from conftest import TINY, make_engine
 
+from ember_rollout.config import HFEngineConfig
 from ember_rollout.engine import EngineError, GenerateRequest, SamplingParams
+from ember_rollout.hf_engine import HFEngine
 from ember_rollout.routing import decode_routed_experts
 
 PROMPTS = [[12, 5, 3, 16], [13, 2, 9, 9, 4, 16], [14, 7, 16], [12, 3, 3, 3, 3, 3, 1, 16]]
@@ -48,20 +50,21 @@ def reference_log_probs(logits_V, temperature, top_k, top_p):
     return {t: math.log(probs[t] / total) for t in kept}
 
 
-def full_forward(engine, tokens):
+def full_forward(engine, tokens, router_logits=True):
     """Logits [T, V] (fp32) and router logits of every MoE layer, no cache, no padding."""
     with torch.no_grad():
-        out = engine.model(input_ids=torch.tensor([tokens]), output_router_logits=True)
-    return out.logits[0].float(), out.router_logits
+        out = engine.model(input_ids=torch.tensor([tokens]), output_router_logits=router_logits)
+    return out.logits[0].float(), out.router_logits if router_logits else None
 
 
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.3, 5, 0.8)]
 )
-def test_fp32_log_probs_equal_full_forward(fp32_engine, temperature, top_k, top_p):
-    outputs = fp32_engine.generate_sync(requests(temperature, top_p, top_k))
+def test_fp32_log_probs_equal_full_forward(family_engine, temperature, top_k, top_p):
+    """Every MoE family (conftest's `family_engine`, loaded from an exported directory)."""
+    outputs = family_engine.generate_sync(requests(temperature, top_p, top_k))
     for ids, out in zip(PROMPTS, outputs, strict=True):
-        logits, _ = full_forward(fp32_engine, ids + out.output_ids)
+        logits, _ = full_forward(family_engine, ids + out.output_ids, router_logits=False)
         rows = logits[len(ids) - 1 : len(ids) + len(out.output_ids) - 1]
         for row, token, lp in zip(rows, out.output_ids, out.output_log_probs, strict=True):
             allowed = reference_log_probs(row, temperature, top_k, top_p)
@@ -139,9 +142,11 @@ def test_batched_cached_generation_matches_uncached_reference(fp32_engine):
         assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-5)
 
 
-def test_dropping_finished_rows_does_not_change_results():
-    every_step = make_engine("float32", compact_every=1)
-    never = make_engine("float32", compact_every=0)
+def test_dropping_finished_rows_does_not_change_results(family_engine):
+    """Every MoE family's KV cache (DeepSeek-V3's holds MLA latents) drops rows alike."""
+    model = family_engine.model
+    every_step = HFEngine(HFEngineConfig(dtype="float32", compact_every=1), model=model)
+    never = HFEngine(HFEngineConfig(dtype="float32", compact_every=0), model=model)
     reqs = requests(max_new_tokens=20, routed=True, seed=5)
     reqs[1].sampling.max_new_tokens = 2  # finishes early, so compaction happens
     a, b = every_step.generate_sync(reqs), never.generate_sync(reqs)

@@ -114,7 +114,7 @@ FULL = {
         ("num_hidden_layers", "num_hidden_layers"),
         ("vocab_size", "vocab_size"),
         ("max_position_embeddings", "max_position_embeddings"),
-        ("num_experts", "num_experts or num_local_experts"),
+        ("num_experts", "num_experts or num_local_experts or n_routed_experts"),
     ],
 )
 def test_model_info_names_a_missing_field_and_the_file(tmp_path, missing, named):

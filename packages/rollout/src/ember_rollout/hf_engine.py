@@ -7,7 +7,6 @@ import datetime
 import logging
 import math
 import random
-import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,17 +28,18 @@ from ember_rollout.engine import (
 )
 from ember_rollout.models import (
     DTYPES,
-    RouterSite,
     _resolve,
     build_tiny_model,
     cache_kwarg,
+    check_update_names,
     find_routers,
     iter_checkpoint,
     load_hf_weights,
     load_model,
     model_info,
+    naming_of,
 )
-from ember_rollout.routing import encode_routed_experts
+from ember_rollout.routing import ExpertCapture, encode_routed_experts
 from ember_rollout.token_sampling import filtered_log_probs, sample_tokens
 
 if TYPE_CHECKING:
@@ -50,105 +50,6 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_FIELDS = frozenset({ROUTED_EXPERTS_FIELD})
 """Request fields the hf engine acts on; others are ignored with a warning."""
-
-
-class RouterCapture:
-    """Forward hooks that record each MoE router's top-k experts for every forwarded position."""
-
-    def __init__(self, sites: list[RouterSite], num_layers: int, topk: int) -> None:
-        self.sites = sites
-        self.num_layers = num_layers
-        self.topk = topk
-        self._captured: dict[int, torch.Tensor] = {}
-        self._handles = [site.module.register_forward_hook(self._hook(site)) for site in sites]
-
-    def _hook(self, site: RouterSite):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            logits = output if site.output_index is None else output[site.output_index]
-            # Sorted top-k of the router logits, as SGLang reports them.
-            self._captured[site.layer] = torch.topk(logits.detach(), self.topk, dim=-1).indices
-
-        return hook
-
-    def pop(self, batch: int, seq: int) -> torch.Tensor:
-        """Experts of the last forward: int32 [batch, seq, num_layers, topk]; dense layers 0."""
-        out = torch.zeros(batch, seq, self.num_layers, self.topk, dtype=torch.int32)
-        for layer, ids in self._captured.items():
-            out[:, :, layer] = ids.reshape(batch, seq, self.topk).to("cpu", torch.int32)
-        self._captured.clear()
-        return out
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-
-_EXPERT_NAME = re.compile(
-    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$"
-)
-"""A per-expert checkpoint name, stored fused as `<prefix>.gate_up_proj` / `<prefix>.down_proj`."""
-
-
-def _names_list(names: Sequence[str], limit: int = 5) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
-
-
-def check_update_names(model: nn.Module, names: Sequence[str], *, partial: bool = False) -> None:
-    """Check the names of a weight update against `model` before anything is copied.
-
-    Args:
-        model: The transformers model the update is for.
-        names: HF checkpoint names: the model's own state-dict names or per-expert names.
-        partial: Allow leaving parameters out.
-
-    Raises:
-        ValueError: A name matches no parameter, or (unless `partial`) a parameter is missing.
-    """
-    state = model.state_dict(keep_vars=True)
-    covered: set[str] = set()
-    experts: dict[str, set[int]] = {}  # fused tensor -> experts covered (gate and up separately)
-    unknown = []
-    for name in names:
-        match = _EXPERT_NAME.match(name)
-        if name in state:
-            covered.add(name)
-        elif match is not None:
-            fused = f"{match['prefix']}.{'down' if match['proj'] == 'down' else 'gate_up'}_proj"
-            if fused not in state:
-                unknown.append(name)
-                continue
-            slot = 2 * int(match["expert"]) + (match["proj"] == "up")
-            experts.setdefault(fused, set()).add(slot)
-        else:
-            unknown.append(name)
-    if unknown:
-        raise ValueError(
-            f"weight update: {_names_list(unknown)} match no parameter of the engine's model "
-            f"(its parameters include {_names_list([n for n, _ in model.named_parameters()], 3)})"
-        )
-    if partial:
-        return
-    missing = []
-    for name, param in model.named_parameters():  # tied weights appear once
-        if name in covered:
-            continue
-        match = re.fullmatch(r"(?P<prefix>.+\.experts)\.(?P<which>gate_up|down)_proj", name)
-        if match is None:
-            missing.append(name)
-            continue
-        have = experts.get(name, set())
-        projs = ("down",) if match["which"] == "down" else ("gate", "up")
-        for e in range(param.shape[0]):
-            for proj in projs:
-                if 2 * e + (proj == "up") not in have:
-                    missing.append(f"{match['prefix']}.{e}.{proj}_proj.weight")
-    if missing:
-        raise ValueError(
-            f"weight update leaves out {_names_list(missing)}: every parameter of the engine's "
-            "model must be sent (partial=True loads a subset)"
-        )
 
 
 # -- weights broadcast by the trainer ----------------------------------------------------------
@@ -337,9 +238,17 @@ class HFEngine(Engine):
     def _adopt(self, model: nn.Module) -> None:
         self.model = model.eval()
         self._info = model_info(model)
-        self._routers = find_routers(model)
+        self._moe_sites = find_routers(model)
         self._cache_kw = cache_kwarg(model)
         self._device = next(model.parameters()).device
+
+    def _capture(self) -> ExpertCapture:
+        """Hooks recording the experts every MoE layer dispatches each token to."""
+        info = self._info
+        assert info is not None
+        return ExpertCapture(
+            [(site.layer, site.experts) for site in self._moe_sites], info.num_layers, info.topk
+        )
 
     async def start(self) -> None:
         if self.model is None:
@@ -504,9 +413,9 @@ class HFEngine(Engine):
         async with self._lock:
             try:
                 check_update_names(self.model, list(names), partial=True)
-                state = self.model.state_dict(keep_vars=True)
+                state, naming = self.model.state_dict(keep_vars=True), naming_of(self.model)
                 for name, tensor in named:  # every shape checked before anything is copied
-                    _resolve(state, name, tensor)
+                    _resolve(state, name, tensor, naming)
             except ValueError as exc:
                 raise EngineError(f"weight bucket of group {group_name!r}: {exc}") from None
             await asyncio.to_thread(load_hf_weights, self.model, named)
@@ -571,8 +480,8 @@ class HFEngine(Engine):
         assert model is not None and info is not None
         rows = [self._new_row(r) for r in requests]
         capture = None
-        if any(r.wants_routed_experts for r in requests) and self._routers:
-            capture = RouterCapture(self._routers, info.num_layers, info.topk)
+        if any(r.wants_routed_experts for r in requests) and self._moe_sites:
+            capture = self._capture()
         try:
             # Left-pad the prompts: position ids count real tokens only.
             lengths = [len(r.request.input_ids) for r in rows]
@@ -617,7 +526,7 @@ class HFEngine(Engine):
         mask: torch.Tensor,
         last_positions: torch.Tensor,
         cache: Any,
-        capture: RouterCapture | None,
+        capture: ExpertCapture | None,
     ) -> None:
         """Sample, stop, and extend the cache one token per step until every row finished."""
         model, device = self.model, self._device
@@ -740,10 +649,8 @@ class HFEngine(Engine):
                     row.finish = {"type": "stop", "matched": token}
                 elif len(row.output_ids) >= row.max_new_tokens:
                     row.finish = {"type": "length", "length": len(row.output_ids)}
-            if request.wants_routed_experts and self._routers:
-                info = self._info
-                assert info is not None
-                capture = RouterCapture(self._routers, info.num_layers, info.topk)
+            if request.wants_routed_experts and self._moe_sites:
+                capture = self._capture()
                 try:
                     model(input_ids=torch.tensor([tokens[:-1]], device=device), use_cache=False)
                     row.experts.append(capture.pop(1, len(tokens) - 1)[0])

@@ -1,11 +1,11 @@
-"""Models of the hf engine: the built-in tiny Qwen3-MoE, loading, routers, HF-named weights."""
+"""Models of the hf engine: the built-in tiny Qwen3-MoE, loading, MoE layers, HF-named weights."""
 
 from __future__ import annotations
 
 import inspect
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from torch import nn
 
 from ember_rollout.config import TinyModelConfig
 from ember_rollout.engine import ModelInfo
+from ember_rollout.families import Family, checkpoint_naming, config_num_experts
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -120,43 +121,52 @@ def write_tiny_checkpoint(
 
 
 # --------------------------------------------------------------------------------------------
-# Routers
+# MoE layers
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class RouterSite:
-    """One MoE router: its decoder layer, module, and which output holds the router logits."""
+class MoESite:
+    """One MoE layer: its decoder layer index, router module and experts module."""
 
     layer: int
-    module: nn.Module
-    output_index: int | None
+    router: nn.Module
+    experts: nn.Module
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def find_routers(model: nn.Module) -> list[RouterSite]:
-    """Every MoE router of `model`, in layer order.
+def find_routers(model: nn.Module) -> list[MoESite]:
+    """Every MoE layer of `model`, in layer order.
 
-    Uses the module class transformers records for `output_router_logits` (the model's
-    `_can_record_outputs["router_logits"]`), falling back to modules named `layers.N.mlp.gate`.
+    Routers are the modules of the class transformers records for `output_router_logits` (the
+    model's `_can_record_outputs["router_logits"]`), else modules named `layers.N.mlp.gate`; the
+    experts module is the router's sibling `experts`, which the MoE block calls with the ids it
+    selected (see `routing.ExpertCapture`).
+
+    Raises:
+        ValueError: Two routers in one layer, or a router without a sibling `experts` module.
     """
     recorder = getattr(model, "_can_record_outputs", None) or {}
     spec = recorder.get("router_logits")
     target = getattr(spec, "target_class", spec if isinstance(spec, type) else None)
-    index = getattr(spec, "index", None)
-    sites: list[RouterSite] = []
+    sites: list[MoESite] = []
     for name, module in model.named_modules():
         match = _LAYER_INDEX.search(name)
         if match is None:
             continue
-        if target is not None:
-            hit = isinstance(module, target)
-        else:
-            hit = name.endswith(".mlp.gate") and isinstance(module, nn.Module)
-        if hit:
-            sites.append(RouterSite(int(match.group(1)), module, index))
+        hit = isinstance(module, target) if target is not None else name.endswith(".mlp.gate")
+        if not hit:
+            continue
+        block = model.get_submodule(name.rpartition(".")[0])
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module):
+            raise ValueError(
+                f"{type(model).__name__}: the MoE block {name.rpartition('.')[0]!r} has no "
+                "`experts` module to record routed experts from"
+            )
+        sites.append(MoESite(int(match.group(1)), module, experts))
     layers = [s.layer for s in sites]
     if len(set(layers)) != len(layers):
         raise ValueError(f"found several routers in one layer ({layers}); cannot map to layers")
@@ -164,7 +174,11 @@ def find_routers(model: nn.Module) -> list[RouterSite]:
 
 
 def model_info(model: nn.Module) -> ModelInfo:
-    """Layers, experts and context length of a transformers causal LM."""
+    """Layers, experts and context length of a transformers causal LM.
+
+    MoE layers are those with a router module; experts per layer come from whichever of
+    `num_experts`, `num_local_experts`, `n_routed_experts` the config has.
+    """
     config = model.config
     config = getattr(config, "text_config", None) or config
     routers = find_routers(model)
@@ -175,11 +189,7 @@ def model_info(model: nn.Module) -> ModelInfo:
     return ModelInfo(
         num_layers=int(config.num_hidden_layers),
         topk=int(getattr(config, "num_experts_per_tok", 0) or 0) if routers else 0,
-        num_experts=int(
-            getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0
-        )
-        if routers
-        else 0,
+        num_experts=(config_num_experts(config) or 0) if routers else 0,
         moe_layers=tuple(s.layer for s in routers),
         vocab_size=int(config.vocab_size),
         context_len=int(getattr(config, "max_position_embeddings", 0) or 1 << 30),
@@ -197,9 +207,41 @@ def cache_kwarg(model: nn.Module) -> str:
 # Weights by HF checkpoint name
 # --------------------------------------------------------------------------------------------
 
-_EXPERT = re.compile(
-    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$"
-)
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def naming_of(model: nn.Module) -> Family:
+    """The checkpoint naming of `model`'s family (from its config's `model_type`)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    return checkpoint_naming(getattr(config, "model_type", None))
+
+
+def _locate(
+    state: dict[str, torch.Tensor], name: str, naming: Family
+) -> tuple[str, int | None, str | None] | None:
+    """Where checkpoint tensor `name` goes: (state-dict name, expert, gate/up/down) for a
+    per-expert tensor, (state-dict name, None, None) otherwise, None if nowhere."""
+    if name in state:
+        return name, None, None
+    if naming.moe_block != "mlp":  # then checkpoint names must use the family's block name
+        block = f".{naming.moe_block}."
+        if block not in name:
+            return None
+        name = name.replace(block, ".mlp.")
+        if name in state:
+            return name, None, None
+    match = _EXPERT.match(name)
+    if match is None or match["proj"] not in naming.expert_projections:
+        return None
+    proj = naming.expert_projections[match["proj"]]
+    fused = f"{match['prefix']}.{'down' if proj == 'down' else 'gate_up'}_proj"
+    return (fused, int(match["expert"]), proj) if fused in state else None
+
+
+def _checkpoint_name(name: str, naming: Family) -> str:
+    """The checkpoint name of state-dict tensor `name` (not a fused expert tensor)."""
+    return name.replace(".mlp.", f".{naming.moe_block}.") if naming.moe_block != "mlp" else name
 
 
 def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -222,11 +264,13 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy tensors named as in an HF checkpoint into `model`'s parameters, in place.
+    """Copy tensors named as in an HF checkpoint into `model`'s parameters and buffers, in place.
 
-    Names are either the model's own state-dict names, or per-expert checkpoint names
-    (`...experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`) that transformers stores fused
-    as `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I].
+    Names are either the model's own state-dict names, or its family's checkpoint names (see
+    `ember_rollout.families`): per-expert tensors (`...experts.{e}.gate_proj.weight`, `up_proj`,
+    `down_proj`; Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2.weight`), which transformers
+    stores fused as `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I], and
+    Mixtral's `block_sparse_moe.*` for transformers' `mlp.*`.
 
     Returns:
         How many tensors were loaded.
@@ -235,53 +279,119 @@ def load_hf_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.T
         ValueError: An unknown name or a shape mismatch; nothing is half-copied for that tensor.
     """
     state = model.state_dict(keep_vars=True)
+    naming = naming_of(model)
     count = 0
     for name, tensor in named_tensors:
-        target, value = _resolve(state, name, tensor)
+        target, value = _resolve(state, name, tensor, naming)
         target.data.copy_(value.to(device=target.device, dtype=target.dtype))
         count += 1
     return count
 
 
 def _resolve(
-    state: dict[str, torch.Tensor], name: str, tensor: torch.Tensor
+    state: dict[str, torch.Tensor],
+    name: str,
+    tensor: torch.Tensor,
+    naming: Family | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The destination view for checkpoint tensor `name` and the value to copy into it."""
-    if name in state:
-        target = state[name]
+    """The destination view for checkpoint tensor `name` and the value to copy into it.
+
+    `naming` is the model's family (`naming_of(model)`); None: per-expert names under `mlp`.
+    """
+    where = _locate(state, name, naming or checkpoint_naming(None))
+    if where is None:
+        known = [n for n in state if not n.endswith("inv_freq")][:5]
+        raise ValueError(
+            f"weight {name!r} matches no parameter of the model (e.g. {', '.join(known)}, ...)"
+        )
+    key, expert, proj = where
+    target = state[key]
+    if expert is None:
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's "
                 f"{tuple(target.shape)}"
             )
         return target, tensor
-    match = _EXPERT.match(name)
-    if match is not None:
-        prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
-        fused = state.get(f"{prefix}.{'down' if proj == 'down' else 'gate_up'}_proj")
-        if fused is not None:
-            if not 0 <= expert < fused.shape[0]:
-                raise ValueError(f"weight {name!r}: expert {expert} >= {fused.shape[0]} experts")
-            slot = fused[expert]
-            if proj != "down":
-                rows = tensor.shape[0]
-                if slot.shape[0] == 2 * rows:
-                    slot = slot[:rows] if proj == "gate" else slot[rows:]
-                elif slot.shape[1] == 2 * rows:  # fused as [E, H, 2I]
-                    slot = (slot[:, :rows] if proj == "gate" else slot[:, rows:]).T
-                else:
-                    slot = None
-            elif tuple(slot.shape) != tuple(tensor.shape) and tuple(slot.T.shape) == tuple(
-                tensor.shape
-            ):
-                slot = slot.T
-            if slot is None or tuple(slot.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"weight {name!r}: shape {tuple(tensor.shape)} does not fit the fused "
-                    f"expert tensor of shape {tuple(fused.shape)}"
-                )
-            return slot, tensor
-    known = [n for n in state if not n.endswith("inv_freq")][:5]
-    raise ValueError(
-        f"weight {name!r} matches no parameter of the model (e.g. {', '.join(known)}, ...)"
-    )
+    if not 0 <= expert < target.shape[0]:
+        raise ValueError(f"weight {name!r}: expert {expert} >= {target.shape[0]} experts")
+    slot = target[expert]
+    if proj != "down":
+        rows = tensor.shape[0]
+        if slot.shape[0] == 2 * rows:
+            slot = slot[:rows] if proj == "gate" else slot[rows:]
+        elif slot.shape[1] == 2 * rows:  # fused as [E, H, 2I]
+            slot = (slot[:, :rows] if proj == "gate" else slot[:, rows:]).T
+        else:
+            slot = None
+    elif tuple(slot.shape) != tuple(tensor.shape) and tuple(slot.T.shape) == tuple(tensor.shape):
+        slot = slot.T
+    if slot is None or tuple(slot.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"weight {name!r}: shape {tuple(tensor.shape)} does not fit the fused "
+            f"expert tensor of shape {tuple(target.shape)}"
+        )
+    return slot, tensor
+
+
+def _names_list(names: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def check_update_names(model: nn.Module, names: Sequence[str], *, partial: bool = False) -> None:
+    """Check the names of a weight update against `model` before anything is copied.
+
+    Args:
+        model: The transformers model the update is for.
+        names: HF checkpoint names: the model's own state-dict names or its family's
+            checkpoint names (see `load_hf_weights`).
+        partial: Allow leaving tensors out.
+
+    Raises:
+        ValueError: A name matches no tensor, or (unless `partial`) a parameter or a saved
+            buffer (such as DeepSeek's `e_score_correction_bias`, which routing depends on) is
+            missing; the missing ones are named as the family's checkpoint names them.
+    """
+    state = model.state_dict(keep_vars=True)
+    naming = naming_of(model)
+    covered: set[str] = set()
+    experts: dict[str, set[int]] = {}  # fused tensor -> slots covered (2e gate / 2e+1 up; e down)
+    unknown = []
+    for name in names:
+        where = _locate(state, name, naming)
+        if where is None:
+            unknown.append(name)
+        elif where[1] is None:
+            covered.add(where[0])
+        else:
+            key, expert, proj = where
+            experts.setdefault(key, set()).add(2 * expert + (proj == "up"))
+    if unknown:
+        raise ValueError(
+            f"weight update: {_names_list(unknown)} match no parameter of the engine's model "
+            f"(its parameters include {_names_list([n for n, _ in model.named_parameters()], 3)})"
+        )
+    if partial:
+        return
+    required = [*(n for n, _ in model.named_parameters()), *(n for n, _ in model.named_buffers())]
+    projections = {proj: ours for ours, proj in naming.expert_projections.items()}
+    missing = []
+    for name in dict.fromkeys(required):  # tied weights appear once
+        if name in covered or name not in state:  # not saved: non-persistent buffers
+            continue
+        match = re.fullmatch(r"(?P<prefix>.+\.experts)\.(?P<which>gate_up|down)_proj", name)
+        if match is None:
+            missing.append(_checkpoint_name(name, naming))
+            continue
+        have = experts.get(name, set())
+        prefix = _checkpoint_name(match["prefix"] + ".", naming)
+        for e in range(state[name].shape[0]):
+            for proj in ("down",) if match["which"] == "down" else ("gate", "up"):
+                if 2 * e + (proj == "up") not in have:
+                    missing.append(f"{prefix}{e}.{projections[proj]}.weight")
+    if missing:
+        raise ValueError(
+            f"weight update leaves out {_names_list(missing)}: every parameter of the engine's "
+            "model must be sent (partial=True loads a subset)"
+        )

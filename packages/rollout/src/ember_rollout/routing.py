@@ -1,12 +1,16 @@
-"""Routed experts in SGLang's wire format: base64 of int32 [len(tokens) - 1, layers, topk]."""
+"""Routed experts: recorded from a transformers MoE as dispatched, and SGLang's wire format
+(base64 of int32 [len(tokens) - 1, layers, topk])."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 ROUTED_EXPERTS_KEY = "routed_experts"
 """Key of the encoded experts in `meta_info`."""
@@ -92,3 +96,53 @@ def decode_routed_experts(
         )
     array = np.frombuffer(raw, dtype=dtype).astype(np.int32)
     return torch.from_numpy(array.reshape(positions, num_layers, topk))
+
+
+class ExpertCapture:
+    """Records, for every forwarded token, the experts each MoE layer dispatched it to.
+
+    A forward pre-hook on each layer's `experts` module reads the ids the MoE block passes in
+    (`experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])` in every transformers 5
+    MoE family), so whatever rule chose them (softmax top-k, sigmoid plus expert bias, group
+    limits) the ids are those the layer computed with. They keep the block's order: descending
+    score for the softmax families, unspecified for DeepSeek-V3 and GLM-4.5 (`torch.topk(...,
+    sorted=False)`); consumers compare sets.
+    """
+
+    def __init__(self, sites: Sequence[tuple[int, nn.Module]], num_layers: int, topk: int) -> None:
+        """Hook `sites`, (layer index, experts module) pairs; stays hooked until `close()`."""
+        self.num_layers = num_layers
+        self.topk = topk
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = [
+            module.register_forward_pre_hook(self._hook(layer), with_kwargs=True)
+            for layer, module in sites
+        ]
+
+    def _hook(self, layer: int):
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != self.topk:
+                got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+                raise ValueError(
+                    f"layer {layer}: {type(module).__name__} was called without expert ids of "
+                    f"shape [tokens, topk={self.topk}] as its second argument (got {got}); "
+                    "routed experts cannot be recorded for this model"
+                )
+            self._captured[layer] = ids.detach()
+
+        return hook
+
+    def pop(self, batch: int, seq: int) -> torch.Tensor:
+        """Experts of the last forward: int32 [batch, seq, num_layers, topk]; dense layers 0."""
+        out = torch.zeros(batch, seq, self.num_layers, self.topk, dtype=torch.int32)
+        for layer, ids in self._captured.items():
+            out[:, :, layer] = ids.reshape(batch, seq, self.topk).to("cpu", torch.int32)
+        self._captured.clear()
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -32,6 +32,7 @@ from ember_rollout.engine import (
     ModelInfo,
     memory_tags,
 )
+from ember_rollout.families import EXPERT_COUNT_KEYS, config_moe_layers
 from ember_rollout.routing import (
     ROUTED_EXPERTS_DTYPE_KEY,
     ROUTED_EXPERTS_KEY,
@@ -90,8 +91,7 @@ def model_info_from_dir(path: str | Path | None) -> ModelInfo | None:
 
     num_layers = required("num_hidden_layers")
     topk = int(config.get("num_experts_per_tok") or 0)
-    num_experts = required("num_experts", "num_local_experts") if topk else 0
-    dense = set(config.get("mlp_only_layers") or [])
+    num_experts = required(*EXPERT_COUNT_KEYS) if topk else 0
     eos: set[int] = set()
     sources = [config]
     generation = Path(path) / "generation_config.json"
@@ -104,7 +104,7 @@ def model_info_from_dir(path: str | Path | None) -> ModelInfo | None:
         num_layers=num_layers,
         topk=topk,
         num_experts=num_experts,
-        moe_layers=tuple(i for i in range(num_layers) if topk and i not in dense),
+        moe_layers=config_moe_layers(config),
         vocab_size=required("vocab_size"),
         context_len=required("max_position_embeddings"),
         eos_token_ids=tuple(sorted(eos)),
