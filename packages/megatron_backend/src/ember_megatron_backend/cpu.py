@@ -47,6 +47,11 @@ The spots (megatron-core 0.16.1, torch 2.14 CPU build):
    no CUDA generator, and the CPU generator and the tracker's named states (spot 3) are still
    saved and restored by the same code, so a recompute draws what the forward drew.
 
+9. ``tensor_parallel.mappings`` allocates the outputs of its gathers and scatters (the MoE
+   allgather dispatcher's token gather under TP/EP, sequence-parallel regions) with
+   ``device=torch.cuda.current_device()``. That module alone sees a ``torch`` whose
+   ``cuda.current_device()`` is the CPU; everything else it reads is torch itself.
+
 Model options that megatron-core only supports on CUDA are chosen in ``model.py``, not patched:
 ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a ``torch.cuda.Stream``
 in its constructor), ``use_cpu_initialization=True`` and local ``DotProductAttention`` (which
@@ -105,6 +110,7 @@ def apply_cpu_patches() -> None:
     from megatron.core import utils as mcore_utils
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe import router
@@ -116,6 +122,7 @@ def apply_cpu_patches() -> None:
     transformer_utils.get_default_causal_mask = _default_causal_mask
     fused_softmax.get_default_causal_mask = _default_causal_mask  # imported there by name
     router.Router.gating = _router_gating
+    mappings.torch = _TorchOnCpu()
     mcore_random._get_cuda_rng_state = _no_cuda_rng_state
     mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
     patch_missing_te_names()
@@ -207,3 +214,22 @@ def _no_cuda_rng_state(device=None, clone: bool = False, graph_safe: bool = Fals
 
 def _set_no_cuda_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = False) -> None:
     return None
+
+
+# Spot 9 ------------------------------------------------------------------------------------------
+class _CpuCuda:
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """``torch`` as ``tensor_parallel.mappings`` sees it on CPU: the current device is the CPU."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)

@@ -45,11 +45,11 @@ FAMILIES = ("qwen3_moe", "qwen3", "deepseek_v3", "glm4_moe", "qwen2_moe", "mixtr
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """Shape of a decoder of one of the supported families (``FAMILIES``)."""
+    """Shape of a decoder of one of the supported families (see `family`)."""
 
     family: str = ""
-    """transformers ``model_type`` of the family: one of ``FAMILIES``; empty means "qwen3_moe"
-    when num_experts > 0, else "qwen3"."""
+    """The family, as transformers names it (model_type): qwen3_moe, qwen3, deepseek_v3,
+    glm4_moe, qwen2_moe or mixtral; empty means qwen3_moe when num_experts > 0, else qwen3."""
     num_layers: int
     """Number of decoder layers."""
     hidden_size: int
