@@ -39,12 +39,16 @@ from ember_megatron_backend.forward import (  # noqa: E402
 )
 from ember_megatron_backend.model import build_model  # noqa: E402
 from ember_megatron_backend.parallel import destroy_distributed, init_distributed  # noqa: E402
+from ember_megatron_backend.routing import natural_routing  # noqa: E402
 from ember_megatron_backend.worker import MegatronWorker  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning")
 
 LAYERS, EXPERTS, TOPK, VOCAB = 4, 8, 2, 256
-"""The tiny-moe preset's shape."""
+"""The tiny-moe preset's shape (every family preset has the same numbers)."""
+FAMILY_PRESETS = ["tiny-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-qwen2-moe", "tiny-mixtral"]
+"""One preset per MoE family: softmax and sigmoid-with-bias routers, group-limited top-k,
+shared experts, dense first layers."""
 CHECKER_LOGGER = "ember_ci_kl_checker.plugin"
 PLUGINS = {"r3_routing": r3_plugin, "ci_kl_checker": checker_plugin}
 
@@ -125,13 +129,18 @@ def backend(**changes) -> BackendConfig:
     return BackendConfig(**settings)
 
 
-def random_experts(positions: int, generator: torch.Generator) -> torch.Tensor:
-    """Valid rollout experts [positions, layers, topk]: distinct ids per row, uint8."""
+def random_experts(
+    positions: int, generator: torch.Generator, dense: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """Valid rollout experts [positions, layers, topk]: distinct ids per row, uint8; zeros on
+    `dense` layers, as engines report them."""
     order = torch.rand(positions, LAYERS, EXPERTS, generator=generator).argsort(dim=-1)
-    return order[..., :TOPK].to(torch.uint8)
+    experts = order[..., :TOPK].to(torch.uint8)
+    experts[:, list(dense)] = 0
+    return experts
 
 
-def make_samples(count: int = 8, *, seed: int = 0) -> list[Sample]:
+def make_samples(count: int = 8, *, seed: int = 0, dense: tuple[int, ...] = ()) -> list[Sample]:
     """Scored samples in groups of two whose rollout experts are random (the actor's own
     routing picks other experts for most tokens)."""
     g = torch.Generator().manual_seed(seed)
@@ -147,7 +156,7 @@ def make_samples(count: int = 8, *, seed: int = 0) -> list[Sample]:
                 group_index=k // 2,
                 reward=float(torch.rand(1, generator=g)),
                 rollout_log_probs=(-3 * torch.rand(response, generator=g)).tolist(),
-                rollout_routed_experts=random_experts(length - 1, g),
+                rollout_routed_experts=random_experts(length - 1, g, dense),
             )
         )
     return samples
@@ -185,6 +194,12 @@ def batch_of(model, samples: list[Sample]) -> types.SimpleNamespace:
     )
 
 
+def natural_topk(router, hidden: torch.Tensor) -> torch.Tensor:
+    """[R, k] experts the router picks by itself (its family's rule, no replay)."""
+    routing = natural_routing(router, hidden)  # [R, E] bool
+    return routing.float().topk(TOPK, dim=-1).indices
+
+
 class RouterLog:
     """Records every call of a model's TopKRouters: layer, grad mode, the routing map it used
     and the top-k its own logits give (what it would pick without replay)."""
@@ -196,8 +211,7 @@ class RouterLog:
 
     def hook(self, router, args, output) -> None:
         with torch.no_grad():
-            logits = router.gating(args[0]).view(-1, EXPERTS)
-        natural = logits.topk(TOPK, dim=-1).indices
+            natural = natural_topk(router, args[0])
         grad = torch.is_grad_enabled()
         self.calls.append((router.layer_number - 1, grad, output[1].detach().clone(), natural))
 
@@ -390,9 +404,11 @@ def test_the_replayed_reference_forward_runs_only_at_rollout_0_of_a_routing_exem
 # -- replay on a whole GPTModel -------------------------------------------------------------
 
 
-def test_actor_forwards_and_backward_recompute_use_the_rollout_experts(dist_env):
-    train = backend(micro_batch_size=3, num_steps_per_rollout=2)
-    samples = make_samples(10, seed=1)
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_actor_forwards_and_backward_recompute_use_the_rollout_experts(dist_env, preset):
+    train = backend(model=preset, micro_batch_size=3, num_steps_per_rollout=2)
+    moe = train.model_config().moe_layers
+    samples = make_samples(10, seed=1, dense=train.model_config().dense_layers)
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
     with running(["r3_routing"], train, extra=[Recompute()]) as plugins:
         worker = MegatronWorker(train, algorithm, SamplingConfig(), plugins)
@@ -408,13 +424,13 @@ def test_actor_forwards_and_backward_recompute_use_the_rollout_experts(dist_env)
     micro_batches = [[samples[i] for i in mb] for step in batch.steps for mb in step]
     assert max(len(mb) for mb in micro_batches) == 3  # packed micro-batches of several samples
     # Scoring: one no-grad forward per micro-batch, layers in order.
-    expected = [(mb, layer, False) for mb in micro_batches for layer in range(LAYERS)]
+    expected = [(mb, layer, False) for mb in micro_batches for layer in moe]
     # Training: per micro-batch, the checkpointed forward (no grad inside each checkpoint),
     # then its backward, which recomputes every layer with grad, last layer first.
     trained = []
     for mb in micro_batches:
-        trained += [(mb, layer, False) for layer in range(LAYERS)]
-        trained += [(mb, layer, True) for layer in reversed(range(LAYERS))]
+        trained += [(mb, layer, False) for layer in moe]
+        trained += [(mb, layer, True) for layer in reversed(moe)]
     for calls, plan in ((scored, expected), (actor.calls, trained)):
         assert len(calls) == len(plan)
         for (layer, grad, used, natural), (mb, want_layer, want_grad) in zip(
@@ -440,16 +456,19 @@ def assign_unpicked_experts(model, plugins, samples: list[Sample], inputs: dict)
         (m for m in model.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number
     )
     batch = batch_of(model, samples)
-    for layer, router in enumerate(routers):
+    for router in routers:
+        layer = router.layer_number - 1
         seen = []
         handle = router.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0]))
         try:
             with torch.no_grad(), plugins.forward_context(Role.ACTOR, Phase.LOG_PROB, batch):
                 model(**inputs)
             logits = router.gating(seen[0]).view(-1, EXPERTS)
+            natural = natural_routing(router, seen[0])
         finally:
             handle.remove()
-        worst = logits.topk(TOPK, dim=-1, largest=False).indices
+        # The lowest-scored experts outside the router's own choice.
+        worst = logits.masked_fill(natural, float("inf")).topk(TOPK, dim=-1, largest=False).indices
         worst = router_rows_to_stream(worst, pack_samples(samples))
         start = 0
         for sample in samples:
@@ -458,10 +477,11 @@ def assign_unpicked_experts(model, plugins, samples: list[Sample], inputs: dict)
             start += count + 1  # the sample's last token has no rollout experts
 
 
-def test_experts_the_routers_would_not_pick_still_train_every_router(dist_env):
-    train = backend()
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_experts_the_routers_would_not_pick_still_train_every_router(dist_env, preset):
+    train = backend(model=preset)
     cfg = train.model_config()
-    samples = make_samples(3, seed=2)
+    samples = make_samples(3, seed=2, dense=cfg.dense_layers)
     inputs = model_inputs(pack_samples(samples))
     grads = []
     with running(["r3_routing"], train) as plugins:
@@ -483,7 +503,7 @@ def test_experts_the_routers_would_not_pick_still_train_every_router(dist_env):
             with plugins.forward_context(Role.ACTOR, Phase.BACKWARD, batch):
                 loss.backward()
             log.close()
-            assert len(log.calls) == (2 if recompute else 1) * LAYERS
+            assert len(log.calls) == (2 if recompute else 1) * len(cfg.moe_layers)
             for layer, _, used, natural in log.calls:
                 want, valid = rollout_map(samples, layer)
                 assert torch.equal(used[valid], want[valid])

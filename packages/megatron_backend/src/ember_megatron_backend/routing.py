@@ -23,7 +23,7 @@ from torch import Tensor
 from ember_megatron_backend import comm
 from ember_megatron_backend.batches import MicroBatch
 
-__all__ = ["RoutingRecorder"]
+__all__ = ["RoutingRecorder", "natural_routing"]
 
 
 def _describe(sample: Any) -> str:
@@ -77,7 +77,7 @@ class RoutingRecorder:
     def _hook(self, router: Any, args: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
         used = output[1].detach()
         if router.router_replay is not None:
-            natural = _natural_routing(router, args[0]).detach()
+            natural = natural_routing(router, args[0]).detach()
             self._maps.append((router.layer_number - 1, natural, used))
         else:
             self._maps.append((router.layer_number - 1, used, None))
@@ -138,7 +138,7 @@ class RoutingRecorder:
         return counts
 
 
-def _natural_routing(router: Any, hidden: Tensor) -> Tensor:
+def natural_routing(router: Any, hidden: Tensor) -> Tensor:
     """The routing map [tokens, E] the router would choose from its own logits, no replay."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 

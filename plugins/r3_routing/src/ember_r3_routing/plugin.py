@@ -63,6 +63,7 @@ def _model_shape(config: Any) -> dict[str, Any]:
         "num_layers": getattr(model, "num_layers", 0),
         "num_experts": getattr(model, "num_experts", 0),
         "topk": getattr(model, "moe_router_topk", 0),
+        "dense_layers": list(getattr(model, "dense_layers", ())),
     }
 
 
