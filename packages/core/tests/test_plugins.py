@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import sys
@@ -12,7 +13,15 @@ import pluggy
 import pytest
 
 from ember_core import hookspecs
-from ember_core.hookspecs import ConfigSection, ExemptionScope, KLExemption, Phase, Role, hookimpl
+from ember_core.hookspecs import (
+    ConfigSection,
+    ExemptionScope,
+    GenerateSettings,
+    KLExemption,
+    Phase,
+    Role,
+    hookimpl,
+)
 from ember_core.plugins import EmberPlugins, installed_plugins
 from ember_core.types import Sample
 
@@ -231,6 +240,68 @@ def test_hook_ember_process_sample(plugins):
     sample = Sample(tokens=[1, 2, 3], response_length=1)
     plugins.process_sample(sample, {"routed_experts": "AAAA"}, "sglang")
     assert sample.metadata["decoded"] == ("AAAA", "sglang")
+
+
+def test_hook_ember_generate(plugins):
+    settings = GenerateSettings(
+        n=2, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=(0,)
+    )
+
+    class Client:
+        """Stands in for the engine: answers every call with the token 7."""
+
+        kind, tokenizer = "hf", None
+
+        async def generate(self, input_ids, *, sample, **_):
+            return [*input_ids, 7][-1]
+
+    def run(host):
+        return asyncio.run(
+            host.generate(
+                client=Client(), record="rec", prompt_ids=[1, 2], sampling=settings,
+                routed_experts=False,
+            )
+        )  # fmt: skip
+
+    class TwoTurns:
+        @hookimpl
+        async def ember_generate(self, client, record, prompt_ids, sampling):
+            samples = []
+            for j in range(sampling.n):
+                first = await client.generate(prompt_ids, sample=j)
+                second = await client.generate([*prompt_ids, first, 3], sample=j)
+                samples.append(
+                    Sample(
+                        tokens=[*prompt_ids, first, 3, second],
+                        response_length=3,
+                        loss_mask=[1, 0, 1],
+                        rollout_log_probs=[-0.5, 0.0, -0.5],
+                        metadata={"record": record},
+                    )
+                )
+            return samples
+
+    class Declines:
+        @hookimpl
+        def ember_generate(self, record):
+            return None
+
+    assert not plugins.has_generate()
+    assert run(plugins) is None
+    plugins.add(Declines(), "declines")
+    assert plugins.has_generate() and run(plugins) is None
+    plugins.add(TwoTurns(), "two_turns")
+    samples = run(plugins)
+    assert [s.tokens for s in samples] == [[1, 2, 7, 3, 7]] * 2
+    assert samples[0].loss_mask == [1, 0, 1] and samples[0].metadata == {"record": "rec"}
+
+    class Sync:
+        @hookimpl
+        def ember_generate(self, prompt_ids):
+            return [Sample(tokens=[*prompt_ids, 5], response_length=1)]
+
+    plugins.add(Sync(), "sync")  # registered last, asked first: the first answer wins
+    assert [s.tokens for s in run(plugins)] == [[1, 2, 5]]
 
 
 def test_hook_ember_forward_context(plugins):

@@ -9,13 +9,18 @@ any subset of a spec's arguments.
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
+from ember_core.types import Sample
+
 if TYPE_CHECKING:
+    import torch
+
     from ember_core.plugins import EmberPlugins
 
 NAME = "ember"
@@ -75,6 +80,88 @@ class KLExemption:
     scope: ExemptionScope = ExemptionScope.ANY
     """What the exemption excuses; ROUTING lets a checker compare a routing-replayed reference
     forward with the actor instead of standing down."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateSettings:
+    """How `ember_generate` samples one prompt group: the run's rollout settings (or an
+    evaluation's temperature and samples per prompt)."""
+
+    n: int
+    """Samples to return: the group's size (`rollout.n_samples_per_prompt`, or
+    `run.eval_samples_per_prompt` in an evaluation)."""
+    max_new_tokens: int
+    """`rollout.max_response_len`: the most response tokens one sample may hold, the ones the
+    plugin inserts (tool output) included."""
+    temperature: float
+    """Sampling temperature; the engine's log-probs are taken after dividing by it."""
+    top_p: float
+    """Nucleus sampling threshold (1.0: off)."""
+    top_k: int
+    """Top-k filter (-1: off)."""
+    stop_token_ids: tuple[int, ...]
+    """Tokens that end a response (the tokenizer's EOS): what the built-in generation stops at."""
+
+
+class Completion(Protocol):
+    """One engine answer, as `EngineClient.generate` returns it."""
+
+    output_ids: list[int]
+    """Generated token ids (a stop token that ended generation included)."""
+    output_log_probs: list[float]
+    """Log-prob of each generated token under the distribution it was sampled from."""
+    finish_reason: str
+    """"stop" (a stop token), "length" (max_new_tokens reached) or "abort"."""
+    routed_experts: torch.Tensor | None
+    """When asked for: integer [len(input_ids) + len(output_ids) - 1, num_layers, topk], the
+    experts of every position the engine forwarded (the input's from the prefill)."""
+    meta_info: dict[str, Any]
+    """The engine's raw metadata (SGLang's `meta_info` layout, `weight_version` included)."""
+
+
+class EngineClient(Protocol):
+    """What an `ember_generate` plugin generates through: token ids in, tokens out.
+
+    Calls made concurrently (by the coroutines of every group an engine generates) go to the
+    engine together, as one batch.
+    """
+
+    @property
+    def kind(self) -> str:
+        """The engine kind ("hf", "sglang")."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The run's tokenizer (a transformers tokenizer), to encode inserted text."""
+        ...
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        *,
+        sample: int,
+        max_new_tokens: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        routed_experts: bool | None = None,
+    ) -> Completion:
+        """Continue `input_ids` (the whole context so far) with one sampled response.
+
+        Args:
+            input_ids: Prompt and everything after it so far, as token ids.
+            sample: Which sample of the group (0 .. n - 1) the call is for. It picks the
+                sampler's seed: the k-th call of sample j gets its own seed, fixed by the run
+                seed and the request's position, so the samples of a group differ and a rerun
+                repeats them.
+            max_new_tokens: Most tokens to generate; None: `GenerateSettings.max_new_tokens`.
+            stop_token_ids: Tokens that end this call, besides the model's EOS; None: the
+                group's `stop_token_ids`.
+            routed_experts: Return routed experts; None: when the run asks for them.
+
+        Raises:
+            ValueError: `sample` outside the group, or an empty `input_ids`.
+        """
+        ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,6 +243,44 @@ def ember_process_sample(sample: Any, meta_info: dict[str, Any], engine: str) ->
         sample: The `ember_core.types.Sample`, modified in place.
         meta_info: The engine's metadata for this sample (SGLang's `meta_info` layout).
         engine: The engine kind.
+    """
+
+
+@hookspec(firstresult=True)
+def ember_generate(
+    client: EngineClient,
+    record: Any,
+    prompt_ids: list[int],
+    sampling: GenerateSettings,
+    routed_experts: bool,
+) -> list[Sample] | Awaitable[list[Sample] | None] | None:
+    """Generate one prompt group in place of the built-in single-turn generation.
+
+    Runs in the rollout engine's process, once per prompt group, for training rollouts and
+    evaluations alike; the first plugin that answers owns the group. A multi-turn plugin calls
+    `client.generate`, inserts the tokens the model did not generate (tool output,
+    environment text), and generates again from the longer context. Every returned sample is
+    checked (errors name the sample and the field), numbered, given the record's prompt and
+    label, and handed to `ember_process_sample` with the metadata of its last engine call;
+    rewards, advantages, packing, losses and metrics then treat it like any other.
+
+    Args:
+        client: Generates through the run's engine (`EngineClient`).
+        record: The prompt record (`prompt`, `label`, `metadata`, `source`).
+        prompt_ids: The encoded prompt.
+        sampling: The group's size and sampling settings.
+        routed_experts: Whether the run needs routed experts (routing replay is on).
+
+    Returns:
+        `sampling.n` samples (`ember_core.types.Sample`), or an awaitable of them: write the hook
+        as `async def`. Each sample has `tokens` = `prompt_ids` + response and
+        `response_length`; `loss_mask`, one 0/1 per response token, 0 on every token the model
+        did not generate (None: all generated); `rollout_log_probs`, one per response token,
+        the engine's on generated tokens (anything, NaN included, where the mask is 0);
+        `status`; `response`, the text the reward reads (empty: the decoded response); and,
+        when `routed_experts`, `rollout_routed_experts` for all len(tokens) - 1 positions (the
+        final call's, whose prefill covers every earlier token, does). None (from a plain
+        `def`, or an awaitable's None) leaves the group to the built-in generation.
     """
 
 

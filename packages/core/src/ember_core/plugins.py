@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import inspect
 import logging
 import os
 import sys
@@ -16,7 +17,16 @@ from typing import Any
 import pluggy
 
 from ember_core import hookspecs
-from ember_core.hookspecs import NAME, ConfigSection, KLExemption, Phase, Role
+from ember_core.hookspecs import (
+    NAME,
+    ConfigSection,
+    EngineClient,
+    GenerateSettings,
+    KLExemption,
+    Phase,
+    Role,
+)
+from ember_core.types import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +172,32 @@ class EmberPlugins:
 
     def process_sample(self, sample: Any, meta_info: dict[str, Any], engine: str) -> None:
         self.pm.hook.ember_process_sample(sample=sample, meta_info=meta_info, engine=engine)
+
+    def has_generate(self) -> bool:
+        """Whether an enabled plugin implements `ember_generate` (else every group takes the
+        built-in generation, without asking)."""
+        return bool(self.pm.hook.ember_generate.get_hookimpls())
+
+    async def generate(
+        self,
+        client: EngineClient,
+        record: Any,
+        prompt_ids: list[int],
+        sampling: GenerateSettings,
+        routed_experts: bool,
+    ) -> list[Sample] | None:
+        """The first plugin's samples for one prompt group (awaited when it is `async def`), or
+        None when no plugin takes the group. The caller checks the samples."""
+        result = self.pm.hook.ember_generate(
+            client=client,
+            record=record,
+            prompt_ids=list(prompt_ids),
+            sampling=sampling,
+            routed_experts=routed_experts,
+        )
+        if inspect.isawaitable(result):
+            result = await result
+        return result
 
     # -- training ------------------------------------------------------------------------------
 

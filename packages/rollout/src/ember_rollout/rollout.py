@@ -23,6 +23,12 @@ from ember_rollout.engine import (
     ModelInfo,
     SamplingParams,
 )
+from ember_rollout.plugin_generation import (
+    GroupClient,
+    RequestBatcher,
+    check_plugin_samples,
+    gather_all,
+)
 from ember_rollout.rewards import Scorer
 from ember_rollout.tokenizer import load_tokenizer
 
@@ -77,7 +83,10 @@ class LocalGroups:
     """Generates groups on one engine in this process and turns its answers into samples.
 
     Each sample records the weight version its engine reported (`meta_info.weight_version`);
-    plugins see every sample with the engine's meta info (`ember_process_sample`).
+    plugins see every sample with the engine's meta info (`ember_process_sample`). When an
+    enabled plugin implements `ember_generate`, each group goes to it (all groups at once,
+    their engine calls batched together); its samples are checked and then treated like the
+    built-in ones.
     """
 
     def __init__(self, engine: Engine, tokenizer: Any, plugins: EmberPlugins | None = None) -> None:
@@ -90,6 +99,9 @@ class LocalGroups:
         return self.engine.kind
 
     async def generate_groups(self, groups: Sequence[PromptGroup]) -> list[list[Sample]]:
+        if self.plugins is not None and self.plugins.has_generate():
+            batcher = RequestBatcher(self.engine)
+            return await gather_all(self._plugin_group(batcher, group) for group in groups)
         requests = [r for group in groups for r in group.requests]
         outputs = await self.engine.generate(requests)
         if len(outputs) != len(requests):
@@ -106,6 +118,49 @@ class LocalGroups:
                     for j, request in enumerate(group.requests)
                 ]
             )
+        return samples
+
+    async def _plugin_group(self, batcher: RequestBatcher, group: PromptGroup) -> list[Sample]:
+        """One group through `ember_generate`, or the built-in generation if no plugin takes
+        it."""
+        assert self.plugins is not None
+        n = len(group.requests)
+        client = GroupClient(batcher, group, self.tokenizer)
+        wanted = group.requests[0].wants_routed_experts
+        samples = await self.plugins.generate(
+            client=client,
+            record=group.record,
+            prompt_ids=list(group.prompt_ids),
+            sampling=client.settings,
+            routed_experts=wanted,
+        )
+        if samples is None:
+            outputs = await gather_all(batcher.submit(r) for r in group.requests)
+            return [
+                self._sample(group, request, output, group.index * n + j)
+                for j, (request, output) in enumerate(zip(group.requests, outputs, strict=True))
+            ]
+        samples = check_plugin_samples(
+            samples, group, routed_experts=wanted, info=self.engine.model_info
+        )
+        record = group.record
+        for j, sample in enumerate(samples):
+            sample.index, sample.group_index = group.index * n + j, group.index
+            sample.prompt, sample.label = record.prompt, record.label
+            if not sample.response:
+                sample.response = self.tokenizer.decode(
+                    sample.tokens[sample.prompt_length :], skip_special_tokens=True
+                )
+            if sample.weight_version is None:
+                sample.weight_version = client.first_version[j]
+            sample.metadata = {
+                **record.metadata,
+                "source": record.source,
+                "engine_calls": client.calls[j],
+                **sample.metadata,
+            }
+            sample.validate()
+            self.plugins.process_sample(sample, client.last_meta[j], self.engine.kind)
         return samples
 
     def _sample(
@@ -447,6 +502,9 @@ class RolloutGenerator:
             "rollout/response_len_mean": statistics.fmean(lengths),
             "rollout/response_len_max": float(max(lengths)),
             "rollout/response_len_min": float(min(lengths)),
+            "rollout/loss_tokens_mean": statistics.fmean(
+                [sum(s.effective_loss_mask()) for s in samples] or [0]
+            ),
             "rollout/truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples)
             / total,
             "rollout/zero_std_ratio": counts["zero_std"] / max(counts["groups"], 1),
