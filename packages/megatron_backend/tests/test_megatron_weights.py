@@ -260,3 +260,31 @@ def test_megatron_names_are_the_unsharded_model_names(dist_env, preset):
     assert sorted(megatron_names(cfg)) == sorted(built) and len(built) == len(set(built))
     critic = build_model(cfg, critic=True, seed=0)
     assert sorted(megatron_names(cfg, critic=True)) == sorted(n for n, _ in named_tensors(critic))
+
+
+def test_hf_load_reads_the_family_from_config_json(hf_dir):
+    """`train.hf_load` of a directory transformers wrote: the same model shape comes back."""
+    from ember_megatron_backend.config import BackendConfig
+
+    cfg, path, _ = hf_dir
+    assert BackendConfig(hf_load=str(path)).model_config() == cfg
+
+
+def test_unsupported_features_are_named():
+    from transformers import DeepseekV3Config, MixtralConfig
+
+    dsv3 = hf_config(ModelConfig.preset("tiny-deepseek-v3"))
+    dsv3.rope_interleave = False
+    with pytest.raises(ValueError, match="rope_interleave=False"):
+        model_config_from_hf(dsv3)
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        model_config_from_hf(MixtralConfig(sliding_window=4096))
+    # transformers and SGLang score a group by its best two experts, megatron-core by its best
+    # topk / group_topk: only topk = 2 x group_topk routes alike.
+    model_config_from_hf(DeepseekV3Config())  # 8 experts of 4 groups: 2 x 4
+    with pytest.raises(ValueError, match="must be 2 x moe_router_group_topk=2"):
+        model_config_from_hf(DeepseekV3Config(topk_group=2))
+    yarn = hf_config(ModelConfig.preset("tiny-deepseek-v3"))
+    yarn.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        model_config_from_hf(yarn)

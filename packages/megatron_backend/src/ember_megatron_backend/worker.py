@@ -456,14 +456,10 @@ class MegatronWorker:
 
     # -- weights and checkpoints -------------------------------------------------------------
 
-    def hf_weights(
-        self, *, dtype: torch.dtype | None = None, fused_experts: bool = False
-    ) -> Iterator[tuple[str, Tensor]]:
+    def hf_weights(self, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """The actor's weights under transformers names, gathered over TP/EP (collective: every
         rank consumes the iterator in step). See ``weights.iter_hf_weights``."""
-        return iter_hf_weights(
-            self.actor, self.model_config, dtype=dtype, fused_experts=fused_experts
-        )
+        return iter_hf_weights(self.actor, self.model_config, dtype=dtype)
 
     def export_hf(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path | None:
         """Write the actor as a transformers checkpoint (collective; rank 0 writes)."""
