@@ -100,10 +100,29 @@ def _reference_log_probs(model, samples, temperature):
     return out
 
 
-@pytest.mark.parametrize("preset", [*PRESETS, "tiny-moe-unnormalised"])
+VARIANTS = {
+    # norm_topk_prob=False: softmax over all experts
+    "tiny-moe-unnormalised": ("tiny-moe", {"norm_topk_prob": False}),
+    # YaRN as DeepSeek-V3 ships it, over positions past the original context (16)
+    "tiny-deepseek-v3-yarn": (
+        "tiny-deepseek-v3",
+        {
+            "rope_type": "yarn",
+            "rope_yarn_factor": 4.0,
+            "rope_yarn_original_max_position_embeddings": 16,
+            "rope_yarn_mscale_all_dim": 1.0,
+            "max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", [*PRESETS, *VARIANTS])
 def test_megatron_log_probs_match_exported_transformers_model(dist_env, preset, tmp_path):
-    if preset == "tiny-moe-unnormalised":  # norm_topk_prob=False: softmax over all experts
-        cfg = _config("tiny-moe").replace(norm_topk_prob=False)
+    if preset in VARIANTS:
+        base, changes = VARIANTS[preset]
+        cfg = _config(base).replace(**changes)
+        assert model_config_from_hf(hf_config(cfg)) == cfg
     else:
         cfg = _config(preset)
     model = build_model(cfg, seed=3).eval()
@@ -115,7 +134,7 @@ def test_megatron_log_probs_match_exported_transformers_model(dist_env, preset, 
     hf.eval()
 
     g = torch.Generator().manual_seed(5)
-    shapes = [(9, 4), (6, 1), (13, 7), (8, 5)]  # (total length, response length)
+    shapes = [(9, 4), (6, 1), (23, 7), (8, 5)]  # (total length, response length)
     samples = [
         Sample(
             tokens=torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(),
@@ -124,7 +143,7 @@ def test_megatron_log_probs_match_exported_transformers_model(dist_env, preset, 
         )
         for i, (n, r) in enumerate(shapes)
     ]
-    batch = pack_samples(samples, pad_multiple=8)  # 36 tokens + a 4-token padding segment
+    batch = pack_samples(samples, pad_multiple=8)  # 46 tokens + a 2-token padding segment
     mask = packed_causal_mask(batch.cu_seqlens, batch.padded_length)
     with torch.no_grad():
         logits = model(batch.tokens[None], batch.position_ids[None], attention_mask=mask)
@@ -284,7 +303,7 @@ def test_unsupported_features_are_named():
     model_config_from_hf(DeepseekV3Config())  # 8 experts of 4 groups: 2 x 4
     with pytest.raises(ValueError, match="must be 2 x moe_router_group_topk=2"):
         model_config_from_hf(DeepseekV3Config(topk_group=2))
-    yarn = hf_config(ModelConfig.preset("tiny-deepseek-v3"))
+    yarn = hf_config(ModelConfig.preset("tiny-glm4-moe"))
     yarn.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported for glm4_moe"):
         model_config_from_hf(yarn)

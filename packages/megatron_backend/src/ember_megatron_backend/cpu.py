@@ -49,8 +49,10 @@ The spots (megatron-core 0.16.1, torch 2.14 CPU build):
 
 9. ``tensor_parallel.mappings`` allocates the outputs of its gathers and scatters (the MoE
    allgather dispatcher's token gather under TP/EP, sequence-parallel regions) with
-   ``device=torch.cuda.current_device()``. That module alone sees a ``torch`` whose
-   ``cuda.current_device()`` is the CPU; everything else it reads is torch itself.
+   ``device=torch.cuda.current_device()``, and ``YarnRotaryEmbedding.get_emb`` (YaRN under
+   multi-latent attention) moves its frequencies there on the first forward. Those two modules
+   alone see a ``torch`` whose ``cuda.current_device()`` is the CPU; everything else they read
+   is torch itself.
 
 Model options that megatron-core only supports on CUDA are chosen in ``model.py``, not patched:
 ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a ``torch.cuda.Stream``
@@ -109,7 +111,10 @@ def apply_cpu_patches() -> None:
 
     from megatron.core import utils as mcore_utils
     from megatron.core.fusions import fused_softmax
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.models.common.embeddings import (
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as transformer_utils
@@ -123,6 +128,7 @@ def apply_cpu_patches() -> None:
     fused_softmax.get_default_causal_mask = _default_causal_mask  # imported there by name
     router.Router.gating = _router_gating
     mappings.torch = _TorchOnCpu()
+    yarn_rotary_pos_embedding.torch = _TorchOnCpu()
     mcore_random._get_cuda_rng_state = _no_cuda_rng_state
     mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
     patch_missing_te_names()
@@ -227,7 +233,7 @@ class _CpuCuda:
 
 
 class _TorchOnCpu:
-    """``torch`` as ``tensor_parallel.mappings`` sees it on CPU: the current device is the CPU."""
+    """``torch`` as the modules of spot 9 see it on CPU: the current device is the CPU."""
 
     cuda = _CpuCuda()
 

@@ -379,16 +379,60 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> Any:
             )
     values: dict[str, Any] = {hf: getattr(cfg, mine) for mine, hf in spec.fields}
     values.update(spec.fixed)
-    values.update(
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        hidden_act="silu",
-    )
+    values.update(rope_parameters=_rope_to_hf(cfg), hidden_act="silu")
     if spec.to_hf is not None:
         values.update(spec.to_hf(cfg))
     config = getattr(transformers, spec.config_class)(**values)
     config.architectures = [spec.architecture]
     config.dtype = dtype
     return config
+
+
+_YARN = (
+    ("rope_yarn_factor", "factor"),
+    ("rope_yarn_original_max_position_embeddings", "original_max_position_embeddings"),
+    ("rope_yarn_beta_fast", "beta_fast"),
+    ("rope_yarn_beta_slow", "beta_slow"),
+    ("rope_yarn_mscale", "mscale"),
+    ("rope_yarn_mscale_all_dim", "mscale_all_dim"),
+)
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type == "yarn":
+        rope.update({hf: getattr(cfg, mine) for mine, hf in _YARN})
+    return rope
+
+
+def _rope_from_hf(config: Any) -> dict[str, Any]:
+    """RoPE fields from a transformers 5 config (``rope_parameters``)."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    fields: dict[str, Any] = {
+        "rope_theta": float(rope.get("rope_theta", getattr(config, "rope_theta", 10_000.0))),
+        "rope_type": kind,
+    }
+    if kind == "yarn" and getattr(config, "model_type", None) == "deepseek_v3":
+        if rope.get("factor") is None or rope.get("attention_factor") is not None:
+            raise ValueError(
+                "rope_parameters: YaRN needs 'factor' and no 'attention_factor' (it follows "
+                "from mscale and mscale_all_dim)"
+            )
+        defaults = ModelConfig.__dataclass_fields__
+        for mine, hf in _YARN:
+            value = rope.get(hf)
+            fields[mine] = (
+                defaults[mine].default if value is None else type(defaults[mine].default)(value)
+            )
+        if not rope.get("truncate", True):
+            raise ValueError("rope_parameters.truncate=False is not supported")
+    elif kind != "default":
+        raise ValueError(
+            f"rope_type {kind!r} is not supported for {getattr(config, 'model_type', None)}: only "
+            "'default' (and 'yarn' for deepseek_v3)"
+        )
+    return fields
 
 
 COMMON_FIELDS = (
@@ -420,14 +464,10 @@ def model_config_from_hf(config: Any, **overrides: Any) -> ModelConfig:
             raise ValueError(
                 f"{model_type} config has {key}={found!r}; only {key}={value!r} is supported"
             )
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported, only 'default'")
-    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
     fields: dict[str, Any] = {mine: getattr(config, hf) for mine, hf in spec.fields}
     fields.update(
+        _rope_from_hf(config),
         family=model_type,
-        rope_theta=float(rope_theta),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         init_method_std=getattr(config, "initializer_range", 0.02),
     )

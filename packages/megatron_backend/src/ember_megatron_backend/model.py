@@ -113,6 +113,21 @@ class ModelConfig:
     """Multi-latent attention: width of one value head."""
     rope_theta: float = 1_000_000.0
     """RoPE base."""
+    rope_type: str = "default"
+    """RoPE variant: "default", or "yarn" (multi-latent attention only, as DeepSeek-V3/R1 and
+    Kimi-K2 ship it); the rope_yarn_* fields apply to YaRN."""
+    rope_yarn_factor: float = 1.0
+    """YaRN: context extension factor (HF rope_parameters.factor)."""
+    rope_yarn_original_max_position_embeddings: int = 4096
+    """YaRN: context length of pre-training."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations above which frequencies are kept (extrapolated)."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations below which frequencies are interpolated."""
+    rope_yarn_mscale: float = 1.0
+    """YaRN: scale of log(factor) in the rotary magnitude (numerator)."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN: scale of log(factor) in the rotary magnitude's denominator and the softmax scale."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon (all norms, QK-norm included)."""
     max_position_embeddings: int = 32768
@@ -255,6 +270,10 @@ class ModelConfig:
             raise ValueError(
                 "model.family='deepseek_v3' needs kv_lora_rank >= 1 (multi-latent attention)"
             )
+        if self.rope_type not in ("default", "yarn"):
+            raise ValueError(f"model.rope_type must be 'default' or 'yarn', got {self.rope_type!r}")
+        if self.rope_type == "yarn" and not self.multi_latent_attention:
+            raise ValueError("model.rope_type='yarn' is supported with multi-latent attention only")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ValueError(
                 "model.moe_shared_expert_gate needs moe_shared_expert_intermediate_size >= 1"
@@ -469,13 +488,16 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
             qk_head_dim=cfg.head_dim,
             qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
             v_head_dim=cfg.v_head_dim,
-            # Plain RoPE (no YaRN): softmax scale 1 / sqrt(qk_head_dim + qk_pos_emb_head_dim),
-            # as transformers computes it without rope scaling.
-            rope_type="rope",
             rotary_base=cfg.rope_theta,
-            rotary_scaling_factor=1.0,
-            mscale=1.0,
-            mscale_all_dim=0.0,
+            # Plain RoPE: softmax scale 1 / sqrt(qk_head_dim + qk_pos_emb_head_dim), as
+            # transformers computes it; YaRN scales it by mscale(factor, mscale_all_dim)^2.
+            rope_type="yarn" if cfg.rope_type == "yarn" else "rope",
+            rotary_scaling_factor=cfg.rope_yarn_factor if cfg.rope_type == "yarn" else 1.0,
+            original_max_position_embeddings=cfg.rope_yarn_original_max_position_embeddings,
+            beta_fast=cfg.rope_yarn_beta_fast,
+            beta_slow=cfg.rope_yarn_beta_slow,
+            mscale=cfg.rope_yarn_mscale,
+            mscale_all_dim=cfg.rope_yarn_mscale_all_dim if cfg.rope_type == "yarn" else 0.0,
         )
     return config_class(
         num_layers=cfg.num_layers,
