@@ -115,3 +115,14 @@ def test_world_size_must_fit_parallel_sizes():
         _check_world(ParallelConfig(tensor_parallel=2), 3)
     with pytest.raises(ValueError, match="expert_parallel"):
         _check_world(ParallelConfig(expert_parallel=4), 2)
+
+
+def test_context_parallel_is_refused_without_transformer_engine(dist_env):
+    """megatron-core splits attention over CP ranks in TE attention only; the refusal comes
+    before anything is initialised, and names the key to change."""
+    with pytest.raises(ValueError) as excinfo:
+        init_distributed(ParallelConfig(context_parallel=2), rank=0, world_size=2)
+    message = str(excinfo.value)
+    assert message.startswith("train.parallel.context_parallel=2: context parallelism needs")
+    assert "Transformer Engine attention on GPUs" in message
+    assert "set train.parallel.context_parallel=1" in message

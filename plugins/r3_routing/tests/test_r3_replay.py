@@ -189,6 +189,25 @@ def test_log_prob_pass_routes_every_token_as_the_rollout_did(host, shape):
     assert all(torch.equal(a, b) for a, b in zip(model.maps, live, strict=True))
 
 
+def test_pipeline_stages_replay_their_own_layers(host, shape):
+    """Under pipeline parallelism each stage holds some layers, numbered globally: a stage with
+    only the last MoE layer replays that layer's experts, and a stage of dense layers has no
+    router and nothing to replay in any phase."""
+    samples = [make_sample(5, shape, seed=1)]
+    hidden = torch.randn(5, 1, HIDDEN)
+    last = build(Role.ACTOR, layers=[shape.moe_layers[-1]])
+    with torch.no_grad(), host.forward_context(Role.ACTOR, Phase.LOG_PROB, batch_of(last, samples)):
+        last(hidden)
+    assert len(last.maps) == 1
+    assert torch.equal(last.maps[0], expected_maps(samples, shape)[-1])
+    assert_idle(last)
+    dense = build(Role.ACTOR, layers=[])
+    for phase in (Phase.LOG_PROB, Phase.TRAIN, Phase.BACKWARD):
+        with host.forward_context(Role.ACTOR, phase, batch_of(dense, samples)):
+            dense(hidden)
+    assert dense.maps == []
+
+
 def batch_of(model, samples):
     return types.SimpleNamespace(model=model, samples=samples)
 

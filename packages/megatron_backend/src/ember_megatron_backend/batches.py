@@ -12,9 +12,19 @@ from torch import Tensor
 
 from ember_core.types import PackedBatch, Sample, pack_samples
 from ember_megatron_backend import comm
-from ember_megatron_backend.forward import plan_micro_batches, router_rows
+from ember_megatron_backend.forward import Layout, plan_micro_batches, router_rows
+from ember_megatron_backend.model import uses_te_spec
 
-__all__ = ["MicroBatch", "RolloutBatch", "pack_micro_batch", "plan_steps", "split_evenly"]
+__all__ = [
+    "MicroBatch",
+    "RolloutBatch",
+    "agree_layouts",
+    "needs_equal_layouts",
+    "pack_micro_batch",
+    "plan_layouts",
+    "plan_steps",
+    "split_evenly",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,6 +39,10 @@ class MicroBatch:
     """Their positions in the rank's rollout batch."""
     packed: PackedBatch
     """The packed stream the model sees (padded to a multiple of TP)."""
+    layout: Layout | None = None
+    """Pad the [B, S] batch of local attention to at least (rows, width): the layout every
+    data-parallel rank agreed on where expert parallelism gathers equal shapes
+    (``pipeline.needs_equal_layouts``); None: the micro-batch's own."""
     token_index: Tensor | None = None
     """[R] stream position of each row this rank's MoE routers see (-1 for padding): the
     padded [B, S] layout of local attention (``forward.router_rows``), or this rank's slice
@@ -69,9 +83,13 @@ class RolloutBatch:
     """Old critic values (when a critic is built)."""
     rollout_log_probs: list[Tensor] | None = None
     """The engine's log-probs, when every sample of every rank carries them."""
+    layouts: list[list[Layout]] | None = None
+    """Per step and micro-batch, the padded layout agreed across data-parallel ranks
+    (``MicroBatch.layout``); None where each micro-batch keeps its own."""
     routing: Tensor | None = None
-    """[B, 2] float64 per sample: (token, layer) routings where the actor's own top-k set equals
-    the rollout's, and routings compared; None without routed experts."""
+    """[B, 4] float64 per sample: (token, layer) routings where the actor's own top-k set equals
+    the rollout's, and routings compared; the same for the experts a replaying forward used
+    (``RoutingRecorder.record``); None without routed experts."""
 
     @property
     def response_lengths(self) -> list[int]:
@@ -169,14 +187,75 @@ def plan_steps(
     return steps
 
 
-def pack_micro_batch(model: Any, samples: Sequence[Sample], indices: list[int]) -> MicroBatch:
-    """Pack `samples[i] for i in indices` as the model will see them."""
+def needs_equal_layouts(model: Any) -> bool:
+    """Whether micro-batch k must have one padded [B, S] on every data-parallel rank.
+
+    megatron-core 0.16.1 token_dispatcher.py ``MoEAllGatherTokenDispatcher.token_dispatch``
+    all-gathers hidden states, probabilities and routing maps over the expert-tensor x
+    expert-parallel group in equal pieces (``gather_from_sequence_parallel_region`` without
+    split sizes), so every rank of that group must hold as many tokens. CPU runs use that
+    dispatcher (the alltoall one, which takes any split, needs CUDA); the ranks of the group
+    hold the same micro-batch only when they are tensor-parallel peers.
+    """
+    from megatron.core import parallel_state as ps
+
+    config = _config(model)
+    return (
+        config is not None
+        and not uses_te_spec()
+        and bool(getattr(config, "num_moe_experts", None))
+        and config.moe_token_dispatcher_type == "allgather"
+        and ps.get_expert_tensor_and_model_parallel_world_size() > 1
+    )
+
+
+def agree_layouts(lengths: Sequence[Sequence[int]], group: Any) -> list[Layout]:
+    """Per micro-batch, the largest (samples, longest sample) over the ranks of `group`.
+
+    Args:
+        lengths: Per micro-batch, the total lengths of its samples.
+        group: The data-parallel group.
+
+    Raises:
+        ValueError: when the ranks run different numbers of micro-batches.
+    """
+    count = torch.tensor([len(lengths), -len(lengths)], dtype=torch.int64)
+    comm.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    most, fewest = int(count[0]), -int(count[1])
+    if most != fewest:
+        raise ValueError(
+            f"data-parallel ranks run between {fewest} and {most} micro-batches (this rank "
+            f"{len(lengths)}): expert parallelism on CPU needs the same number on every rank, "
+            "since its allgather token dispatcher gathers equal shapes"
+        )
+    local = torch.tensor([[len(mb), max(mb)] for mb in lengths], dtype=torch.int64)
+    comm.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    return [(int(b), int(s)) for b, s in local.tolist()]
+
+
+def plan_layouts(
+    model: Any, samples: Sequence[Sample], steps: list[list[list[int]]], group: Any
+) -> list[list[Layout]] | None:
+    """Per step and micro-batch of `steps`, the padded layout every rank of the data-parallel
+    `group` uses where ``needs_equal_layouts(model)``; else None (each micro-batch keeps its
+    own). Collective over `group` when layouts are needed."""
+    if not needs_equal_layouts(model):
+        return None
+    lengths = [[samples[i].total_length for i in mb] for step in steps for mb in step]
+    agreed = iter(agree_layouts(lengths, group))
+    return [[next(agreed) for _ in step] for step in steps]
+
+
+def pack_micro_batch(
+    model: Any, samples: Sequence[Sample], indices: list[int], layout: Layout | None = None
+) -> MicroBatch:
+    """Pack `samples[i] for i in indices` as the model will see them (padded to `layout`)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
     chosen = [samples[i] for i in indices]
     packed = pack_samples(chosen, pad_multiple=tp)
-    token_index = router_rows(packed)
+    token_index = router_rows(packed, layout)
     if getattr(_config(model), "sequence_parallel", False):
         # Each TP rank's routers see its contiguous slice of the padded stream.
         rows = packed.padded_length // tp
@@ -184,7 +263,12 @@ def pack_micro_batch(model: Any, samples: Sequence[Sample], indices: list[int]) 
         token_index = torch.arange(start, start + rows)
         token_index[token_index >= packed.num_tokens] = -1
     return MicroBatch(
-        model=model, samples=chosen, indices=list(indices), packed=packed, token_index=token_index
+        model=model,
+        samples=chosen,
+        indices=list(indices),
+        packed=packed,
+        layout=layout,
+        token_index=token_index,
     )
 
 

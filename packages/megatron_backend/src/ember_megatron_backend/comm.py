@@ -20,7 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather", "all_gather_object", "all_reduce", "barrier", "collective_device"]
+__all__ = [
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "collective_device",
+]
 
 
 def _nccl_device() -> torch.device:
@@ -74,11 +82,39 @@ def all_gather(tensor: Tensor, group: Any = None) -> list[Tensor]:
     return [piece.to(tensor.device) for piece in pieces]
 
 
+def broadcast(tensor: Tensor, *, src: int, group: Any = None) -> Tensor:
+    """Overwrite `tensor` with global rank `src`'s values on every rank of `group`, on the device
+    the group's backend accepts.
+
+    Args:
+        tensor: The source's values on `src`, a buffer of the same shape and dtype elsewhere; it
+            keeps its device, dtype and identity.
+        src: The global rank that sends.
+        group: The process group (None: the default group).
+
+    Returns:
+        `tensor`, now holding the source's values.
+    """
+    target = collective_device(group)
+    work = tensor if tensor.device == target else tensor.to(target)
+    dist.broadcast(work, src=src, group=group)
+    if work is not tensor:
+        tensor.copy_(work.to(tensor.device))
+    return tensor
+
+
 def all_gather_object(objects: list[Any], obj: Any, group: Any = None) -> None:
     """``torch.distributed.all_gather_object``: `objects[r]` becomes rank r's `obj`."""
     # torch 2.14 distributed_c10d.py _get_object_coll_device: NCCL groups serialise through the
     # current CUDA device (set by init_distributed), gloo groups through the CPU.
     dist.all_gather_object(objects, obj, group=group)
+
+
+def broadcast_object_list(objects: list[Any], *, src: int, group: Any = None) -> None:
+    """``torch.distributed.broadcast_object_list``: every rank's `objects` become global rank
+    `src`'s."""
+    # As all_gather_object: NCCL groups serialise through the current CUDA device.
+    dist.broadcast_object_list(objects, src=src, group=group)
 
 
 def barrier(group: Any = None) -> None:

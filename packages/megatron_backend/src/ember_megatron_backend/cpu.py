@@ -53,6 +53,16 @@ The spots (megatron-core 0.16.1, torch 2.14 CPU build):
    multi-latent attention) moves its frequencies there on the first forward. Those two modules
    alone see a ``torch`` whose ``cuda.current_device()`` is the CPU; everything else they read
    is torch itself.
+10. The pipeline schedules (``pipeline_parallel/schedules.py``) count tokens in a
+   ``torch.zeros(..., device="cuda")``, and their point-to-point layer
+   (``pipeline_parallel/p2p_communication.py``) allocates its receive buffers and exchanged
+   shapes on ``torch.cuda.current_device()`` and calls ``torch.cuda.synchronize()`` after each
+   shape exchange (and after batched sends, ``batch_p2p_sync``). Those two modules see the
+   ``torch`` of spot 9, whose ``cuda.synchronize()`` does nothing and whose ``zeros`` puts a
+   tensor asked for on ``"cuda"`` on the CPU. The sends and receives themselves are gloo's:
+   gloo has no coalescing, so torch's ``batch_isend_irecv`` (megatron-core's default
+   ``batch_p2p_comm``) issues the same ``isend``/``irecv`` one by one (torch 2.14
+   ``distributed_c10d.py``), which gloo runs asynchronously; that default stays.
 
 Model options that megatron-core only supports on CUDA are chosen in ``model.py``, not patched:
 ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a ``torch.cuda.Stream``
@@ -115,6 +125,7 @@ def apply_cpu_patches() -> None:
         rotary_pos_embedding,
         yarn_rotary_pos_embedding,
     )
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as transformer_utils
@@ -129,6 +140,7 @@ def apply_cpu_patches() -> None:
     router.Router.gating = _router_gating
     mappings.torch = _TorchOnCpu()
     yarn_rotary_pos_embedding.torch = _TorchOnCpu()
+    p2p_communication.torch = schedules.torch = _TorchOnCpu()
     mcore_random._get_cuda_rng_state = _no_cuda_rng_state
     mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
     patch_missing_te_names()
@@ -222,20 +234,32 @@ def _set_no_cuda_rng_state(new_state: torch.Tensor, device=None, graph_safe: boo
     return None
 
 
-# Spot 9 ------------------------------------------------------------------------------------------
+# Spots 9 and 10 -----------------------------------------------------------------------------------
 class _CpuCuda:
     @staticmethod
     def current_device() -> str:
         return "cpu"
+
+    @staticmethod
+    def synchronize(device: object = None) -> None:
+        return None
 
     def __getattr__(self, name: str) -> object:
         return getattr(torch.cuda, name)
 
 
 class _TorchOnCpu:
-    """``torch`` as the modules of spot 9 see it on CPU: the current device is the CPU."""
+    """``torch`` as the modules of spots 9 and 10 see it on CPU: the current device is the CPU,
+    synchronising it does nothing, and ``zeros`` asked for ``"cuda"`` allocate there."""
 
     cuda = _CpuCuda()
+
+    @staticmethod
+    def zeros(*args: object, **kwargs: object) -> torch.Tensor:
+        where = kwargs.get("device")
+        if where is not None and torch.device(where).type == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
 
     def __getattr__(self, name: str) -> object:
         return getattr(torch, name)

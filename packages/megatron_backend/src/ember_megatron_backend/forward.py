@@ -10,19 +10,22 @@ import torch
 from torch import Tensor
 
 from ember_core.heads import PolicyHead, ValueHead
-from ember_core.types import PackedBatch, Sample, pack_samples
+from ember_core.types import PackedBatch, Sample
 from ember_megatron_backend.model import uses_te_spec
-from ember_megatron_backend.parallel import device
+from ember_megatron_backend.parallel import device, require_no_context_parallel
 
 __all__ = [
     "ROLE_OUTPUTS",
     "ForwardOutput",
+    "Layout",
     "forward_only",
+    "heads",
     "model_inputs",
     "plan_micro_batches",
     "router_rows",
     "router_rows_to_stream",
     "run_model",
+    "score_batch",
     "stream_rows",
 ]
 
@@ -84,18 +87,24 @@ def plan_micro_batches(
     return plan
 
 
-def _padded_rows(batch: PackedBatch) -> tuple[Tensor, int]:
-    """For the padded [B, S] layout: each stream token's row in the flattened [B * S] batch, and
-    S (the longest sample)."""
+Layout = tuple[int, int]
+"""(rows, width): a padded [B, S] batch at least this large (``MicroBatch.layout``)."""
+
+
+def _padded_rows(batch: PackedBatch, layout: Layout | None = None) -> tuple[Tensor, int, int]:
+    """For the padded [B, S] layout: each stream token's row in the flattened [B * S] batch, B
+    and S (the sample count and longest sample, or `layout` where that is larger)."""
     lengths = torch.tensor(batch.total_lengths)
-    width = int(lengths.max())
+    num_rows, width = batch.num_samples, int(lengths.max())
+    if layout is not None:
+        num_rows, width = max(num_rows, layout[0]), max(width, layout[1])
     sample_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     offsets = batch.cu_seqlens[: len(lengths)].to(torch.long)  # a padding segment left out
     within = torch.arange(batch.num_tokens) - offsets[sample_of]
-    return sample_of * width + within, width
+    return sample_of * width + within, num_rows, width
 
 
-def model_inputs(batch: PackedBatch) -> dict[str, Any]:
+def model_inputs(batch: PackedBatch, layout: Layout | None = None) -> dict[str, Any]:
     """GPTModel keyword arguments for a packed batch on this rank's device.
 
     Transformer Engine attention reads the packing from ``PackedSeqParams`` ("thd"). megatron-
@@ -105,6 +114,11 @@ def model_inputs(batch: PackedBatch) -> dict[str, Any]:
     attention costs B * S^2 rather than the (B * S)^2 of a block-diagonal mask over the stream.
     ``stream_rows`` maps the output back to stream order and ``router_rows`` says which stream
     token each MoE router row holds.
+
+    Args:
+        batch: The packed micro-batch.
+        layout: Pad the [B, S] batch to at least (rows, width) with rows and columns of padding
+            (``MicroBatch.layout``); the "thd" stream ignores it.
     """
     dev = device()
     if uses_te_spec():
@@ -124,28 +138,28 @@ def model_inputs(batch: PackedBatch) -> dict[str, Any]:
                 max_seqlen_kv=longest,
             ),
         }
-    return _padded_inputs(batch, *_padded_rows(batch))
+    return _padded_inputs(batch, *_padded_rows(batch, layout))
 
 
-def _padded_inputs(batch: PackedBatch, rows: Tensor, width: int) -> dict[str, Any]:
+def _padded_inputs(batch: PackedBatch, rows: Tensor, num_rows: int, width: int) -> dict[str, Any]:
     dev = device()
-    ids = torch.zeros(batch.num_samples * width, dtype=torch.long)
+    ids = torch.zeros(num_rows * width, dtype=torch.long)
     ids[rows] = batch.tokens[: batch.num_tokens]
     masked = torch.ones(width, width, dtype=torch.bool).triu(diagonal=1)
     return {
-        "input_ids": ids.view(batch.num_samples, width).to(dev),
-        "position_ids": torch.arange(width).expand(batch.num_samples, width).to(dev),
+        "input_ids": ids.view(num_rows, width).to(dev),
+        "position_ids": torch.arange(width).expand(num_rows, width).to(dev),
         # local attention builds its default causal mask on CUDA, so it is passed here.
         "attention_mask": masked[None, None].to(dev),
     }
 
 
-def stream_rows(output: Tensor, batch: PackedBatch) -> Tensor:
-    """The model's output [b, s, ...] for the inputs of ``model_inputs(batch)`` as
+def stream_rows(output: Tensor, batch: PackedBatch, layout: Layout | None = None) -> Tensor:
+    """The model's output [b, s, ...] for the inputs of ``model_inputs(batch, layout)`` as
     [num_tokens, ...] rows in stream order (padding dropped)."""
     if uses_te_spec():
         return output[0, : batch.num_tokens]
-    return _gather_rows(output, _padded_rows(batch)[0])
+    return _gather_rows(output, _padded_rows(batch, layout)[0])
 
 
 def _gather_rows(output: Tensor, rows: Tensor) -> Tensor:
@@ -153,23 +167,25 @@ def _gather_rows(output: Tensor, rows: Tensor) -> Tensor:
     return flat.index_select(0, rows.to(flat.device))
 
 
-def router_rows(batch: PackedBatch) -> Tensor | None:
+def router_rows(batch: PackedBatch, layout: Layout | None = None) -> Tensor | None:
     """For the padded layout: [B * S] stream position of each row the MoE routers see (megatron-
     core flattens [s, b] hidden states: row = s * B + b), -1 for padding; None for "thd", whose
     router rows are the stream itself."""
     if uses_te_spec():
         return None
-    rows, width = _padded_rows(batch)
-    index = torch.full((batch.num_samples * width,), -1, dtype=torch.long)
+    rows, num_rows, width = _padded_rows(batch, layout)
+    index = torch.full((num_rows * width,), -1, dtype=torch.long)
     index[rows] = torch.arange(batch.num_tokens)
     # [b, s] -> [s, b] order
-    return index.view(batch.num_samples, width).t().reshape(-1)
+    return index.view(num_rows, width).t().reshape(-1)
 
 
-def router_rows_to_stream(values: Tensor, batch: PackedBatch) -> Tensor:
+def router_rows_to_stream(
+    values: Tensor, batch: PackedBatch, layout: Layout | None = None
+) -> Tensor:
     """Per-row values of the MoE routers ([R, ...], e.g. a routing map) in stream order
     ([num_tokens, ...]); the values themselves for "thd", whose router rows are the stream."""
-    index = router_rows(batch)
+    index = router_rows(batch, layout)
     if index is None:
         return values[: batch.num_tokens]
     real = index >= 0
@@ -178,13 +194,13 @@ def router_rows_to_stream(values: Tensor, batch: PackedBatch) -> Tensor:
     return out
 
 
-def run_model(model: Any, batch: PackedBatch) -> Tensor:
+def run_model(model: Any, batch: PackedBatch, layout: Layout | None = None) -> Tensor:
     """`model` over `batch`: logits (or values) [num_tokens, ...] in stream order, whole rows
     (vocabulary-sharded logits are gathered under TP)."""
     if uses_te_spec():
         return stream_rows(model(**model_inputs(batch), runtime_gather_output=True), batch)
-    rows, width = _padded_rows(batch)  # once for the inputs and the output
-    out = model(**_padded_inputs(batch, rows, width), runtime_gather_output=True)
+    rows, num_rows, width = _padded_rows(batch, layout)  # once for the inputs and the output
+    out = model(**_padded_inputs(batch, rows, num_rows, width), runtime_gather_output=True)
     return _gather_rows(out, rows)
 
 
@@ -203,7 +219,11 @@ def forward_only(
 
     Policy roles ("actor", "ref") divide logits by `temperature` (the rollout temperature) in
     ``PolicyHead``; the critic's values go through ``ValueHead``, which has no temperature.
-    Without a limit, all samples form one micro-batch.
+    Without a limit, all samples form one micro-batch. Under pipeline parallelism the
+    micro-batches go through megatron-core's schedule (``pipeline.score``) and every rank
+    returns the last stage's results. Where the CPU expert dispatcher gathers equal shapes
+    (``batches.needs_equal_layouts``), every data-parallel rank must call it with as many
+    micro-batches, which are padded to the shapes they agree on.
 
     Args:
         model: This rank's GPTModel (possibly wrapped); a critic for role "critic".
@@ -221,10 +241,7 @@ def forward_only(
 
     if role not in ROLE_OUTPUTS:
         raise ValueError(f"unknown role {role!r}; expected one of {sorted(ROLE_OUTPUTS)}")
-    if ps.get_pipeline_model_parallel_world_size() > 1 or ps.get_context_parallel_world_size() > 1:
-        # TODO: PP and CP go through megatron-core's pipeline schedules and a zigzag split;
-        # those schedules allocate on CUDA, so they wait for the GPU training loop.
-        raise NotImplementedError("forward_only supports PP = CP = 1 for now")
+    require_no_context_parallel()
     for sample in samples:
         sample.validate()
     if micro_batch_size is None and max_tokens_per_micro_batch is None:
@@ -234,36 +251,68 @@ def forward_only(
         micro_batch_size=micro_batch_size,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
     )
-    policy = ROLE_OUTPUTS[role] == "policy"
-    head = PolicyHead(temperature) if policy else ValueHead()
-    tp = ps.get_tensor_model_parallel_world_size()
-    results: list[Any] = [None] * len(samples)
+    # Equal shapes on every data-parallel rank where the CPU expert dispatcher needs them.
+    from ember_megatron_backend.batches import pack_micro_batch, plan_layouts
+
+    agreed = plan_layouts(model, samples, [plan], ps.get_data_parallel_group())
+    layouts = agreed[0] if agreed is not None else [None] * len(plan)
+    micro_batches = [
+        pack_micro_batch(model, samples, indices, layout)
+        for indices, layout in zip(plan, layouts, strict=True)
+    ]
+    options = dict(role=role, temperature=temperature, with_entropy=with_entropy)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        from ember_megatron_backend import pipeline
+
+        return pipeline.score(model, micro_batches, **options)  # the plan keeps sample order
+    pieces = [score_batch(model, mb.packed, mb.layout, **options) for mb in micro_batches]
+    merged: dict[str, list[Tensor] | None] = {}
+    for key in ("log_probs", "entropy", "values"):
+        parts = [getattr(piece, key) for piece in pieces]
+        merged[key] = None if parts[0] is None else [t for part in parts for t in part]
+    return ForwardOutput(**merged)
+
+
+@torch.no_grad()
+def score_batch(
+    model: Any,
+    batch: PackedBatch,
+    layout: Layout | None = None,
+    *,
+    role: str,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> ForwardOutput:
+    """A forward-only pass of `model` (in eval mode) over one packed micro-batch, and the
+    role's head (``heads``); the PP = 1 step of ``forward_only``."""
     was_training = model.training
     model.eval()
     try:
-        for indices in plan:
-            batch = pack_samples([samples[i] for i in indices], pad_multiple=tp)
-            rows = run_model(model, batch)
-            if policy:
-                heads = head.log_probs(
-                    rows,
-                    batch.tokens[: batch.num_tokens].to(rows.device),
-                    batch.total_lengths,
-                    batch.response_lengths,
-                    with_entropy=with_entropy,
-                )
-                for k, i in enumerate(indices):
-                    entropy = heads.entropy[k].float() if heads.entropy is not None else None
-                    results[i] = (heads.log_probs[k].float(), entropy)
-            else:
-                values = head.values(rows, batch.total_lengths, batch.response_lengths)
-                for k, i in enumerate(indices):
-                    results[i] = values[k].float()
+        rows = run_model(model, batch, layout)
     finally:
         model.train(was_training)
-    if not policy:
-        return ForwardOutput(values=list(results))
-    return ForwardOutput(
-        log_probs=[r[0] for r in results],
-        entropy=[r[1] for r in results] if with_entropy else None,
+    return heads(rows, batch, role=role, temperature=temperature, with_entropy=with_entropy)
+
+
+def heads(
+    rows: Tensor,
+    batch: PackedBatch,
+    *,
+    role: str,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> ForwardOutput:
+    """The role's head over a model's output rows [num_tokens, ...] in stream order: per-sample
+    fp32 log-probs (and entropy) at the rollout temperature, or critic values."""
+    if ROLE_OUTPUTS[role] == "value":
+        values = ValueHead().values(rows, batch.total_lengths, batch.response_lengths)
+        return ForwardOutput(values=[v.float() for v in values])
+    out = PolicyHead(temperature).log_probs(
+        rows,
+        batch.tokens[: batch.num_tokens].to(rows.device),
+        batch.total_lengths,
+        batch.response_lengths,
+        with_entropy=with_entropy,
     )
+    entropy = [e.float() for e in out.entropy] if out.entropy is not None else None
+    return ForwardOutput(log_probs=[lp.float() for lp in out.log_probs], entropy=entropy)

@@ -27,13 +27,20 @@ __all__ = [
     "critic_loss",
     "local_denominator",
     "policy_forward",
+    "policy_head",
     "value_forward",
+    "value_head",
 ]
 
 
 def policy_forward(model: Any, mb: MicroBatch, temperature: float) -> HeadOutput:
     """Training forward of a policy: response log-probs and entropy, differentiable."""
-    rows = run_model(model, mb.packed)
+    return policy_head(run_model(model, mb.packed, mb.layout), mb, temperature)
+
+
+def policy_head(rows: Tensor, mb: MicroBatch, temperature: float) -> HeadOutput:
+    """Response log-probs and entropy from a policy's output rows [num_tokens, V] in stream
+    order (what ``run_model`` returns, or the last pipeline stage's output)."""
     packed = mb.packed
     return PolicyHead(temperature).log_probs(
         rows,
@@ -46,7 +53,11 @@ def policy_forward(model: Any, mb: MicroBatch, temperature: float) -> HeadOutput
 
 def value_forward(model: Any, mb: MicroBatch) -> list[Tensor]:
     """Training forward of the critic: values at the response rows, differentiable."""
-    rows = run_model(model, mb.packed)
+    return value_head(run_model(model, mb.packed, mb.layout), mb)
+
+
+def value_head(rows: Tensor, mb: MicroBatch) -> list[Tensor]:
+    """Values at the response rows from a critic's output rows [num_tokens, 1]."""
     return ValueHead().values(rows, mb.packed.total_lengths, mb.packed.response_lengths)
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "device",
     "free_port",
     "init_distributed",
+    "require_no_context_parallel",
     "uses_gpu",
 ]
 
@@ -27,13 +28,14 @@ class ParallelConfig:
     tensor_parallel: int = 1
     """TP: attention heads and MLP columns split across ranks."""
     pipeline_parallel: int = 1
-    """PP: layers split across ranks."""
+    """PP: layers split across ranks, run by megatron-core's 1F1B schedule (CPU and GPU)."""
     expert_parallel: int = 1
     """EP: MoE experts split across ranks."""
     expert_tensor_parallel: int | None = None
     """ETP: expert weights split across ranks; None means the same as tensor_parallel."""
     context_parallel: int = 1
-    """CP: the sequence split across ranks (zigzag)."""
+    """CP: the sequence split across ranks (zigzag). Needs Transformer Engine attention (GPUs),
+    refused without it; the worker does not split micro-batches over CP ranks yet."""
     seed: int = 1234
     """Seed of megatron-core's runtime RNG streams (its tracker's named streams and the GPU's
     default generator, with megatron-core's per-TP/EP-rank offsets): dropout and any other
@@ -106,14 +108,16 @@ def init_distributed(
             ``MASTER_ADDR`` is set, else a fresh ``tcp://127.0.0.1:<port>``.
 
     Raises:
-        ValueError: if the world size is not a multiple of the model-parallel sizes, or if this
-            process is already initialised with another layout (both are named).
+        ValueError: if the world size is not a multiple of the model-parallel sizes, if context
+            parallelism is asked for without Transformer Engine attention, or if this process is
+            already initialised with another layout (both are named).
     """
     from megatron.core import parallel_state, tensor_parallel
 
     from ember_megatron_backend import cpu
 
     parallel = parallel or ParallelConfig()
+    _check_context_parallel(parallel)
     if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
         _check_same_layout(parallel, rank, world_size)
         return
@@ -205,4 +209,37 @@ def _check_world(parallel: ParallelConfig, world_size: int) -> None:
         raise ValueError(
             f"world size {world_size} is not a multiple of expert_tensor_parallel x "
             f"expert_parallel x pipeline_parallel = {expert_mp}"
+        )
+
+
+def _check_context_parallel(parallel: ParallelConfig) -> None:
+    from ember_megatron_backend.model import uses_te_spec
+
+    cp = parallel.context_parallel
+    if cp > 1 and not uses_te_spec():
+        # megatron-core 0.16.1 splits attention over CP ranks in TEDotProductAttention only; the
+        # local DotProductAttention that runs without Transformer Engine has no CP path.
+        where = "Transformer Engine is not installed" if uses_gpu() else "this rank has no GPU"
+        raise ValueError(
+            f"train.parallel.context_parallel={cp}: context parallelism needs Transformer "
+            f"Engine attention on GPUs, and {where}; set train.parallel.context_parallel=1"
+        )
+
+
+def require_no_context_parallel() -> None:
+    """Raise while the worker's context-parallel data path is missing (CP > 1 on GPUs with TE).
+
+    Raises:
+        NotImplementedError: under context parallelism.
+    """
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        # TODO: the zigzag split of packed micro-batches (ember_core.heads.zigzag_split) and the
+        # gather of the heads' outputs over CP ranks; megatron-core runs CP with Transformer
+        # Engine attention, which no machine of this project has to test them on.
+        raise NotImplementedError(
+            f"train.parallel.context_parallel={cp}: the worker does not split micro-batches "
+            "over context-parallel ranks yet; set train.parallel.context_parallel=1"
         )

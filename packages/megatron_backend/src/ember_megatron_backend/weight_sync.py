@@ -135,23 +135,17 @@ def bucket_weights(
 
 def is_weight_sender() -> bool:
     """Whether this rank broadcasts the weights: the rank with tensor-, context- and
-    data-parallel rank 0, which holds every weight once ``iter_hf_weights`` has gathered them
-    over TP/ETP/EP. The other ranks iterate in step (the gathers are collective) and send
-    nothing.
-
-    Raises:
-        NotImplementedError: Under pipeline parallelism (one sender per stage would be needed).
+    data-parallel rank 0 (and pipeline rank 0), which holds every weight once the worker's
+    ``hf_weights`` has gathered them over TP/ETP/EP (and, under pipeline parallelism, brought
+    every stage's to every rank of the pipeline group). The other ranks iterate in step (the
+    gathers are collective) and send nothing.
     """
     from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        # TODO: one sender per pipeline stage, each with a group of its own, needs the engines
-        # to take the stages' buckets in one global order (each engine receives one broadcast
-        # at a time); it waits for pipeline-parallel training, which the worker refuses too.
-        raise NotImplementedError("weight transfer supports pipeline_parallel = 1")
     return (
         ps.get_tensor_model_parallel_rank() == 0
         and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        and ps.get_pipeline_model_parallel_rank() == 0
     )
 
 

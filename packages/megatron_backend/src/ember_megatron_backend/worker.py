@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,22 +23,30 @@ from ember_core.config import AlgorithmConfig, SamplingConfig
 from ember_core.hookspecs import Phase, Role
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
-from ember_megatron_backend import checkpoint, comm
-from ember_megatron_backend.batches import RolloutBatch, pack_micro_batch, plan_steps
+from ember_megatron_backend import checkpoint, comm, pipeline
+from ember_megatron_backend.batches import (
+    MicroBatch,
+    RolloutBatch,
+    pack_micro_batch,
+    plan_layouts,
+    plan_steps,
+)
 from ember_megatron_backend.config import BackendConfig, is_hf_checkpoint
-from ember_megatron_backend.forward import forward_only
+from ember_megatron_backend.forward import run_model
 from ember_megatron_backend.losses import (
     actor_loss,
     actor_metric_keys,
     critic_loss,
     local_denominator,
-    policy_forward,
-    value_forward,
+    policy_head,
+    value_head,
 )
 from ember_megatron_backend.metrics import reduce_sums, rollout_metrics
 from ember_megatron_backend.model import build_model
 from ember_megatron_backend.optimizer import build_optimizer, wrap_ddp
+from ember_megatron_backend.parallel import require_no_context_parallel
 from ember_megatron_backend.routing import RoutingRecorder
+from ember_megatron_backend.scoring import ScoringPass, score_passes
 from ember_megatron_backend.weights import (
     export_hf_checkpoint,
     iter_hf_weights,
@@ -66,6 +74,10 @@ class MegatronWorker:
     two ranks). Mini-batch k of a step is the union over ranks of each rank's k-th slice, and
     losses are scaled by the global number of samples (or counted tokens) of that mini-batch,
     so a data-parallel run computes what one rank computes on the same mini-batches.
+
+    Pipeline parallelism: the ranks of one pipeline group (the stages of a model replica) receive
+    the same samples; every pass runs megatron-core's 1F1B schedule (``pipeline``), the last
+    stage computes heads, losses and metrics, and every rank returns the same results.
     """
 
     def __init__(
@@ -97,12 +109,9 @@ class MegatronWorker:
 
         if not ps.model_parallel_is_initialized():
             raise RuntimeError("call ember_megatron_backend.parallel.init_distributed() first")
-        if ps.get_pipeline_model_parallel_world_size() > 1 or (
-            ps.get_context_parallel_world_size() > 1
-        ):
-            # TODO: PP and CP need megatron-core's pipeline schedules, which allocate on CUDA;
-            # they wait for the GPU training loop.
-            raise NotImplementedError("MegatronWorker supports pipeline = context parallel = 1")
+        require_no_context_parallel()
+        self.pipelined = pipeline.is_pipelined()
+        """Layers split into pipeline stages: every pass runs megatron-core's schedule."""
         self.config, self.algorithm, self.sampling = config, algorithm, sampling
         self.plugins = plugins if plugins is not None else EmberPlugins()
         self.estimator = ADVANTAGE_ESTIMATORS.get(algorithm.advantage_estimator)
@@ -206,6 +215,8 @@ class MegatronWorker:
             sample.validate()
             if sample.reward is None:
                 raise ValueError(f"{_describe(sample)}: reward is None; score samples first")
+        if self.pipelined:
+            pipeline.check_same_samples(samples)
         dp_group = ps.get_data_parallel_group()
         self._check_groups(samples, dp_group)
         has_rollout_lp, has_experts = self._all_ranks(
@@ -232,52 +243,40 @@ class MegatronWorker:
             group=dp_group,
             strict_counts=ps.get_expert_model_parallel_world_size() > 1,
         )
-        n = len(samples)
-        log_probs: list[Any] = [None] * n
-        entropy: list[Any] | None = [None] * n if score_actor else None
-        ref_log_probs: list[Any] | None = [None] * n if self.ref is not None else None
-        # A check-only second reference forward with the rollout's routing replayed, when a
-        # plugin asks (the CI checker does at rollout 0 under routing replay).
-        replayed_ref: list[Any] | None = None
-        if self.ref is not None and self.plugins.replayed_reference_forward(rollout_id):
-            replayed_ref = [None] * n
-        values: list[Any] | None = [None] * n if self.critic is not None else None
-        routing = torch.zeros(n, 4, dtype=torch.float64) if has_experts and score_actor else None
-        temperature = self.sampling.temperature
-        for indices in (mb for step in steps for mb in step):
-            if self.ref is not None:
-                mb = pack_micro_batch(self.ref, samples, indices)
-                with self.plugins.forward_context(Role.REF, Phase.LOG_PROB, mb):
-                    out = forward_only(self.ref, mb.samples, role="ref", temperature=temperature)
-                _scatter(ref_log_probs, indices, out.log_probs)
-                if replayed_ref is not None:
-                    with self.plugins.forward_context(Role.REF, Phase.REPLAY_CHECK, mb):
-                        out = forward_only(
-                            self.ref, mb.samples, role="ref", temperature=temperature
-                        )
-                    _scatter(replayed_ref, indices, out.log_probs)
-            if score_actor:
-                mb = pack_micro_batch(self.actor, samples, indices)
-                record = (
-                    self.routing.record(mb, routing)
-                    if routing is not None and self.routing.active
-                    else contextlib.nullcontext()
-                )
-                with self.plugins.forward_context(Role.ACTOR, Phase.LOG_PROB, mb), record:
-                    out = forward_only(
-                        self.actor,
-                        mb.samples,
-                        role="actor",
-                        temperature=temperature,
-                        with_entropy=True,
-                    )
-                _scatter(log_probs, indices, out.log_probs)
-                _scatter(entropy, indices, out.entropy)
-            if self.critic is not None:
-                mb = pack_micro_batch(self.critic, samples, indices)
-                with self.plugins.forward_context(Role.CRITIC, Phase.LOG_PROB, mb):
-                    out = forward_only(self.critic, mb.samples, role="critic")
-                _scatter(values, indices, out.values)
+        layouts = plan_layouts(self.actor, samples, steps, dp_group)
+        routing = None
+        if has_experts and score_actor:
+            routing = torch.zeros(len(samples), 4, dtype=torch.float64)
+        passes: list[ScoringPass] = []
+        if self.ref is not None:
+            passes.append(ScoringPass("ref", self.ref, Role.REF, Phase.LOG_PROB))
+            # A check-only second reference forward with the rollout's routing replayed, when a
+            # plugin asks (the CI checker does at rollout 0 under routing replay).
+            if self.plugins.replayed_reference_forward(rollout_id):
+                passes.append(ScoringPass("replayed_ref", self.ref, Role.REF, Phase.REPLAY_CHECK))
+        if score_actor:
+            passes.append(ScoringPass("actor", self.actor, Role.ACTOR, Phase.LOG_PROB, routing))
+        if self.critic is not None:
+            passes.append(ScoringPass("critic", self.critic, Role.CRITIC, Phase.LOG_PROB))
+        plan = [mb for step in steps for mb in step]
+        flat = [layout for step in layouts for layout in step] if layouts else [None] * len(plan)
+        scored = score_passes(
+            samples,
+            plan,
+            flat,
+            passes,
+            plugins=self.plugins,
+            recorder=self.routing,
+            temperature=self.sampling.temperature,
+        )
+        log_probs = scored["actor"].log_probs if "actor" in scored else None
+        entropy = scored["actor"].entropy if "actor" in scored else None
+        ref_log_probs = scored["ref"].log_probs if "ref" in scored else None
+        replayed_ref = scored["replayed_ref"].log_probs if "replayed_ref" in scored else None
+        values = scored["critic"].values if "critic" in scored else None
+        if routing is not None and self.pipelined:
+            # Each stage counted its own layers' routings.
+            comm.all_reduce(routing, group=ps.get_pipeline_model_parallel_group())
 
         masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
         rollout_lp = None
@@ -317,6 +316,7 @@ class MegatronWorker:
             ref_replayed_log_probs=replayed_ref,
             values=values,
             rollout_log_probs=rollout_lp,
+            layouts=layouts,
             routing=routing,
         )
 
@@ -383,21 +383,22 @@ class MegatronWorker:
         keys = actor_metric_keys(self.algorithm, batch)
         if self.critic is not None:
             keys += ["value_loss", "value_clipfrac"]
-        models = [m for m in (self.actor, self.critic) if m is not None]
-        for model in models:
+        roles = {Role.ACTOR: self.actor}
+        if self.critic is not None:
+            roles[Role.CRITIC] = self.critic
+        for model in roles.values():
             model.train()
         results = []
-        for step_id, micro_batches in enumerate(batch.steps):
+        for step_id in range(len(batch.steps)):
             sums = {key: torch.zeros((), dtype=torch.float64) for key in keys}
             self.actor_optimizer.zero_grad()
             if self.critic_optimizer is not None:
                 self.critic_optimizer.zero_grad()
-            for indices in micro_batches:
-                weight = local_denominator(batch, indices, reduction) / float(totals[step_id])
-                self._actor_micro_batch(batch, indices, weight, dp_size, sums, len(micro_batches))
-                if self.critic is not None:
-                    self._critic_micro_batch(batch, indices, weight, dp_size, sums)
+            self._train_step(roles, batch, step_id, float(totals[step_id]), dp_size, sums)
             metrics = reduce_sums({f"train/{k}": v for k, v in sums.items()}, dp_group)
+            if self.pipelined:
+                # The last stage computed them; the other stages add zeros.
+                metrics = reduce_sums(metrics, ps.get_pipeline_model_parallel_group())
             result = self.actor_optimizer.step(self.accumulated_step)
             metrics["train/grad_norm"], metrics["train/lr"] = result.grad_norm, result.lr
             metrics["train/skipped_step"] = float(result.skipped)
@@ -412,54 +413,84 @@ class MegatronWorker:
         self.rollout_id = rollout_id
         return results
 
-    def _actor_micro_batch(
+    def _train_step(
         self,
+        roles: dict[Role, Any],
         batch: RolloutBatch,
-        indices: list[int],
-        weight: float,
-        dp_size: int,
-        sums: dict[str, Tensor],
-        num_micro_batches: int,
-    ) -> None:
-        mb = pack_micro_batch(self.actor, batch.samples, indices)
-        with self.plugins.forward_context(Role.ACTOR, Phase.TRAIN, mb):
-            head = policy_forward(self.actor, mb, self.sampling.temperature)
-            loss, metrics = actor_loss(
-                head, mb, batch, self.algorithm, sequence_ratio=self.estimator.sequence_ratio
-            )
-        for key, value in metrics.items():
-            sums[key] += value.double().cpu() * weight
-        if self.model_config.moe_aux_loss_coeff > 0:
-            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-            # The load-balancing loss averages over micro-batches (and over ranks via DDP).
-            scale = torch.tensor(1.0 / num_micro_batches, device=loss.device)
-            MoEAuxLossAutoScaler.set_loss_scale(scale)
-        with self.plugins.forward_context(Role.ACTOR, Phase.BACKWARD, mb):
-            (loss * (weight * dp_size)).backward()
-
-    def _critic_micro_batch(
-        self,
-        batch: RolloutBatch,
-        indices: list[int],
-        weight: float,
+        step_id: int,
+        total: float,
         dp_size: int,
         sums: dict[str, Tensor],
     ) -> None:
-        mb = pack_micro_batch(self.critic, batch.samples, indices)
-        with self.plugins.forward_context(Role.CRITIC, Phase.TRAIN, mb):
-            loss, metrics = critic_loss(value_forward(self.critic, mb), mb, batch, self.algorithm)
-        for key, value in metrics.items():
-            sums[key] += value.double().cpu() * weight
-        with self.plugins.forward_context(Role.CRITIC, Phase.BACKWARD, mb):
-            (loss * (weight * dp_size)).backward()
+        """Forwards and backwards of step `step_id`'s micro-batches for each role's model:
+        gradients into the DDP buffers, metrics (weighted by each micro-batch's share
+        `d_m / total`) into `sums`.
+
+        Each forward, with its loss, runs inside the plugins' `forward_context(role,
+        Phase.TRAIN, mb)` and each backward inside `forward_context(role, Phase.BACKWARD, mb)`.
+        Without pipeline parallelism each micro-batch goes through every role in turn; with it,
+        each role runs its micro-batches through megatron-core's schedule (1F1B), which computes
+        the loss on the last stage.
+        """
+        step = batch.steps[step_id]
+        layouts = batch.layouts[step_id] if batch.layouts is not None else [None] * len(step)
+
+        def pack(model: Any, k: int) -> MicroBatch:
+            return pack_micro_batch(model, batch.samples, step[k], layouts[k])
+
+        def loss(role: Role, mb: MicroBatch, rows: Tensor) -> Tensor:
+            """The micro-batch's loss from the output rows, weighted for the step's mean."""
+            if role == Role.ACTOR:
+                head = policy_head(rows, mb, self.sampling.temperature)
+                value, metrics = actor_loss(
+                    head, mb, batch, self.algorithm, sequence_ratio=self.estimator.sequence_ratio
+                )
+            else:
+                value, metrics = critic_loss(value_head(rows, mb), mb, batch, self.algorithm)
+            weight = local_denominator(batch, mb.indices, self.algorithm.loss_reduction) / total
+            for key, metric in metrics.items():
+                sums[key] += metric.double().cpu() * weight
+            return value * (weight * dp_size)
+
+        def forward(role: Role, mb: MicroBatch) -> Any:
+            return self.plugins.forward_context(role, Phase.TRAIN, mb)
+
+        def backward(role: Role, mb: MicroBatch) -> Any:
+            return self.plugins.forward_context(role, Phase.BACKWARD, mb)
+
+        if self.pipelined:
+            # The schedule sets the load-balancing loss's 1 / micro-batches scale itself.
+            for role, model in roles.items():
+                pipeline.train_step(
+                    model,
+                    [pack(model, k) for k in range(len(step))],
+                    loss=functools.partial(loss, role),
+                    forward_context=functools.partial(forward, role),
+                    backward_context=functools.partial(backward, role),
+                )
+            return
+        for k in range(len(step)):
+            for role, model in roles.items():
+                mb = pack(model, k)
+                with forward(role, mb):
+                    value = loss(role, mb, run_model(model, mb.packed, mb.layout))
+                if self.model_config.moe_aux_loss_coeff > 0:
+                    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+                    # The load-balancing loss averages over micro-batches (and ranks via DDP).
+                    scale = torch.tensor(1.0 / len(step), device=value.device)
+                    MoEAuxLossAutoScaler.set_loss_scale(scale)
+                with backward(role, mb):
+                    value.backward()
 
     # -- weights and checkpoints -------------------------------------------------------------
 
     def hf_weights(self, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
-        """The actor's weights under transformers names, gathered over TP/EP (collective: every
-        rank consumes the iterator in step). See ``weights.iter_hf_weights``."""
-        return iter_hf_weights(self.actor, self.model_config, dtype=dtype)
+        """The actor's weights under transformers names, gathered over TP/EP, and under pipeline
+        parallelism from every stage, stage by stage, on every rank (collective: every rank
+        consumes the iterator in step). See ``weights.iter_hf_weights``."""
+        named = iter_hf_weights(self.actor, self.model_config, dtype=dtype)
+        return pipeline.iter_all_stages(named) if self.pipelined else named
 
     def export_hf(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path | None:
         """Write the actor as a transformers checkpoint (collective; rank 0 writes)."""
@@ -507,12 +538,6 @@ class MegatronWorker:
         )
         self.rollout_id = int(meta["rollout_id"])
         self.accumulated_step = int(meta["accumulated_step"])
-
-
-def _scatter(out: list[Any] | None, indices: list[int], values: list[Tensor] | None) -> None:
-    assert out is not None and values is not None
-    for i, value in zip(indices, values, strict=True):
-        out[i] = value.detach().cpu()
 
 
 def _whiten_across(advantages: list[Tensor], masks: list[Tensor], group: Any) -> list[Tensor]:

@@ -90,24 +90,38 @@ def configure_model(role: Role, model_config: Any, config: R3RoutingConfig) -> N
 def replay_routers(model: Any, config: R3RoutingConfig) -> list[tuple[int, Any]]:
     """The replaying routers of a model, as (layer index from 0, router), ascending by layer.
 
+    Router layer numbers are global: under pipeline parallelism megatron-core adds the stage's
+    layer offset, so each stage replays its own layers of the rollout's routing.
+
     Args:
         model: A module or a list of model chunks (pipeline stages of this rank).
         config: The r3_routing section: every router must sit on one of its MoE layers.
 
+    Returns:
+        The routers; none for a model chunk without any MoE layer (a pipeline stage of dense
+        layers).
+
     Raises:
-        RuntimeError: No router replays (the model was built without `configure_model`).
+        RuntimeError: Routers exist but none replays (the model was built without
+            `configure_model`).
         ValueError: A router sits on a layer the section calls dense or beyond num_layers.
     """
     from megatron.core.transformer.moe.router import TopKRouter
 
     chunks = model if isinstance(model, list | tuple) else [model]
     found: list[tuple[int, Any]] = []
+    routers = 0
     for chunk in chunks:
         for module in chunk.modules():
-            if isinstance(module, TopKRouter) and module.router_replay is not None:
+            if not isinstance(module, TopKRouter):
+                continue
+            routers += 1
+            if module.router_replay is not None:
                 if module.layer_number is None:
                     raise ValueError("r3_routing: a replaying router has no layer_number")
                 found.append((module.layer_number - 1, module))
+    if not routers:
+        return []  # a pipeline stage whose layers are all dense: nothing routes here
     if not found:
         raise RuntimeError(
             "r3_routing: the model has no router with replay on; the backend must call the "
@@ -252,6 +266,9 @@ def replay_context(phase: Phase, batch: Any, config: R3RoutingConfig) -> Iterato
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = replay_routers(batch.model, config)
+    if not routers:
+        yield
+        return
     for layer, router in routers:
         _guard_row_count(layer, router)
     replays = [router.router_replay for _, router in routers]
