@@ -43,10 +43,14 @@ checks and the routing metrics need both (the default overlaps them and takes th
 log-probs from the engine)."""
 
 
-def test_r3_and_kl_checker_in_ci_mode(tmp_path):
+# The default family, and the two whose engine weights and routing differ most from it
+# (multi-latent attention and a sigmoid router with bias and groups; Mixtral's checkpoint names).
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-deepseek-v3", "tiny-mixtral"])
+def test_r3_and_kl_checker_in_ci_mode(tmp_path, model):
     run = ember(
         "--plugins", "r3_routing,ci_kl_checker",
         "--set", "ci.test=true",
+        "--set", f"train.model={model}",
         *ON_POLICY,
         "--set", "run.num_rollouts=2",
         "--set", "run.save_interval=0",
