@@ -100,6 +100,26 @@ def test_two_data_parallel_ranks(tmp_path):
     assert all(s["train/train_rollout_logprob_abs_diff"] < 1e-6 for s in first)
 
 
+def test_two_pipeline_stages(tmp_path):
+    """Two ranks, one model replica in two stages: both take the whole rollout, the engine gets
+    every layer's weights (the next rollout starts on-policy), checkpoints come from both."""
+    run = ember(
+        "--set", "ray.data_parallel=2",
+        "--set", "train.parallel.pipeline_parallel=2",
+        "--set", "rollout.async=false",
+        "--set", "run.num_rollouts=2",
+        "--set", "run.save_interval=1",
+        run_dir=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rollouts = records(tmp_path, "rollout")
+    assert [r["rollout/num_samples"] for r in rollouts] == [16, 16]  # 4 prompts x 4
+    steps = records(tmp_path, "train")
+    assert len(steps) == 2 * 2
+    assert all(s["train/train_rollout_logprob_abs_diff"] < 1e-6 for s in steps[::2])
+    assert len(complete_checkpoints(tmp_path)) == 2
+
+
 KILL_RUN = [
     "--set", "train.model_overrides.num_layers=2",
     "--set", "rollout.rollout_batch_size=2",

@@ -132,7 +132,12 @@ class TrainRank:
         return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
     def setup(self, init_method: str) -> int:
-        """Join the ranks' process group at `init_method`, then build the Megatron worker."""
+        """Join the ranks' process group at `init_method`, then build the Megatron worker.
+
+        Returns:
+            This rank's data-parallel rank: the ranks of one model replica (its tensor,
+            pipeline and context parallel peers) share it and train on the same samples.
+        """
         from ember_megatron_backend.parallel import init_distributed
         from ember_megatron_backend.worker import MegatronWorker
 
@@ -148,7 +153,9 @@ class TrainRank:
             self.config.rollout,
             self.plugins,
         )
-        return self.rank
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(with_context_parallel=True)
 
     def prepare(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         """Score this rank's samples (ref / old log-probs, values, advantages) and log them."""

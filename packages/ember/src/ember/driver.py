@@ -176,8 +176,9 @@ def split_by_rank(samples: list[Sample], n_per_prompt: int, ranks: int) -> list[
     groups = [samples[i : i + n_per_prompt] for i in range(0, len(samples), n_per_prompt)]
     if len(groups) % ranks:
         raise ValueError(
-            f"ray.data_parallel={ranks}: the rollout has {len(groups)} prompt groups, which do not "
-            "split evenly across ranks; make rollout.rollout_batch_size a multiple of it"
+            f"{ranks} data-parallel replicas (ray.data_parallel / the model-parallel size): the "
+            f"rollout has {len(groups)} prompt groups, which do not split evenly across them; make "
+            "rollout.rollout_batch_size a multiple of it"
         )
     per = len(groups) // ranks
     return [[s for g in groups[r * per : (r + 1) * per] for s in g] for r in range(ranks)]
@@ -192,12 +193,14 @@ class Driver:
         self.config.run.dir = str(self.run_dir)
         self.actors: Actors | None = None
         self._pending: dict[int, Any] = {}
-        self.placement: Placement | None = None
-        """The run's placement groups, once built."""
-        self.handoff = MemoryHandoff((), (), enabled=False)
-        """Who holds the shared GPUs of a colocated run; disabled until `build` knows."""
         """Rollouts started ahead (ObjectRefs of `RolloutManager.generate`) or restored from a
         checkpoint (`RolloutBatch`), by rollout id."""
+        self.placement: Placement | None = None
+        """The run's placement groups, once built."""
+        self.data_ranks: list[int] = []
+        """Each training rank's data-parallel rank (its model replica), once built."""
+        self.handoff = MemoryHandoff((), (), enabled=False)
+        """Who holds the shared GPUs of a colocated run; disabled until `build` knows."""
 
     @property
     def init_dir(self) -> Path:
@@ -269,7 +272,7 @@ class Driver:
         # The rendezvous lives on rank 0's node, which need not be this one: ask rank 0 for
         # its address before any rank initialises torch.distributed.
         init_method = ray.get(train[0].rendezvous.remote())
-        ray.get([t.setup.remote(init_method) for t in train])
+        self.data_ranks = ray.get([t.setup.remote(init_method) for t in train])
         if not (reuse_init and _init_complete(model_dir)):
             ray.get([t.export_hf.remote(str(model_dir)) for t in train])
             ray.get(train[0].save_tokenizer.remote(str(model_dir)))
@@ -404,11 +407,13 @@ class Driver:
         t0 = time.perf_counter()
         self.handoff.to_training()
         shards = split_by_rank(
-            batch.samples, self.config.rollout.n_samples_per_prompt, len(self.actors.train)
+            batch.samples, self.config.rollout.n_samples_per_prompt, 1 + max(self.data_ranks)
         )
-        # Every rank returns the same metrics, already reduced across data-parallel ranks.
+        # Every rank returns the same metrics, already reduced across data-parallel ranks; the
+        # ranks of one model replica (TP, PP, CP peers) take the same shard.
         per_rank = [
-            t.prepare.remote(rollout_id, s) for t, s in zip(self.actors.train, shards, strict=True)
+            t.prepare.remote(rollout_id, shards[dp])
+            for t, dp in zip(self.actors.train, self.data_ranks, strict=True)
         ]
         rollout_metrics = ray.get(per_rank)[0]
         timings["perf/log_probs_time"] = time.perf_counter() - t0
@@ -468,6 +473,7 @@ class Driver:
                             "status": str(s.status),
                             "tokens": s.tokens,
                             "response_length": s.response_length,
+                            "loss_mask": s.effective_loss_mask(),
                             "rollout_log_probs": s.rollout_log_probs,
                             "weight_version": s.weight_version,
                         }
