@@ -529,8 +529,9 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
         # it megatron-core's MoE layer refuses to *train* under TP > 1 (eval forward works).
         sequence_parallel=tp > 1 and uses_te_spec(),
         # Pipeline p2p shapes per micro-batch. TransformerConfig rejects it whenever the token
-        # dispatcher is allgather (its default, even for dense models), so on CPU it is off and
-        # PP > 1 there needs equal micro-batch lengths.
+        # dispatcher is allgather (its default, even for dense models), so on CPU it is off
+        # here and the pipeline schedule turns it on when it runs (pipeline.py explains why
+        # that is sound: only the p2p layer reads it).
         variable_seq_lengths=gpu,
         use_cpu_initialization=not gpu,
         # megatron-core 0.16.1 fusions/fused_softmax.py: with the fusion on, bf16/fp16 scores with
