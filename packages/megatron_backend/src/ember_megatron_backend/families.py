@@ -76,6 +76,17 @@ _MOE_FIELDS = (
 )
 
 
+_DEEPSEEK_STYLE_FIELDS = (
+    ("num_experts", "n_routed_experts"),
+    ("moe_ffn_hidden_size", "moe_intermediate_size"),
+    ("moe_router_topk", "num_experts_per_tok"),
+    ("ffn_hidden_size", "intermediate_size"),
+    ("norm_topk_prob", "norm_topk_prob"),
+    ("moe_router_topk_scaling_factor", "routed_scaling_factor"),
+)
+"""What DeepSeek-V3 and GLM-4.5 configs name alike."""
+
+
 def _dense_list_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {"mlp_only_layers": list(cfg.dense_layers)}
 
@@ -262,12 +273,7 @@ DEEPSEEK_V3 = Family(
         architecture="DeepseekV3ForCausalLM",
         fields=(
             *COMMON_FIELDS,
-            ("num_experts", "n_routed_experts"),
-            ("moe_ffn_hidden_size", "moe_intermediate_size"),
-            ("moe_router_topk", "num_experts_per_tok"),
-            ("ffn_hidden_size", "intermediate_size"),
-            ("norm_topk_prob", "norm_topk_prob"),
-            ("moe_router_topk_scaling_factor", "routed_scaling_factor"),
+            *_DEEPSEEK_STYLE_FIELDS,
             ("kv_lora_rank", "kv_lora_rank"),
             ("head_dim", "qk_nope_head_dim"),
             ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
@@ -293,13 +299,8 @@ GLM4_MOE = Family(
         architecture="Glm4MoeForCausalLM",
         fields=(
             *COMMON_FIELDS,
+            *_DEEPSEEK_STYLE_FIELDS,
             ("num_query_groups", "num_key_value_heads"),
-            ("num_experts", "n_routed_experts"),
-            ("moe_ffn_hidden_size", "moe_intermediate_size"),
-            ("moe_router_topk", "num_experts_per_tok"),
-            ("ffn_hidden_size", "intermediate_size"),
-            ("norm_topk_prob", "norm_topk_prob"),
-            ("moe_router_topk_scaling_factor", "routed_scaling_factor"),
             ("qk_layernorm", "use_qk_norm"),
             ("add_qkv_bias", "attention_bias"),
             ("head_dim", "head_dim"),

@@ -309,115 +309,69 @@ class ModelConfig:
             raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
 
 
+_TINY = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+"""The tiny shape every preset shares: a CPU forward+backward in well under a second."""
+_TINY_EXPERTS = dict(num_experts=8, moe_ffn_hidden_size=32, moe_router_topk=2)
+_SIGMOID_ROUTER = dict(moe_router_score_function="sigmoid", moe_router_expert_bias=True)
+
+
+def _tiny(**fields: Any) -> ModelConfig:
+    return ModelConfig(**{**_TINY, **fields})
+
+
 PRESETS: dict[str, ModelConfig] = {
-    # Small enough for a CPU forward+backward in well under a second.
-    "tiny-moe": ModelConfig(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        vocab_size=256,
-        ffn_hidden_size=128,
-        num_experts=8,
-        moe_ffn_hidden_size=32,
-        moe_router_topk=2,
-        max_position_embeddings=512,
-    ),
+    "tiny-moe": _tiny(ffn_hidden_size=128, **_TINY_EXPERTS),
     # The other families at tiny-moe's size, each with its own features switched on.
-    "tiny-deepseek-v3": ModelConfig(
+    "tiny-deepseek-v3": _tiny(
         family="deepseek_v3",
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
         num_query_groups=4,
-        head_dim=16,
         q_lora_rank=32,
         kv_lora_rank=32,
         qk_pos_emb_head_dim=8,
         v_head_dim=16,
-        vocab_size=256,
         ffn_hidden_size=128,
         dense_layers=(0,),
-        num_experts=8,
-        moe_ffn_hidden_size=32,
-        moe_router_topk=2,
-        moe_router_score_function="sigmoid",
-        moe_router_expert_bias=True,
+        **_TINY_EXPERTS,
+        **_SIGMOID_ROUTER,
         moe_router_num_groups=4,
         moe_router_group_topk=1,
         moe_router_topk_scaling_factor=2.5,
         moe_shared_expert_intermediate_size=32,
         qk_layernorm=False,
         rope_theta=10_000.0,
-        max_position_embeddings=512,
     ),
-    "tiny-glm4-moe": ModelConfig(
+    "tiny-glm4-moe": _tiny(
         family="glm4_moe",
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        vocab_size=256,
         ffn_hidden_size=128,
         dense_layers=(0,),
-        num_experts=8,
-        moe_ffn_hidden_size=32,
-        moe_router_topk=2,
-        moe_router_score_function="sigmoid",
-        moe_router_expert_bias=True,
+        **_TINY_EXPERTS,
+        **_SIGMOID_ROUTER,
         moe_shared_expert_intermediate_size=32,
         qk_layernorm=False,
         add_qkv_bias=True,
         rotary_percent=0.5,
         rope_theta=10_000.0,
-        max_position_embeddings=512,
     ),
-    "tiny-qwen2-moe": ModelConfig(
+    "tiny-qwen2-moe": _tiny(
         family="qwen2_moe",
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        vocab_size=256,
         ffn_hidden_size=128,
-        num_experts=8,
-        moe_ffn_hidden_size=32,
-        moe_router_topk=2,
+        **_TINY_EXPERTS,
         norm_topk_prob=False,
         moe_shared_expert_intermediate_size=64,
         moe_shared_expert_gate=True,
         qk_layernorm=False,
         add_qkv_bias=True,
-        max_position_embeddings=512,
     ),
-    "tiny-mixtral": ModelConfig(
-        family="mixtral",
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        vocab_size=256,
-        num_experts=8,
-        moe_ffn_hidden_size=32,
-        moe_router_topk=2,
-        qk_layernorm=False,
-        max_position_embeddings=512,
-    ),
-    "tiny-dense": ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        vocab_size=256,
-        ffn_hidden_size=128,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    ),
+    "tiny-mixtral": _tiny(family="mixtral", **_TINY_EXPERTS, qk_layernorm=False),
+    "tiny-dense": _tiny(num_layers=2, ffn_hidden_size=128, tie_word_embeddings=True),
 }
 
 
