@@ -232,7 +232,8 @@ def set_field(name, value):
         (
             nth(1, set_field("rollout_routed_experts", lambda s: s.rollout_routed_experts[:, :2])),
             True,
-            r"sample 1 .*rollout_routed_experts has shape \[\d+, 2, 2\], expected .* = \[\d+, 3, 2\]",
+            r"sample 1 .*rollout_routed_experts has shape \[\d+, 2, 2\], "
+            r"expected .* = \[\d+, 3, 2\]",
         ),
         (
             nth(1, set_field("rollout_routed_experts", lambda s: s.rollout_routed_experts.float())),
