@@ -214,5 +214,6 @@ def test_error_inside_an_actor_is_one_line(tmp_path):
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
     assert errors == [
-        "ember train: error: unsupported model_type 'llama'; expected 'qwen3_moe' or 'qwen3'"
+        "ember train: error: unsupported model_type 'llama'; supported: qwen3_moe, qwen3, "
+        "deepseek_v3, glm4_moe, qwen2_moe, mixtral"
     ], run.stderr[-3000:]

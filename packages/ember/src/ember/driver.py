@@ -198,7 +198,8 @@ class Driver:
         self.placement: Placement | None = None
         """The run's placement groups, once built."""
         self.data_ranks: list[int] = []
-        """Each training rank's data-parallel rank (its model replica), once built."""
+        """Each training rank's data-parallel rank (its model replica), once built (empty: one
+        replica per rank)."""
         self.handoff = MemoryHandoff((), (), enabled=False)
         """Who holds the shared GPUs of a colocated run; disabled until `build` knows."""
 
@@ -406,14 +407,15 @@ class Driver:
 
         t0 = time.perf_counter()
         self.handoff.to_training()
-        shards = split_by_rank(
-            batch.samples, self.config.rollout.n_samples_per_prompt, 1 + max(self.data_ranks)
-        )
         # Every rank returns the same metrics, already reduced across data-parallel ranks; the
         # ranks of one model replica (TP, PP, CP peers) take the same shard.
+        data_ranks = self.data_ranks or list(range(len(self.actors.train)))
+        shards = split_by_rank(
+            batch.samples, self.config.rollout.n_samples_per_prompt, 1 + max(data_ranks)
+        )
         per_rank = [
             t.prepare.remote(rollout_id, shards[dp])
-            for t, dp in zip(self.actors.train, self.data_ranks, strict=True)
+            for t, dp in zip(self.actors.train, data_ranks, strict=True)
         ]
         rollout_metrics = ray.get(per_rank)[0]
         timings["perf/log_probs_time"] = time.perf_counter() - t0
