@@ -217,3 +217,11 @@ def test_error_inside_an_actor_is_one_line(tmp_path):
         "ember train: error: unsupported model_type 'llama'; supported: qwen3_moe, qwen3, "
         "deepseek_v3, glm4_moe, qwen2_moe, mixtral"
     ], run.stderr[-3000:]
+
+
+def test_config_given_as_an_option_reads_like_the_argument(tmp_path, capsys, no_ray):
+    path = _write(tmp_path / "run.yaml", ["rollout:", "  temperature: -1"])
+    assert main(["train", "--config", str(path)]) == USAGE_ERROR
+    assert "rollout.temperature=-1.0: expected a finite number > 0" in _one_error_line(capsys)
+    assert main(["train", str(path), "--config", str(path)]) == USAGE_ERROR
+    assert _one_error_line(capsys).startswith("two configs,")

@@ -46,6 +46,18 @@ def test_toy_tokenizer_round_trips_through_auto_tokenizer(tmp_path):
     assert load_tokenizer(path).get_vocab() == toy_tokenizer().get_vocab()
 
 
+def test_toy_tokenizer_takes_extra_words_after_its_own(tmp_path):
+    path = save_toy_tokenizer(tmp_path / "tok", extra_words=("calc", "+"))
+    tokenizer = load_tokenizer(path)
+    assert len(tokenizer) == 19
+    assert all(tokenizer.convert_tokens_to_ids(t) == i for i, t in enumerate(TOY_VOCAB))
+    ids = tokenizer("3 + 4 calc")["input_ids"]
+    assert ids == [5, 18, 6, 17] and tokenizer.decode(ids) == "3+4calc"
+    for bad in (("copy",), ("two words",), ("x1",), ("",), ("calc", "calc")):
+        with pytest.raises(ValueError, match="extra word"):
+            save_toy_tokenizer(tmp_path / "bad", extra_words=bad)
+
+
 def write_jsonl(path, rows):
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
     return path

@@ -26,6 +26,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ember.config import check_inputs, load_config
 
     run_dir = None
+    if args.config and args.config_option:
+        raise ValueError(
+            f"two configs, {args.config!r} and --config {args.config_option!r}; give one"
+        )
+    args.config = args.config or args.config_option
     config_source: str | dict | None = args.config
     if args.resume:
         run_dir = Path(args.resume)
@@ -95,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run RL training (default: the CPU example)")
     train.add_argument(
         "config", nargs="?", help="YAML run config or example name (default: default)"
+    )
+    train.add_argument(
+        "--config", dest="config_option", metavar="CONFIG", help="the same, as an option"
     )
     train.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +19,30 @@ TOY_VOCAB: tuple[str, ...] = (TOY_EOS, TOY_UNK, *(str(d) for d in range(10)), *T
 """Every toy token; a token's id is its index here."""
 
 
-def build_toy_tokenizer() -> Any:
+def build_toy_tokenizer(extra_words: Sequence[str] = ()) -> Any:
     """A word-level tokenizer over `TOY_VOCAB`: words and punctuation split, digits one per token.
 
     Decoding joins tokens without spaces, so a response of digit tokens reads as a digit string.
     Only the EOS token is special (it is skipped by `decode(..., skip_special_tokens=True)`).
+
+    Args:
+        extra_words: Words (or punctuation marks) appended to `TOY_VOCAB`, for a task of its own
+            (the calc_tool example plugin adds `calc` and `+`); the toy tokens keep their ids.
+
+    Raises:
+        ValueError: An extra word is empty, holds whitespace or a digit, or is a toy token already.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(TOY_VOCAB)}
+    for word in extra_words:
+        if not word or any(c.isspace() or c.isdigit() for c in word) or word in TOY_VOCAB:
+            raise ValueError(
+                f"extra word {word!r}: expected a new word without whitespace or digits"
+            )
+    if len(set(extra_words)) != len(extra_words):
+        raise ValueError(f"extra words {list(extra_words)}: a word appears twice")
+    vocab = {token: i for i, token in enumerate((*TOY_VOCAB, *extra_words))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=TOY_UNK))
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
@@ -38,10 +53,11 @@ def build_toy_tokenizer() -> Any:
     )
 
 
-def save_toy_tokenizer(path: str | Path) -> Path:
-    """Write the toy tokenizer (tokenizer.json + tokenizer_config.json) to `path`."""
+def save_toy_tokenizer(path: str | Path, extra_words: Sequence[str] = ()) -> Path:
+    """Write the toy tokenizer (tokenizer.json + tokenizer_config.json) to `path`, with
+    `extra_words` appended to its vocabulary (see `build_toy_tokenizer`)."""
     path = Path(path)
-    build_toy_tokenizer().save_pretrained(path)
+    build_toy_tokenizer(extra_words).save_pretrained(path)
     return path
 
 
