@@ -277,6 +277,7 @@ def test_plugin_guide_excerpts_match_the_example_plugin():
     assert {path for path, _ in excerpts} == {
         "examples/plugins/truncation_mask/pyproject.toml",
         "examples/plugins/truncation_mask/src/ember_truncation_mask/plugin.py",
+        "examples/plugins/calc_tool/src/ember_calc_tool/plugin.py",
     }
     stale = [path for path, code in excerpts if code not in (ROOT / path).read_text()]
     assert not stale, f"docs/plugins.md quotes code that is no longer in {stale}; update it"

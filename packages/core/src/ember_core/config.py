@@ -211,7 +211,8 @@ class SamplingConfig:
     top_k: int = -1
     """Keep only the k most likely tokens; -1 keeps all."""
     max_response_len: int = 64
-    """Most tokens generated per response."""
+    """Most response tokens per sample: the generated ones, and the ones an `ember_generate`
+    plugin inserts (a tool's output)."""
     seed: int = 1234
     """Seed of the rollout sampler."""
     async_: bool = field(default=False, metadata={KEY: "async"})
