@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from ember_megatron_backend.model import PRESETS
 from ember_rollout.tokenizer import save_tokenizer_for_model, toy_tokenizer
 
 EOS = toy_tokenizer().eos_token_id
@@ -28,17 +29,18 @@ def distributed():
         destroy_distributed()
 
 
-def _export(path, *, eos_only: bool = False):
+def _export(path, *, eos_only: bool = False, preset: str = "tiny-moe"):
     """The trainer's export of a tiny model over the toy vocabulary.
 
     Args:
+        preset: The model preset (one per family).
         eos_only: Zero the output layer, so every logit ties and greedy decoding picks id 0,
             the toy EOS: a model that emits EOS first.
     """
     from ember_megatron_backend.model import ModelConfig, build_model
     from ember_megatron_backend.weights import export_hf_checkpoint
 
-    cfg = ModelConfig.preset("tiny-moe").replace(vocab_size=len(toy_tokenizer()))
+    cfg = ModelConfig.preset(preset).replace(vocab_size=len(toy_tokenizer()))
     model = build_model(cfg, seed=0)
     if eos_only:
         with torch.no_grad():
@@ -75,11 +77,17 @@ def _load_capturing(path):
     return model, [r.getMessage() for r in handler.records], [str(w.message) for w in caught]
 
 
-def test_export_loads_without_rewriting_its_generation_config(distributed, tmp_path):
-    path = _export(tmp_path / "hf")
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_export_loads_without_rewriting_its_generation_config(distributed, tmp_path, preset):
+    """Every family's export stops at the tokenizer's EOS, not at its config class's default
+    (DeepSeek-V3's is 1 and Mixtral's 2: a toy unknown token and the digit 0)."""
+    path = _export(tmp_path / "hf", preset=preset)
     save_tokenizer_for_model(None, path)  # what the driver does for hf_init
     config = json.loads((path / "config.json").read_text())
     assert config["eos_token_id"] == EOS and config["pad_token_id"] == EOS
+    assert config["bos_token_id"] is None  # the toy tokenizer has none
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == EOS
     model, messages, caught = _load_capturing(path)
     assert caught == []
     notices = [m for m in messages if "not found" in m or "created from the model config" in m]

@@ -380,6 +380,10 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> Any:
     values: dict[str, Any] = {hf: getattr(cfg, mine) for mine, hf in spec.fields}
     values.update(spec.fixed)
     values.update(rope_parameters=_rope_to_hf(cfg), hidden_act="silu")
+    # The token ids belong to the tokenizer, which writes them next to the weights
+    # (`save_tokenizer_for_model`); some config classes default them (DeepSeek-V3's EOS is 1,
+    # Mixtral's 2), and an engine reading such a default stops at whatever token has that id.
+    values.update(dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id")))
     if spec.to_hf is not None:
         values.update(spec.to_hf(cfg))
     config = getattr(transformers, spec.config_class)(**values)
