@@ -195,3 +195,33 @@ def test_a_tokenizer_directory_generation_config_is_kept(tmp_path):
     save_tokenizer_for_model(source, target)
     assert json.loads((target / "generation_config.json").read_text()) == own
     assert json.loads((target / "config.json").read_text())["eos_token_id"] == 3  # kept
+
+
+# --------------------------------------------------------------------------------------------
+# A model that stops at an ordinary token is named before the first rollout
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("eos", "named"), [(0, {}), (2, {2: "0"}), (1, {1: "?"})])
+def test_stop_ids_the_tokenizer_has_as_text_are_named(tmp_path, caplog, eos, named):
+    """Mixtral's config class defaults EOS to 2, DeepSeek-V3's to 1: with the toy tokenizer the
+    digit 0 and the unknown token, at which every response would end."""
+    from ember_core.config import SamplingConfig
+    from ember_rollout.config import EngineConfig, HFEngineConfig, RolloutSections
+    from ember_rollout.families import write_family_checkpoint
+    from ember_rollout.hf_engine import HFEngine
+    from ember_rollout.rollout import RolloutGenerator
+    from ember_rollout.tokenizer import ordinary_stop_ids
+
+    path = write_family_checkpoint(tmp_path, "mixtral", eos_token_id=eos)
+    engine = HFEngine(HFEngineConfig(model_path=str(path), dtype="float32"))
+    engine.load()
+    assert engine.model_info.eos_token_ids == (eos,)
+    assert ordinary_stop_ids(engine.model_info.eos_token_ids, toy_tokenizer()) == named
+    sections = RolloutSections(engine=EngineConfig(kind="hf", hf=engine.config))
+    with caplog.at_level("WARNING", logger="ember_rollout.rollout"):
+        RolloutGenerator.from_config(engine=engine, sampling=SamplingConfig(), sections=sections)
+    warned = [r.getMessage() for r in caplog.records if "ordinary" in r.getMessage()]
+    assert len(warned) == bool(named)
+    if named:
+        assert str(named) in warned[0] and "tokenizer's EOS (0)" in warned[0]

@@ -30,7 +30,7 @@ from ember_rollout.plugin_generation import (
     gather_all,
 )
 from ember_rollout.rewards import Scorer
-from ember_rollout.tokenizer import load_tokenizer
+from ember_rollout.tokenizer import load_tokenizer, ordinary_stop_ids
 
 if TYPE_CHECKING:
     from ember_core.plugins import EmberPlugins
@@ -271,6 +271,17 @@ class RolloutGenerator:
             runner = LocalGroups(engine, tokenizer, plugins)
             model_info = engine.model_info
         assert runner is not None
+        if model_info is not None and (
+            ordinary := ordinary_stop_ids(model_info.eos_token_ids, tokenizer)
+        ):
+            logger.warning(
+                "the served model stops at token ids %s, which the tokenizer has as ordinary "
+                "text (special ids: %s): responses end there. Set eos_token_id in the model "
+                "directory's config.json and generation_config.json to the tokenizer's EOS (%s)",
+                ordinary,
+                sorted(tokenizer.all_special_ids),
+                tokenizer.eos_token_id,
+            )
         max_prompt_len = data.max_prompt_len
         if max_prompt_len is None and model_info is not None:
             max_prompt_len = max(model_info.context_len - sampling.max_response_len, 1)

@@ -94,6 +94,23 @@ def special_token_ids(tokenizer: Any) -> dict[str, int | None]:
     return {key: getattr(tokenizer, key, None) for key in SPECIAL_TOKEN_KEYS}
 
 
+def ordinary_stop_ids(eos_token_ids: Sequence[int], tokenizer: Any) -> dict[int, str | None]:
+    """The ids among a model's EOS ids that the tokenizer has as ordinary text, with their
+    tokens (None: outside the vocabulary).
+
+    A real model's EOS ids are special tokens of its tokenizer. One that is not usually comes
+    from a config class's default written into config.json (transformers' DeepSeek-V3 config
+    defaults EOS to 1, Mixtral's to 2), and an engine then ends responses at that text token.
+    """
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, added in tokenizer.added_tokens_decoder.items() if added.special}
+    return {
+        i: tokenizer.convert_ids_to_tokens(i) if 0 <= i < len(tokenizer) else None
+        for i in eos_token_ids
+        if i not in special
+    }
+
+
 def save_tokenizer_for_model(tokenizer_path: str | Path | None, model_dir: str | Path) -> None:
     """Save a tokenizer next to an exported model, with the token ids the model needs to stop.
 
