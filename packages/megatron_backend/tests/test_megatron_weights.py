@@ -103,6 +103,8 @@ def _reference_log_probs(model, samples, temperature):
 VARIANTS = {
     # norm_topk_prob=False: softmax over all experts
     "tiny-moe-unnormalised": ("tiny-moe", {"norm_topk_prob": False}),
+    # routed_scaling_factor as DeepSeek-V3 ships it
+    "tiny-deepseek-v3-scaled": ("tiny-deepseek-v3", {"moe_router_topk_scaling_factor": 2.5}),
     # YaRN as DeepSeek-V3 ships it, over positions past the original context (16)
     "tiny-deepseek-v3-yarn": (
         "tiny-deepseek-v3",

@@ -343,7 +343,8 @@ PRESETS: dict[str, ModelConfig] = {
         **_SIGMOID_ROUTER,
         moe_router_num_groups=4,
         moe_router_group_topk=1,
-        moe_router_topk_scaling_factor=2.5,
+        # Routed scaling stays 1 (the released models' 2.5 is covered by the parity tests): at
+        # 2.5 the default task collapsed in one of four seeds, at 1.0 in none.
         moe_shared_expert_intermediate_size=32,
         qk_layernorm=False,
         rope_theta=10_000.0,
