@@ -14,18 +14,22 @@ from ember.driver import complete_checkpoints
 
 pytestmark = pytest.mark.slow
 
+QUIET = ["--set", "run.plot=false", "--set", "run.tensorboard=false"]
 SHORT = [
     "--set", "rollout.rollout_batch_size=4",
     "--set", "rollout.n_samples_per_prompt=4",
     "--set", "train.num_steps_per_rollout=2",
-    "--set", "run.plot=false",
-    "--set", "run.tensorboard=false",
+    *QUIET,
 ]  # fmt: skip
 
 
-def ember(*args: str, run_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def ember(
+    *args: str, run_dir: Path, timeout: float = 300, short: bool = True
+) -> subprocess.CompletedProcess:
+    """`ember train` with `args`, writing to `run_dir`; `short`: the small rollouts of SHORT."""
+    small = SHORT if short else QUIET
     return subprocess.run(
-        [sys.executable, "-m", "ember.cli", "train", *args, *SHORT, "--set", f"run.dir={run_dir}"],
+        [sys.executable, "-m", "ember.cli", "train", *args, *small, "--set", f"run.dir={run_dir}"],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -124,18 +128,12 @@ def test_the_default_task_is_learned_with_deepseek_v3(tmp_path):
     """The default run with the DeepSeek-V3 preset instead of Qwen3-MoE (multi-latent attention,
     a dense first layer, shared experts, a sigmoid router with bias and groups) learns its task.
     A wrong stop token in the export held it at 0.75, one digit short of every answer."""
-    run = subprocess.run(
-        [
-            sys.executable, "-m", "ember.cli", "train",
-            "--set", "train.model=tiny-deepseek-v3",
-            "--set", f"run.dir={tmp_path}",
-            "--set", "run.save_interval=0",
-            "--set", "run.plot=false",
-            "--set", "run.tensorboard=false",
-        ],
-        capture_output=True,
-        text=True,
+    run = ember(
+        "--set", "train.model=tiny-deepseek-v3",
+        "--set", "run.save_interval=0",
+        run_dir=tmp_path,
         timeout=900,
+        short=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rewards = [r["rollout/rewards"] for r in records(tmp_path, "rollout")]

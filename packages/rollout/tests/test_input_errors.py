@@ -9,11 +9,15 @@ import pytest
 import torch
 from conftest import TINY, make_engine
 
-from ember_rollout.config import DataConfig
+from ember_core.config import SamplingConfig
+from ember_rollout.config import DataConfig, EngineConfig, HFEngineConfig, RolloutSections
 from ember_rollout.data import load_prompts
+from ember_rollout.families import write_family_checkpoint
+from ember_rollout.hf_engine import HFEngine
 from ember_rollout.models import iter_checkpoint, write_tiny_checkpoint
+from ember_rollout.rollout import RolloutGenerator
 from ember_rollout.sglang_engine import model_info_from_dir
-from ember_rollout.tokenizer import save_tokenizer_for_model, toy_tokenizer
+from ember_rollout.tokenizer import ordinary_stop_ids, save_tokenizer_for_model, toy_tokenizer
 
 # --------------------------------------------------------------------------------------------
 # hf engine weight updates: every name known, no parameter left out
@@ -206,13 +210,6 @@ def test_a_tokenizer_directory_generation_config_is_kept(tmp_path):
 def test_stop_ids_the_tokenizer_has_as_text_are_named(tmp_path, caplog, eos, named):
     """Mixtral's config class defaults EOS to 2, DeepSeek-V3's to 1: with the toy tokenizer the
     digit 0 and the unknown token, at which every response would end."""
-    from ember_core.config import SamplingConfig
-    from ember_rollout.config import EngineConfig, HFEngineConfig, RolloutSections
-    from ember_rollout.families import write_family_checkpoint
-    from ember_rollout.hf_engine import HFEngine
-    from ember_rollout.rollout import RolloutGenerator
-    from ember_rollout.tokenizer import ordinary_stop_ids
-
     path = write_family_checkpoint(tmp_path, "mixtral", eos_token_id=eos)
     engine = HFEngine(HFEngineConfig(model_path=str(path), dtype="float32"))
     engine.load()
