@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ember_rollout.sglang_engine import free_port
+from ember_rollout.sglang_launch import free_port
 
 FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 

@@ -17,7 +17,7 @@ from ember_rollout.config import HFEngineConfig
 from ember_rollout.engine import EngineError, GenerateRequest, SamplingParams
 from ember_rollout.hf_engine import HFEngine
 from ember_rollout.models import iter_checkpoint, load_hf_weights, write_tiny_checkpoint
-from ember_rollout.sglang_engine import free_port
+from ember_rollout.sglang_launch import free_port
 
 OTHER = dataclasses.replace(TINY, init_seed=TINY.init_seed + 1)
 

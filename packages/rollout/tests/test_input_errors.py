@@ -16,7 +16,7 @@ from ember_rollout.families import write_family_checkpoint
 from ember_rollout.hf_engine import HFEngine
 from ember_rollout.models import iter_checkpoint, write_tiny_checkpoint
 from ember_rollout.rollout import RolloutGenerator
-from ember_rollout.sglang_engine import model_info_from_dir
+from ember_rollout.sglang_launch import model_info_from_dir
 from ember_rollout.tokenizer import ordinary_stop_ids, save_tokenizer_for_model, toy_tokenizer
 
 # --------------------------------------------------------------------------------------------

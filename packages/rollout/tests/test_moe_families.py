@@ -26,7 +26,7 @@ from ember_rollout.families import (
 from ember_rollout.hf_engine import HFEngine
 from ember_rollout.models import check_update_names, iter_checkpoint, load_hf_weights
 from ember_rollout.routing import decode_routed_experts
-from ember_rollout.sglang_engine import model_info_from_dir
+from ember_rollout.sglang_launch import model_info_from_dir
 
 NUM_LAYERS, NUM_EXPERTS, TOPK = 3, 8, 2
 GROUPED = {"deepseek_v3", "glm4_moe"}

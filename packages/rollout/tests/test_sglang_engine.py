@@ -19,7 +19,8 @@ from ember_core.plugins import EmberPlugins
 from ember_core.types import SampleStatus
 from ember_rollout.config import EngineConfig, SGLangEngineConfig
 from ember_rollout.engine import EngineError, ModelInfo, build_engine
-from ember_rollout.sglang_engine import SGLangEngine, free_port
+from ember_rollout.sglang_engine import SGLangEngine
+from ember_rollout.sglang_launch import free_port
 
 
 def test_payload_fields_and_parsing():
@@ -163,7 +164,10 @@ def test_abort_without_tokens_is_reported_as_abort():
 def test_server_down_fails_health_wait_with_timeout():
     port = free_port()
     engine = engine_for([f"http://127.0.0.1:{port}"], launch_timeout_s=0.3)
-    with pytest.raises(EngineError, match=rf"not healthy after 0.3s: http://127.0.0.1:{port}"):
+    with pytest.raises(
+        EngineError,
+        match=rf"not healthy after 0.3s \(engine.sglang.launch_timeout_s\): http://127.0.0.1:{port}",
+    ):
         asyncio.run(engine.start())
 
 
@@ -287,6 +291,8 @@ def fake_sglang_package(tmp_path, monkeypatch):
 
 
 def launch_config(tmp_path, **kw):
+    """Two servers of the fake package above, placed as on GPUs unless `device` says otherwise."""
+    kw.setdefault("device", "cuda")
     return EngineConfig(
         kind="sglang",
         sglang=SGLangEngineConfig(
@@ -310,7 +316,7 @@ def test_launches_servers_on_free_loopback_ports_with_plugin_args(tmp_path, fake
     async def main():
         async with engine:
             outs = await engine.generate([request(0, n=2), request(1, n=2)])
-            processes = [p for p, _ in engine._processes]
+            processes = [s.process for s in engine._servers]
             return engine.urls, outs, processes
 
     urls, outs, processes = asyncio.run(main())
@@ -344,15 +350,17 @@ def test_launches_servers_on_free_loopback_ports_with_plugin_args(tmp_path, fake
 )
 def test_gpu_placement_flags_in_server_args_are_refused(server_args, num_servers, message):
     with pytest.raises(ValueError, match=rf"server_args=.*expected {message}"):
-        SGLangEngineConfig(model_path="/m", num_servers=num_servers, server_args=server_args)
+        SGLangEngineConfig(
+            model_path="/m", device="cuda", num_servers=num_servers, server_args=server_args
+        )
 
 
 def test_gpu_placement_flags_from_plugins_are_refused_and_one_server_may_step():
-    config = SGLangEngineConfig(model_path="/m", server_args=["--gpu-id-step", "2"])
+    config = SGLangEngineConfig(model_path="/m", device="cuda", server_args=["--gpu-id-step", "2"])
     command = SGLangEngine(config).server_command(30000)
     assert command[command.index("--base-gpu-id") + 1] == "0"
     engine = SGLangEngine(
-        SGLangEngineConfig(model_path="/m", num_servers=2, tp_size=4, base_gpu_id=0),
+        SGLangEngineConfig(model_path="/m", device="cuda", num_servers=2, tp_size=4, base_gpu_id=0),
         extra_server_args=["--base-gpu-id", "4"],
     )
     with pytest.raises(ValueError, match=r"rollout_server_args .* set --base-gpu-id"):
@@ -371,10 +379,10 @@ def test_server_exiting_during_startup_is_reported(tmp_path, fake_sglang_package
     monkeypatch.setenv("FAKE_SGLANG_EXIT", "3")
     engine = build_engine(launch_config(tmp_path))
     with pytest.raises(
-        EngineError, match=r"exited with code 3 before becoming healthy; see .*logs"
+        EngineError, match=r"exited with code 3 before becoming healthy: .* \(log: .*logs"
     ):
         asyncio.run(engine.start())
-    assert engine._processes == []
+    assert engine._servers == []
 
 
 def test_model_info_read_from_the_model_directory(tmp_path):

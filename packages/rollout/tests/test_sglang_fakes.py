@@ -25,7 +25,7 @@ SERVER_SCRIPT = Path(__file__).parents[2] / "ember" / "tests" / "fake_sglang_ser
 
 
 async def post(engine, path: str, payload, server: int = 0) -> tuple[int, object]:
-    async with engine._session.post(f"{engine.urls[server]}{path}", json=payload) as answer:
+    async with engine._http.post(f"{engine.urls[server]}{path}", json=payload) as answer:
         return answer.status, await answer.json()
 
 

@@ -12,18 +12,16 @@ import torch
 from aiohttp import web
 from sglang_fake import ALREADY_OPEN, NOT_OPEN, OUTSIDE, FakeSGLang, engine_for, run
 
-from ember_rollout import sglang_engine
 from ember_rollout.engine import EngineError
-from ember_rollout.sglang_engine import serialize_flattened_bucket, serialize_named_tensors
+from ember_rollout.sglang_weights import serialize_flattened_bucket, serialize_named_tensors
 
 BEGIN, UPDATE, END = "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"
 
 
 @pytest.fixture
-def cpu_ipc(monkeypatch):
-    """Let CPU tensors through: the fake servers run in this process, which can open their
-    shared-memory fds (a separately launched server cannot)."""
-    monkeypatch.setattr(sglang_engine, "IPC_DEVICE_TYPES", ("cuda", "cpu"), raising=False)
+def cpu_ipc():
+    """CPU tensors travel by shared-memory file name, which the fakes in this process open as a
+    launched server does (the real server on CPU: test_sglang_real.py)."""
 
 
 def weights():
@@ -110,7 +108,7 @@ def test_the_fake_refuses_what_sglang_refuses(cpu_ipc):
             (BEGIN, {"selector": "everything"}),
             (UPDATE, {"load_format": None}),
         ]:
-            async with engine._session.post(f"{url}{path}", json=payload) as response:
+            async with engine._http.post(f"{url}{path}", json=payload) as response:
                 answers.append((response.status, await response.json()))
         return answers
 
@@ -128,15 +126,16 @@ def test_the_fake_refuses_what_sglang_refuses(cpu_ipc):
     assert "'serialized_named_tensors'" in answers[5][1]["message"]
 
 
-def test_tensors_off_the_gpu_are_refused_before_anything_is_sent():
+def test_tensors_no_handle_can_carry_are_refused_before_anything_is_sent():
     fake = FakeSGLang()
 
     async def body(engine):
+        on_meta = [(name, tensor.to("meta")) for name, tensor in weights()]
         with pytest.raises(
             ValueError,
-            match=r"'model.embed_tokens.weight' is on cpu.*update_weights_from_disk\(path\)",
+            match=r"'model.embed_tokens.weight' is on meta.*update_weights_from_disk\(path\)",
         ):
-            await engine.update_weights_from_tensors(weights())
+            await engine.update_weights_from_tensors(on_meta)
         with pytest.raises(TypeError, match=r"'w' is a list"):
             await engine.update_weights_from_tensors([("w", [1.0])])
 
@@ -285,7 +284,7 @@ def test_distributed_updates_refuse_what_sglang_refuses():
             (INIT, {**JOIN, "rank_offset": 0, "world_size": 2, "group_name": "h"}),
             (END, {}),
         ]:
-            async with engine._session.post(f"{url}{path}", json=payload) as response:
+            async with engine._http.post(f"{url}{path}", json=payload) as response:
                 answers.append((response.status, await response.json()))
         await engine.begin_weight_update()
         with pytest.raises(
@@ -344,9 +343,8 @@ def test_flattened_buckets_by_ipc_one_payload_per_rank(cpu_ipc, monkeypatch):
             for (_, got), (_, want) in zip(rank_tensors, tensors, strict=True):
                 assert got.dtype == want.dtype and torch.equal(got, want)
     assert fake.ignored_fields == set()
-    monkeypatch.setattr(sglang_engine, "IPC_DEVICE_TYPES", ("cuda",))
     with pytest.raises(ValueError, match="cannot reach a separately launched SGLang server"):
-        serialize_flattened_bucket(flat, names, dtypes, shapes)
+        serialize_flattened_bucket(flat.to("meta"), names, dtypes, shapes)
 
 
 def test_mistyped_versions_names_and_dtypes_are_refused_before_anything_is_sent(cpu_ipc):

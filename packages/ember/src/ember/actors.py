@@ -270,7 +270,7 @@ class TrainRank:
         """
         from ember_megatron_backend.parallel import device
         from ember_megatron_backend.weight_sync import bucket_weights
-        from ember_rollout.sglang_engine import serialize_flattened_bucket
+        from ember_rollout.sglang_weights import serialize_flattened_bucket
 
         named = self.worker.hf_weights()
         if engine is None:

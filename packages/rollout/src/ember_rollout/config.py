@@ -177,6 +177,13 @@ class SGLangEngineConfig:
     """First GPU of launched servers: server i gets `--base-gpu-id base_gpu_id + i * tp_size`."""
     mem_fraction_static: float | None = None
     """SGLang's --mem-fraction-static (GPU memory share for weights and KV cache); None: default."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where launched servers run: cuda, or cpu (the real SGLang server on a machine without a
+    GPU: sglang's CPU engine with Ember's stand-ins for its CUDA-only kernels, see
+    `ember_rollout.sglang_cpu`); auto picks cuda when this process sees a GPU."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Launched servers' --dtype. auto is SGLang's own rule, which serves a float32 checkpoint
+    in float16; float32 keeps an fp32 trainer's policy exactly."""
     server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for launched servers (plugins can add more); not the GPU ids."""
     python: str | None = None

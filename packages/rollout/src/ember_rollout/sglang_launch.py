@@ -1,0 +1,298 @@
+"""Launched SGLang servers: their command lines, processes, logs and health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from ember_rollout import sglang_cpu
+from ember_rollout.config import gpu_placement_flags
+from ember_rollout.engine import EngineError, ModelInfo
+from ember_rollout.families import EXPERT_COUNT_KEYS, config_moe_layers
+
+if TYPE_CHECKING:
+    from ember_rollout.config import SGLangEngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether `port` can be bound on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def model_info_from_dir(path: str | Path | None) -> ModelInfo | None:
+    """Layers, top-k, vocabulary and context length from a local HF model's config.json.
+
+    EOS ids come from config.json and generation_config.json together, as transformers
+    merges them. Returns None when `path` holds no config.json (an attached server's model).
+
+    Raises:
+        ValueError: A field the engine needs is missing or not an integer; names the field and
+            the file.
+    """
+    if path is None or not (Path(path) / "config.json").is_file():
+        return None
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from None
+    config = config.get("text_config", config)
+
+    def required(*keys: str) -> int:
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+        found = {k: config[k] for k in keys if k in config}
+        raise ValueError(
+            f"{file}: {' or '.join(keys)} is {'missing' if not found else found}; the sglang "
+            "engine needs it as a non-negative integer (it does not guess a default)"
+        )
+
+    num_layers = required("num_hidden_layers")
+    topk = int(config.get("num_experts_per_tok") or 0)
+    num_experts = required(*EXPERT_COUNT_KEYS) if topk else 0
+    eos: set[int] = set()
+    sources = [config]
+    generation = Path(path) / "generation_config.json"
+    if generation.is_file():
+        sources.append(json.loads(generation.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        eos.update([value] if isinstance(value, int) else value or [])
+    return ModelInfo(
+        num_layers=num_layers,
+        topk=topk,
+        num_experts=num_experts,
+        moe_layers=config_moe_layers(config),
+        vocab_size=required("vocab_size"),
+        context_len=required("max_position_embeddings"),
+        eos_token_ids=tuple(sorted(eos)),
+    )
+
+
+def resolve_device(device: str) -> str:
+    """`sglang.device` with auto resolved: cuda when this process sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def last_error_line(log_path: Path | None) -> str | None:
+    """The last line of a server log that names an error, else its last non-empty line."""
+    if log_path is None or not log_path.is_file():
+        return None
+    with open(log_path, "rb") as file:
+        file.seek(max(file.seek(0, os.SEEK_END) - 64_000, 0))
+        lines = [ln.strip() for ln in file.read().decode(errors="replace").splitlines()]
+    lines = [ln for ln in lines if ln]
+    for line in reversed(lines):
+        if "error" in line.lower() or "exception" in line.lower():
+            return line[:300]
+    return lines[-1][:300] if lines else None
+
+
+@dataclass(slots=True)
+class LaunchedServer:
+    """One server process this engine started, and where its output goes."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+
+class ServerLauncher:
+    """The part of `SGLangEngine` that launches servers, watches them come up and stops them.
+
+    Server output always goes to a log file (`sglang.log_dir`, or a fresh temporary directory),
+    so that a server that fails to start can be named with the line that says why.
+    """
+
+    config: SGLangEngineConfig
+    extra_server_args: list[str]
+    urls: list[str]
+    _servers: list[LaunchedServer]
+    _http: aiohttp.ClientSession | None
+
+    def server_command(self, port: int, index: int = 0) -> list[str]:
+        """The command line of launched server `index` (0-based).
+
+        On GPUs server i runs on GPUs `base_gpu_id + i * tp_size` and the `tp_size - 1` after
+        it; on CPU it gets the flags of `sglang_cpu.SERVER_ARGS` that the arguments lack.
+
+        Raises:
+            ValueError: No model_path, or the plugins' arguments set the GPU placement.
+        """
+        cfg = self.config
+        if cfg.model_path is None:
+            raise ValueError("sglang.model_path is required to launch servers (or set sglang.urls)")
+        misplaced = gpu_placement_flags(self.extra_server_args, cfg.num_servers)
+        if misplaced:
+            raise ValueError(
+                f"plugins' rollout_server_args {self.extra_server_args} set "
+                + "; ".join(misplaced)
+                + ": Ember places launched servers on GPUs itself"
+            )
+        command = [
+            cfg.python or sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            cfg.model_path,
+            "--host",
+            cfg.host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(cfg.tp_size),
+        ]
+        if cfg.dtype != "auto":
+            command += ["--dtype", cfg.dtype]
+        args = list(cfg.server_args) + self.extra_server_args
+        if resolve_device(cfg.device) == "cpu":
+            return command + sglang_cpu.server_args(args)
+        # sglang 0.5.23 entrypoints/engine.py: TP rank r runs on GPU base_gpu_id + r (step 1)
+        command += ["--base-gpu-id", str(cfg.base_gpu_id + index * cfg.tp_size)]
+        if cfg.mem_fraction_static is not None:
+            command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        return command + args
+
+    def _port(self, index: int) -> int:
+        """Server `index`'s port: `base_port + index` if set and free, else any free one."""
+        cfg = self.config
+        if cfg.base_port:
+            port = cfg.base_port + index
+            if port_is_free(cfg.host, port):
+                return port
+            chosen = free_port(cfg.host)
+            logger.warning(
+                "sglang.base_port: port %d (server %d) is in use; launching on %d instead",
+                port,
+                index,
+                chosen,
+            )
+            return chosen
+        return free_port(cfg.host)
+
+    def _launch(self) -> None:
+        cfg = self.config
+        on_cpu = resolve_device(cfg.device) == "cpu"
+        if on_cpu and cfg.python is None and not sglang_cpu.sglang_installed():
+            raise EngineError(
+                f"engine.kind=sglang launches SGLang servers, but sglang is not installed in "
+                f"{sys.executable}'s environment: {sglang_cpu.EXTRA_HINT}"
+            )
+        log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="ember-sglang-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = sglang_cpu.server_env() if on_cpu else None
+        for i in range(cfg.num_servers):
+            port = self._port(i)
+            command = self.server_command(port, i)
+            log_path = log_dir / f"sglang-{i}-{port}.log"
+            logger.info("launching SGLang server %d (log %s): %s", i, log_path, " ".join(command))
+            with open(log_path, "wb") as sink:
+                process = subprocess.Popen(
+                    command,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+            url = f"http://{host}:{port}"
+            self._servers.append(LaunchedServer(process, url, log_path))
+            self.urls.append(url)
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Poll GET /health of every server until all answer 200.
+
+        Raises:
+            EngineError: A launched server exited, or `timeout_s` passed; one line naming the
+                server, the reason its log gives and the log file.
+        """
+        launched = {server.url: server for server in self._servers}
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.urls)
+        while pending:
+            for url in list(pending):
+                server = launched.get(url)
+                if server is not None and server.process.poll() is not None:
+                    reason = last_error_line(server.log_path) or "no output"
+                    raise EngineError(
+                        f"SGLang server {url} exited with code {server.process.returncode} "
+                        f"before becoming healthy: {reason} (log: {server.log_path})"
+                    )
+                if await self._healthy(url):
+                    pending.remove(url)
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                logs = [str(launched[u].log_path) for u in pending if u in launched]
+                where = f" (log: {', '.join(logs)})" if logs else ""
+                raise EngineError(
+                    f"SGLang servers not healthy after {timeout_s:g}s "
+                    f"(engine.sglang.launch_timeout_s): {', '.join(pending)}{where}"
+                )
+            await asyncio.sleep(min(self.config.health_poll_s, max(deadline - time.monotonic(), 0)))
+
+    async def _healthy(self, url: str) -> bool:
+        assert self._http is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=max(self.config.health_poll_s, 1.0))
+            async with self._http.get(f"{url}/health", timeout=timeout) as response:
+                return response.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    async def health(self) -> bool:
+        if self._http is None:
+            return False
+        results = await asyncio.gather(*(self._healthy(url) for url in self.urls))
+        return all(results)
+
+    async def _stop_servers(self) -> None:
+        """SIGTERM every launched server's process group; SIGKILL what is left after 30 s."""
+        servers, self._servers = self._servers, []
+        for server in servers:
+            if server.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.process.pid, signal.SIGTERM)
+        for server in servers:
+            try:
+                await asyncio.to_thread(server.process.wait, 30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.process.pid, signal.SIGKILL)
+                await asyncio.to_thread(server.process.wait)
+        if servers:
+            self.urls = [u.rstrip("/") for u in self.config.urls]

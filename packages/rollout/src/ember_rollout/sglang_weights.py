@@ -1,0 +1,472 @@
+"""Weights into SGLang servers: from disk, by tensor handle, and broadcast from the trainer."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember_rollout.engine import EngineError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ember_rollout.config import SGLangEngineConfig
+
+logger = logging.getLogger(__name__)
+
+IPC_DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
+"""Devices whose tensors can reach a separately launched SGLang server on this machine without
+copying them into the request: CUDA tensors as IPC handles, CPU tensors as the name of a
+shared-memory file (torch's `file_system` sharing strategy, used while pickling them). With
+torch's default `file_descriptor` strategy a CPU tensor would pickle as an fd that the receiver
+fetches from the sender's `multiprocessing.resource_sharer`, which answers only a process
+holding the sender's authkey (multiprocessing/resource_sharer.py `get_connection`); sglang's
+tp_worker.py 199 fails that check and the server goes down.
+"""
+
+_STORAGE_DEVICE_ARG = 6
+"""Index of `storage_device` in the arguments of torch's `rebuild_cuda_tensor`."""
+
+
+def _reduce_tensor_by_device_uuid(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    """torch's tensor reducer, naming a CUDA tensor's device by UUID instead of index.
+
+    The server's processes may number GPUs differently from the sender. sglang 0.5.23 senders
+    (weight_sync/utils.py, utils/patch_torch.py) send the UUID, and its receiver maps a UUID (or
+    an index) back to its own device before opening the IPC handle.
+    """
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor and isinstance(args[_STORAGE_DEVICE_ARG], int):
+        uuid = str(torch.cuda.get_device_properties(args[_STORAGE_DEVICE_ARG]).uuid)
+        args = (*args[:_STORAGE_DEVICE_ARG], uuid, *args[_STORAGE_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
+def _serialize_for_ipc(obj: Any) -> str:
+    """Pickle `obj` with its tensors as handles, base64-encoded to fit in JSON."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers tensor reducers with ForkingPickler)
+
+    buffer = io.BytesIO()
+    pickler = ForkingPickler(buffer)
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor_by_device_uuid
+    with _file_system_sharing():
+        pickler.dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+@contextlib.contextmanager
+def _file_system_sharing() -> Iterator[None]:
+    """torch's `file_system` sharing strategy for the block: CPU storages pickle as the name of
+    a shared-memory file, which any process on this machine can open (see `IPC_DEVICE_TYPES`).
+    The file lives as long as the sender's tensor does."""
+    import torch.multiprocessing as mp
+
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Pickle (name, tensor) pairs as SGLang's /update_weights_from_tensor expects them.
+
+    The pickle carries CUDA IPC handles or shared-memory file names rather than the data, so
+    the server must run on the same machine; base64 makes it fit in JSON. Only torch and
+    builtin globals appear in it, the ones sglang 0.5.23's `SafeUnpickler` (utils/common.py)
+    accepts.
+    """
+    return _serialize_for_ipc([(name, tensor.detach()) for name, tensor in named_tensors])
+
+
+def serialize_flattened_bucket(
+    flat: torch.Tensor,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+) -> str:
+    """Pickle one flattened bucket for /update_weights_from_tensor with load_format
+    "flattened_bucket": `{"flattened_tensor": flat, "metadata": [...]}`, as sglang 0.5.23's
+    `_update_weights_from_flattened_bucket` (model_runner_components/weight_updater.py) reads
+    it. Its metadata entries are read by attribute (name, shape, dtype, start_idx, end_idx,
+    numel; byte offsets); `types.SimpleNamespace` carries them, a global sglang's
+    `SafeUnpickler` (utils/common.py) accepts. So does sglang's own `FlattenedTensorMetadata`,
+    but that would make the trainer import sglang.
+
+    Args:
+        flat: uint8 [bytes], tensor i's bytes after tensor i - 1's, on a CUDA device.
+        names, dtypes, shapes: Each tensor's HF name, torch dtype name and shape.
+
+    Raises:
+        ValueError: `flat` is not on a device in `IPC_DEVICE_TYPES`, or the metadata does
+            not add up to its size.
+    """
+    from types import SimpleNamespace
+
+    if flat.device.type not in IPC_DEVICE_TYPES:
+        raise ValueError(
+            f"a flattened bucket on {flat.device} cannot reach a separately launched SGLang "
+            f"server by handle (devices: {', '.join(IPC_DEVICE_TYPES)}); use weights.transport "
+            "broadcast or disk"
+        )
+    metadata, offset = [], 0
+    for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = getattr(torch, dtype_name)
+        size = torch.Size(shape)
+        nbytes = size.numel() * dtype.itemsize
+        metadata.append(
+            SimpleNamespace(
+                name=name,
+                shape=size,
+                dtype=dtype,
+                start_idx=offset,
+                end_idx=offset + nbytes,
+                numel=nbytes,
+            )
+        )
+        offset += nbytes
+    if offset != flat.numel():
+        raise ValueError(f"the bucket's metadata covers {offset} bytes, the buffer {flat.numel()}")
+    return _serialize_for_ipc({"flattened_tensor": flat.detach(), "metadata": metadata})
+
+
+def ipc_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs as a list, if every tensor can be sent by handle.
+
+    Raises:
+        TypeError: A value is not a tensor; names it.
+        ValueError: A tensor is not on a device in `IPC_DEVICE_TYPES`; names the first one.
+    """
+    tensors = list(named_tensors)
+    for name, tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"update_weights_from_tensors: {name!r} is a {type(tensor).__name__}")
+        if tensor.device.type not in IPC_DEVICE_TYPES:
+            raise ValueError(
+                f"update_weights_from_tensors: {name!r} is on {tensor.device}, but a separately "
+                "launched SGLang server can only receive tensors by handle from "
+                f"{', '.join(IPC_DEVICE_TYPES)}; save a checkpoint and call "
+                "update_weights_from_disk(path)"
+            )
+    return tensors
+
+
+def check_version(what: str, weight_version: object) -> None:
+    """sglang 0.5.23 (managers/io_struct.py) takes `weight_version` as a string or null and
+    answers anything else with HTTP 400 before the update runs; for a broadcast that would leave
+    the sender waiting for receivers, so it is refused here first.
+
+    Raises:
+        TypeError: `weight_version` is neither None nor a string; names the call.
+    """
+    if weight_version is not None and not isinstance(weight_version, str):
+        raise TypeError(
+            f"{what}: weight_version={weight_version!r} is a {type(weight_version).__name__}; "
+            "expected a string or None"
+        )
+
+
+class WeightUpdates:
+    """The part of `SGLangEngine` that loads new weights into its servers.
+
+    Disk loads need no session; tensor and distributed updates run inside a weight-update
+    session (`begin_weight_update` .. `end_weight_update`), as sglang 0.5.23 requires.
+    """
+
+    config: SGLangEngineConfig
+    urls: list[str]
+    start: Callable[[], Any]
+    _post_all: Callable[..., Any]
+    _post_each: Callable[..., Any]
+
+    @contextlib.asynccontextmanager
+    async def _weight_update_session(self) -> AsyncIterator[None]:
+        """Open a weight-update session on every server for the block, and always close it.
+
+        The first failure is raised (a begin's, else the block's, else an end's); an end's
+        failure after another one is logged.
+        """
+        await self.begin_weight_update()
+        try:
+            yield
+        except BaseException:
+            try:
+                await self.end_weight_update()
+            except EngineError as exc:
+                logger.error("while closing the weight-update session after a failure: %s", exc)
+            raise
+        await self.end_weight_update()
+
+    # -- weights -------------------------------------------------------------------------------
+
+    async def update_weights_from_disk(
+        self, path: str | Path, *, weight_version: str | None = None
+    ) -> None:
+        """Every server loads the HF checkpoint at `path` (a path on the servers' machine).
+
+        sglang 0.5.23 loads from disk without a begin/end session (weight_updater.py restores
+        and post-processes the weights itself) and waits for running requests to finish first.
+        A load that failed or timed out is retried: loading a checkpoint again changes nothing.
+
+        Raises:
+            TypeError: `weight_version` is not a string.
+            EngineError: A server refused or failed; names it.
+        """
+        check_version("update_weights_from_disk", weight_version)
+        await self.start()
+        payload: dict[str, Any] = {
+            "model_path": str(path),
+            "load_format": None,  # the server's --load-format
+            "flush_cache": True,  # drop KV cache computed with the old weights
+            "abort_all_requests": False,
+            "weight_version": weight_version,
+        }
+        await self._post_all("/update_weights_from_disk", payload, what="update_weights_from_disk")
+
+    async def update_weights_from_tensors(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | None = None,
+    ) -> None:
+        """Send CUDA tensors by IPC handle (same machine only) inside a weight-update session.
+
+        Each server gets one serialization per TP rank: sglang 0.5.23 (managers/tp_worker.py)
+        lets every rank open only its own copy.
+
+        Raises:
+            TypeError: `weight_version` is not a string, or a value is not a tensor.
+            ValueError: A tensor is not on a CUDA device; use `update_weights_from_disk`.
+            EngineError: A server refused the session or the update; the session is closed on
+                every server that opened it either way.
+        """
+        check_version("update_weights_from_tensors", weight_version)
+        tensors = ipc_tensors(named_tensors)
+        await self.start()
+
+        def payload(_: int) -> dict[str, Any]:
+            return {
+                "serialized_named_tensors": [
+                    serialize_named_tensors(tensors) for _ in range(self.config.tp_size)
+                ],
+                "load_format": None,
+                "flush_cache": True,
+                "weight_version": weight_version,
+            }
+
+        async with self._weight_update_session():
+            await self._post_all(
+                "/update_weights_from_tensor", payload, what="update_weights_from_tensor", once=True
+            )
+
+    # -- weights from the trainer: sessions, weight groups, buckets ------------------------------
+
+    _session_urls: tuple[str, ...] = ()
+    """The servers on which this engine's open weight-update session began."""
+
+    @property
+    def weight_group_size(self) -> int:
+        """One rank per GPU: `tp_size` per server (launched ones: `num_servers` of them)."""
+        servers = len(self.urls) or self.config.num_servers
+        return servers * self.config.tp_size
+
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session on every server (POST /begin_weight_update).
+
+        sglang 0.5.23 (scheduler_components/weight_updater.py) takes tensor and distributed
+        updates only inside one, and refuses a begin while one is open. If a server refuses,
+        the sessions opened on the others are closed again.
+
+        Raises:
+            EngineError: This engine has a session open already, or a server refused.
+        """
+        await self.start()
+        if self._session_urls:
+            raise EngineError(
+                "begin_weight_update: this engine's weight-update session is open already; "
+                "call end_weight_update() first"
+            )
+        began = await self._post_each(
+            "/begin_weight_update", {"selector": "all"}, what="begin_weight_update", once=True
+        )
+        opened = tuple(url for url, error in zip(self.urls, began, strict=True) if error is None)
+        errors = [error for error in began if error is not None]
+        if errors:
+            ended = await self._post_each(
+                "/end_weight_update", {}, what="end_weight_update", urls=opened, once=True
+            )
+            for error in ended:
+                if error is not None:
+                    logger.error("while closing the sessions a failed begin opened: %s", error)
+            raise errors[0]
+        self._session_urls = opened
+
+    async def end_weight_update(self) -> None:
+        """Close the session `begin_weight_update` opened, on every server it opened on.
+
+        Raises:
+            EngineError: No session is open, or a server refused (after all were asked).
+        """
+        opened, self._session_urls = self._session_urls, ()
+        if not opened:
+            raise EngineError(
+                "end_weight_update: no weight-update session is open; call "
+                "begin_weight_update() first"
+            )
+        ended = await self._post_each(
+            "/end_weight_update", {}, what="end_weight_update", urls=opened, once=True
+        )
+        for error in ended:
+            if error is not None:
+                raise error
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Every server joins weight group `group_name` (POST /init_weights_update_group).
+
+        Server i takes ranks `rank_offset + i * tp_size` onwards: sglang 0.5.23
+        (model_runner_components/weight_updater.py) joins TP rank r as `rank_offset + r`,
+        through a rendezvous the sender (rank 0) hosts, so the sender joins while the servers
+        are asked. A server fails a group name it has already.
+
+        Raises:
+            EngineError: A server failed to join; names it.
+        """
+        tp = self.config.tp_size
+
+        def payload(i: int) -> dict[str, Any]:
+            return {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset + i * tp,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
+
+        await self._post_all(
+            "/init_weights_update_group", payload, what="init_weights_update_group", once=True
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Every server leaves weight group `group_name` (POST /destroy_weights_update_group)."""
+        await self._post_all(
+            "/destroy_weights_update_group",
+            {"group_name": group_name},
+            what="destroy_weights_update_group",
+            once=True,
+        )
+
+    def _check_session(self, what: str) -> None:
+        if not self._session_urls:
+            # sglang 0.5.23 refuses it too, but only after the sender has started a broadcast
+            # that then waits for receivers that never come.
+            raise EngineError(
+                f"{what} must run between begin_weight_update() and end_weight_update()"
+            )
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """Every server receives one flattened bucket from rank 0 of `group_name` and loads it
+        (POST /update_weights_from_distributed, load_format "flattened_bucket": sglang 0.5.23
+        allocates the buffer from the names, dtypes and shapes, receives it with one
+        `broadcast(src=0)` and loads the tensors cut from it).
+
+        Raises:
+            TypeError: A name, dtype or the version is not a string; names it.
+            EngineError: No open session, or a server refused or failed; names it.
+        """
+        what = "update_weights_from_distributed"
+        check_version(what, weight_version)
+        for key, values in (("names", names), ("dtypes", dtypes)):
+            bad = [value for value in values if not isinstance(value, str)]
+            if bad:
+                raise TypeError(f"{what}: {key} holds {bad[0]!r}; expected strings")
+        self._check_session(what)
+        payload = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [[int(d) for d in shape] for shape in shapes],
+            "group_name": group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+            "weight_version": weight_version,
+        }
+        await self._post_all(
+            "/update_weights_from_distributed",
+            payload,
+            what="update_weights_from_distributed",
+            once=True,
+        )
+
+    async def update_weights_from_ipc(
+        self,
+        payloads: Sequence[str],
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """Every server loads one flattened bucket handed over by CUDA IPC handle
+        (POST /update_weights_from_tensor, load_format "flattened_bucket"), in an open session.
+
+        Args:
+            payloads: `weight_group_size` serializations of the bucket
+                (`serialize_flattened_bucket`), made on this machine: server i's TP rank r
+                opens `payloads[i * tp_size + r]` only (sglang 0.5.23 tp_worker.py
+                `deserialize_own_rank`), so no handle is opened twice.
+
+        Raises:
+            ValueError: Not `weight_group_size` payloads.
+            TypeError: The version is not a string.
+            EngineError: No open session, or a server refused or failed; names it.
+        """
+        check_version("update_weights_from_ipc", weight_version)
+        tp = self.config.tp_size
+        if len(payloads) != self.weight_group_size:
+            raise ValueError(
+                f"{len(payloads)} IPC payloads for {len(self.urls)} server(s) of tp_size {tp}: "
+                f"expected {self.weight_group_size}, one per rank"
+            )
+        self._check_session("update_weights_from_tensor")
+
+        def payload(i: int) -> dict[str, Any]:
+            return {
+                "serialized_named_tensors": list(payloads[i * tp : (i + 1) * tp]),
+                "load_format": "flattened_bucket",
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            }
+
+        await self._post_all(
+            "/update_weights_from_tensor", payload, what="update_weights_from_tensor", once=True
+        )
