@@ -52,3 +52,23 @@ def _one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def real_sglang(tmp_path_factory):
+    """The real SGLang server on CPU serving Ember's tiny-moe export (`sglang_real.RealServer`);
+    skipped, with the install command, where the sglang extra is not installed. One per test
+    module: the server holds about 3.7 GB and its processes, so it goes when the module's tests
+    are done."""
+    from ember_rollout import sglang_cpu
+
+    if not sglang_cpu.sglang_installed():
+        pytest.skip(f"needs the real SGLang server: {sglang_cpu.EXTRA_HINT}")
+    from sglang_real import launch
+
+    engine, loop, server = launch(tmp_path_factory.mktemp("sglang"))
+    try:
+        yield server
+    finally:
+        loop.run_until_complete(engine.shutdown())
+        loop.close()

@@ -446,8 +446,9 @@ def weight_transport(config: RunConfig) -> str:
 def check_inputs(config: RunConfig) -> None:
     """Check the inputs a run reads before any process starts, so bad input fails in seconds.
 
-    Reads the whole prompt file as the rollout actors will (every line parses and has the
-    configured keys), resolves the reward function, and checks that the tokenizer and
+    Checks that SGLang is installed where the run launches SGLang servers with this
+    interpreter, reads the whole prompt file as the rollout actors will (every line parses and
+    has the configured keys), resolves the reward function, and checks that the tokenizer and
     checkpoint directories exist (`hf_load` ones holding a transformers checkpoint). The config
     itself and the plugin sections are already validated by `load_config`.
 
@@ -457,6 +458,15 @@ def check_inputs(config: RunConfig) -> None:
     from ember_rollout.data import load_eval_sets, load_prompts
     from ember_rollout.rewards import resolve_reward
 
+    sglang = config.engine.sglang
+    if config.engine.kind == "sglang" and not sglang.urls and sglang.python is None:
+        from ember_rollout import sglang_cpu
+
+        if not sglang_cpu.sglang_installed():
+            raise ValueError(
+                "engine.kind=sglang launches SGLang servers, but sglang is not installed in "
+                f"this environment: {sglang_cpu.EXTRA_HINT}"
+            )
     load_prompts(config.data)
     if config.run.eval_interval:
         load_eval_sets(config.run.eval_sets, config.data, prompts=config.run.eval_prompts)

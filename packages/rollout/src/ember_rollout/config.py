@@ -203,7 +203,9 @@ class SGLangEngineConfig:
     max_concurrency: int = 256
     """Requests in flight per server."""
     log_dir: str | None = None
-    """Directory for launched servers' stdout/stderr; None discards them."""
+    """Directory of launched servers' logs (one file per server); None: `<run dir>/sglang` under
+    `ember train`, else a new temporary directory. A server that fails to start is reported
+    with its log's last error line and the file's path."""
 
     def __post_init__(self) -> None:
         for url in self.urls:

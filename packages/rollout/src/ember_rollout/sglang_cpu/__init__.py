@@ -27,6 +27,8 @@ SERVER_ARGS: dict[str, str | None] = {
     "--max-running-requests": "256",
     # The warm-up request only compiles CUDA kernels; on CPU it costs start-up time.
     "--skip-server-warmup": None,
+    # An idle scheduler otherwise polls for requests and keeps a whole core busy.
+    "--sleep-on-idle": None,
 }
 """Flags of a CPU server, each added unless `server_args` sets it already."""
 

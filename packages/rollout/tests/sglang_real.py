@@ -1,0 +1,117 @@
+"""The real SGLang server (sglang 0.5.23) on CPU for the tests, launched by the sglang engine.
+
+It serves Ember's own export of the `tiny-moe` preset (the trainer's `hf_init`) in fp32 with
+routed experts on; a second export from another seed is what weight updates load. Each test
+attaches its own engine to the running server (`RealServer.engine`), so the server starts once
+per test session (about 80-150 s on two cores: sglang's imports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ember_rollout.config import SGLangEngineConfig
+from ember_rollout.sglang_engine import SGLangEngine
+
+SERVER_ARGS = ["--enable-return-routed-experts", "--log-level", "warning"]
+"""Flags beyond the CPU ones Ember adds itself (`ember_rollout.sglang_cpu.SERVER_ARGS`)."""
+
+_EXPORT = textwrap.dedent(
+    """
+    import sys
+    from ember_megatron_backend.model import ModelConfig, build_model
+    from ember_megatron_backend.parallel import init_distributed
+    from ember_megatron_backend.weights import export_hf_checkpoint
+    from ember_rollout.tokenizer import save_tokenizer_for_model, toy_tokenizer
+
+    init_distributed()
+    cfg = ModelConfig.preset("tiny-moe").replace(vocab_size=len(toy_tokenizer()))
+    for seed, path in enumerate(sys.argv[1:]):
+        export_hf_checkpoint(build_model(cfg, seed=seed), cfg, path)
+        save_tokenizer_for_model(None, path)
+    """
+)
+
+
+def export_tiny_moe(*paths: Path) -> None:
+    """Export the `tiny-moe` preset over the toy vocabulary, from seed i into `paths[i]`, as the
+    trainer writes `hf_init` (in a process of its own: the export sets up torch.distributed)."""
+    subprocess.run(
+        [sys.executable, "-c", _EXPORT, *map(str, paths)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+
+
+@dataclass
+class RealServer:
+    """A running server and the two checkpoints: `base` (served at start) and `other`."""
+
+    url: str
+    base: Path
+    other: Path
+
+    def engine(self, **settings) -> SGLangEngine:
+        """A new engine attached to the server (model shape read from `base`)."""
+        config = SGLangEngineConfig(urls=[self.url], model_path=str(self.base), **settings)
+        return SGLangEngine(config)
+
+    def run(self, body, **settings):
+        """`await body(engine)` with a fresh attached engine, closed afterwards."""
+
+        async def main():
+            async with self.engine(**settings) as engine:
+                return await body(engine)
+
+        return asyncio.run(main())
+
+
+def launch(root: Path) -> tuple[SGLangEngine, asyncio.AbstractEventLoop, RealServer]:
+    """Export both checkpoints under `root` and launch a CPU server on `base` through the engine.
+
+    Returns the launching engine and its event loop (stop it with `engine.shutdown()` on that
+    loop) and the server's description.
+    """
+    base, other = root / "base", root / "other"
+    export_tiny_moe(base, other)
+    config = SGLangEngineConfig(
+        model_path=str(base),
+        device="cpu",
+        dtype="float32",
+        server_args=SERVER_ARGS,
+        launch_timeout_s=600.0,
+        log_dir=str(root / "logs"),
+    )
+    engine = SGLangEngine(config)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(engine.start())
+    except BaseException:
+        loop.run_until_complete(engine.shutdown())
+        loop.close()
+        raise
+    return engine, loop, RealServer(url=engine.urls[0], base=base, other=other)
+
+
+def hf_log_probs(path: Path, tokens: list[int], prompt_len: int, temperature: float = 1.0):
+    """transformers' fp32 log-probs of `tokens[prompt_len:]` given what precedes each, at
+    `temperature`, and each layer's router top-k per position ([len - 1, layers, k], sorted)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_router_logits=True)
+    logits = out.logits[0, prompt_len - 1 : len(tokens) - 1] / temperature
+    log_probs = torch.log_softmax(logits.double(), -1)
+    picked = log_probs.gather(-1, torch.tensor(tokens[prompt_len:])[:, None])[:, 0]
+    k = model.config.num_experts_per_tok
+    routing = torch.stack([r.topk(k, -1).indices for r in out.router_logits], 1)
+    return picked, routing[: len(tokens) - 1].sort(-1).values

@@ -1,0 +1,361 @@
+"""The sglang engine against the real SGLang server (sglang 0.5.23 on CPU, `sglang_real`).
+
+Everything Ember asks of SGLang is asked here of the server itself: generation with log-probs
+and routed experts, weight versions, update sessions and their refusals, disk, tensor and
+distributed updates (Ember's own weight group as the sender), memory release and resume, abort
+and timeouts. Where a test changes the served weights it loads the original ones back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sglang_real import hf_log_probs
+
+from ember_rollout.engine import EngineError, GenerateRequest, SamplingParams
+from ember_rollout.sglang_launch import free_port
+
+pytestmark = pytest.mark.sglang
+
+PROMPTS = [[3, 4, 5, 6, 7], [9, 8, 2], [5, 5, 5, 5, 5, 5, 1]]
+
+FP32_LOG_PROB_TOL = 1e-5
+"""fp32 server against fp32 transformers on the same checkpoint: the same math with different
+kernels (SGLang's torch-native attention and fused MoE vs transformers'); measured 2.4e-7 on a
+2-core AMD EPYC (AVX2), so 1e-5 leaves room for another processor's summation order."""
+
+
+def requests(*, temperature=1.0, max_new_tokens=6, routed=False, top_k=-1, ignore_eos=True):
+    sampling = dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, ignore_eos=ignore_eos
+    )
+    return [
+        GenerateRequest(
+            input_ids=list(prompt),
+            sampling=SamplingParams(**sampling),
+            fields={"return_routed_experts": True} if routed else {},
+            name=f"prompt {i}",
+        )
+        for i, prompt in enumerate(PROMPTS)
+    ]
+
+
+def greedy(engine):
+    return engine.generate(requests(top_k=1, max_new_tokens=8))
+
+
+async def post(engine, path, payload):
+    async with engine._http.post(f"{engine.urls[0]}{path}", json=payload) as answer:
+        return answer.status, await answer.json(content_type=None)
+
+
+async def model_info(engine):
+    async with engine._http.get(f"{engine.urls[0]}/model_info") as answer:
+        assert answer.status == 200
+        return await answer.json()
+
+
+def assert_same_outputs(outputs, expected):
+    """The same tokens, and log-probs equal to fp32 rounding: a batch composed differently, or a
+    prompt found in the prefix cache, changes the order of the kernels' sums."""
+    assert [o.output_ids for o in outputs] == [o.output_ids for o in expected]
+    for out, want in zip(outputs, expected, strict=True):
+        diff = torch.tensor(out.output_log_probs) - torch.tensor(want.output_log_probs)
+        assert diff.abs().max().item() < FP32_LOG_PROB_TOL
+
+
+def assert_log_probs_match(path, outputs, temperature=1.0):
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        want, _ = hf_log_probs(path, prompt + out.output_ids, len(prompt), temperature)
+        got = torch.tensor(out.output_log_probs, dtype=torch.float64)
+        assert (got - want).abs().max().item() < FP32_LOG_PROB_TOL, (got, want)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_are_the_sampled_tokens_at_the_rollout_temperature(real_sglang, temperature):
+    """SGLang's log-probs are of the temperature-scaled distribution it sampled from, as the
+    trainer's PolicyHead computes them."""
+    outputs = real_sglang.run(lambda e: e.generate(requests(temperature=temperature)))
+    assert [len(o.output_ids) for o in outputs] == [6, 6, 6]
+    assert {o.finish_reason for o in outputs} == {"length"}
+    assert_log_probs_match(real_sglang.base, outputs, temperature)
+    if temperature != 1.0:  # and not of the unscaled one
+        prompt, out = PROMPTS[0], outputs[0]
+        unscaled, _ = hf_log_probs(real_sglang.base, prompt + out.output_ids, len(prompt))
+        assert (torch.tensor(out.output_log_probs) - unscaled).abs().max() > 1e-3
+
+
+def test_routed_experts_are_the_served_models_routing(real_sglang):
+    """The routed experts R3 replays, parsed by the engine, are every layer's router top-k of
+    every forwarded position (prompt and response, the last token excepted)."""
+    outputs = real_sglang.run(lambda e: e.generate(requests(routed=True)))
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        tokens = prompt + out.output_ids
+        _, routing = hf_log_probs(real_sglang.base, tokens, len(prompt))
+        experts = out.routed_experts
+        assert experts.dtype == torch.int32 and experts.shape == (len(tokens) - 1, 4, 2)
+        assert torch.equal(experts.sort(-1).values.long(), routing)
+
+
+def test_greedy_generation_is_repeatable_and_weight_versions_follow_disk_loads(real_sglang):
+    async def body(engine):
+        first, again = await greedy(engine), await greedy(engine)
+        start = await model_info(engine)
+        await engine.update_weights_from_disk(real_sglang.other, weight_version="7")
+        other = await greedy(engine)
+        info = await model_info(engine)
+        await engine.update_weights_from_disk(real_sglang.base, weight_version="8")
+        back = await greedy(engine)
+        return first, again, start, other, info, back
+
+    first, again, start, other, info, back = real_sglang.run(body)
+    assert [o.output_ids for o in first] == [o.output_ids for o in again]
+    assert start["weight_version"] != "7"
+    assert info["weight_version"] == "7"
+    assert {o.meta_info["weight_version"] for o in other} == {"7"}
+    assert [o.output_ids for o in other] != [o.output_ids for o in first]
+    assert_log_probs_match(real_sglang.other, other)
+    assert_same_outputs(back, first)
+    assert {o.meta_info["weight_version"] for o in back} == {"8"}
+
+
+def test_updates_outside_a_session_and_nested_sessions_are_refused_by_the_server(real_sglang):
+    async def body(engine):
+        tensor_update = {"serialized_named_tensors": ["x"], "load_format": None}
+        outside = await post(engine, "/update_weights_from_tensor", tensor_update)
+        end_without_begin = await post(engine, "/end_weight_update", {})
+        await engine.begin_weight_update()
+        try:
+            async with real_sglang.engine() as second:  # another client of the same server
+                with pytest.raises(EngineError) as nested:
+                    await second.begin_weight_update()
+        finally:
+            await engine.end_weight_update()
+        with pytest.raises(EngineError, match="must run between begin_weight_update"):
+            await engine.update_weights_from_distributed(["w"], ["float32"], [[1]], group_name="g")
+        bad_body = await post(engine, "/update_weights_from_disk", {"model_path": 3})
+        return outside, end_without_begin, str(nested.value), bad_body
+
+    outside, end_without_begin, nested, bad_body = real_sglang.run(body)
+    assert outside[0] == 400
+    assert "must run between begin_weight_update() and end_weight_update()" in str(outside[1])
+    assert end_without_begin[0] == 400 or end_without_begin[1].get("success") is False
+    assert "begin_weight_update on http://127.0.0.1" in nested
+    assert bad_body[0] == 400
+
+
+def test_tensor_update_from_cpu_tensors_inside_a_session(real_sglang):
+    """CPU tensors reach the server by shared-memory file name (torch's file_system strategy)."""
+    other = load_file(real_sglang.other / "model.safetensors")
+    base = load_file(real_sglang.base / "model.safetensors")
+
+    async def body(engine):
+        before = await greedy(engine)
+        await engine.update_weights_from_tensors(other.items(), weight_version="t1")
+        updated = await greedy(engine)
+        await engine.update_weights_from_tensors(base.items(), weight_version="t2")
+        return before, updated, await greedy(engine)
+
+    before, updated, back = real_sglang.run(body)
+    assert {o.meta_info["weight_version"] for o in updated} == {"t1"}
+    assert_log_probs_match(real_sglang.other, updated)
+    assert_same_outputs(back, before)
+
+
+def _broadcast(weights, port, group_name, bucket_bytes, sent):
+    """Rank 0 of a gloo weight group, as the trainer is: Ember's WeightGroup and buckets."""
+    from ember_megatron_backend.weight_sync import WeightGroup, bucket_weights
+
+    group = WeightGroup.create(
+        master_address="127.0.0.1",
+        master_port=port,
+        world_size=2,
+        group_name=group_name,
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=120),
+    )
+    sent["group"] = group
+    for bucket in bucket_weights(weights.items(), bucket_bytes):
+        sent["buckets"].put(bucket)
+        sent["ready"].acquire()  # the server has been told the bucket's layout
+        group.broadcast(bucket).wait()
+    sent["buckets"].put(None)
+
+
+def test_distributed_update_from_embers_weight_group_over_gloo(real_sglang):
+    """The trainer's broadcast path: the server joins Ember's weight group (gloo on CPU) and
+    loads flattened buckets; broadcasting the original weights back restores them exactly."""
+    import queue
+
+    other = load_file(real_sglang.other / "model.safetensors")
+    base = load_file(real_sglang.base / "model.safetensors")
+
+    async def push(engine, weights, version):
+        port, name = free_port(), f"test-{free_port()}"
+        sent = {"buckets": queue.Queue(), "ready": threading.Semaphore(0)}
+        sender = threading.Thread(target=_broadcast, args=(weights, port, name, 20_000, sent))
+        sender.start()
+        await engine.init_weights_update_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offset=1,
+            world_size=2,
+            group_name=name,
+            backend="gloo",
+        )
+        await engine.begin_weight_update()
+        buckets = 0
+        while (bucket := await asyncio.to_thread(sent["buckets"].get)) is not None:
+            load = asyncio.ensure_future(
+                engine.update_weights_from_distributed(
+                    bucket.names,
+                    bucket.dtypes,
+                    bucket.shapes,
+                    group_name=name,
+                    weight_version=version,
+                )
+            )
+            sent["ready"].release()
+            await load
+            buckets += 1
+        await engine.end_weight_update()
+        await engine.destroy_weights_update_group(name)
+        sender.join()
+        return buckets
+
+    async def body(engine):
+        before = await greedy(engine)
+        buckets = await push(engine, other, "d1")
+        updated = await greedy(engine)
+        await push(engine, base, "d2")
+        return buckets, before, updated, await greedy(engine)
+
+    buckets, before, updated, back = real_sglang.run(body)
+    assert buckets > 1, "several buckets, so the bucket boundaries are exercised"
+    assert {o.meta_info["weight_version"] for o in updated} == {"d1"}
+    assert_log_probs_match(real_sglang.other, updated)
+    assert_same_outputs(back, before)
+
+
+def test_memory_release_and_resume_keep_serving_the_same_weights(real_sglang):
+    """Without --enable-memory-saver (no GPU) SGLang only flushes its cache on release; the
+    engine's tag bookkeeping and the calls' answers are the real server's."""
+
+    async def body(engine):
+        before = await greedy(engine)
+        await engine.release_memory()
+        with pytest.raises(EngineError, match="already released"):
+            await engine.release_memory(["kv_cache"])
+        await engine.resume_memory()
+        return before, await greedy(engine)
+
+    before, after = real_sglang.run(body)
+    assert_same_outputs(after, before)
+
+
+def test_an_aborted_request_and_a_timed_out_one(real_sglang):
+    long = GenerateRequest(
+        input_ids=[3, 4, 5],
+        sampling=SamplingParams(max_new_tokens=400, ignore_eos=True),
+        name="long one",
+    )
+
+    async def aborted(engine):
+        pending = asyncio.ensure_future(engine.generate([long]))
+        await asyncio.sleep(0.5)
+        await post(engine, "/abort_request", {"abort_all": True})
+        (out,) = await pending
+        return out
+
+    out = real_sglang.run(aborted)
+    assert out.finish_reason == "abort"
+    assert len(out.output_ids) == len(out.output_log_probs) < 400
+
+    async def timed_out(engine):
+        with pytest.raises(
+            EngineError, match=r"long one: POST .*/generate failed after 1 attempts"
+        ):
+            await engine.generate([long])
+        return await greedy(engine)  # the server is still serving
+
+    assert len(real_sglang.run(timed_out, request_timeout_s=0.2, max_retries=0)) == 3
+
+
+# -- the fake against the real server ----------------------------------------------------------
+
+
+def _scenario(model_path: str) -> list[tuple[str, object]]:
+    """Requests Ember's fakes answer too, in an order whose session state matters."""
+    good = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}}
+    sampling = {"max_new_tokens": 2}
+    update = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"}
+    return [
+        ("/generate", good),
+        ("/generate", {**good, "return_logprob": True}),
+        ("/generate", {**good, "sampling_params": {**sampling, "seed": 3}}),
+        ("/generate", {**good, "sampling_params": {**sampling, "top_k": "20"}}),
+        ("/generate", {**good, "sampling_params": {**sampling, "top_p": 0}}),
+        ("/generate", {"sampling_params": sampling}),
+        ("/generate", {**good, "input_ids": ["a"]}),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "load_format": None}),
+        ("/update_weights_from_distributed", update),
+        ("/end_weight_update", {}),
+        ("/begin_weight_update", {"selector": "all"}),
+        ("/begin_weight_update", {"selector": "all"}),
+        ("/end_weight_update", {}),
+        ("/update_weights_from_disk", {"model_path": 3}),
+        ("/update_weights_from_disk", {"model_path": model_path, "weight_version": "v9"}),
+        ("/generate", {**good, "return_logprob": True}),
+        ("/release_memory_occupation", {"tags": None}),
+        ("/resume_memory_occupation", {"tags": None}),
+    ]
+
+
+def _what_must_agree(path: str, status: int, answer) -> tuple:
+    """The parts of an answer Ember reads or shows, with the model's numbers left out."""
+    if status >= 400:
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if isinstance(error, str):
+            return status, "error: <str>", error.split(":")[0].split(" at ")[0]
+        if isinstance(error, dict):
+            return status, "error: {message}", error.get("message")
+        return status, "object: error" if answer.get("object") == "error" else repr(answer)[:80]
+    if path == "/generate":
+        meta = answer["meta_info"]
+        entries = meta.get("output_token_logprobs")
+        entry = None if entries is None else [type(v).__name__ for v in entries[0]]
+        return (
+            status,
+            meta["finish_reason"]["type"],
+            answer["output_ids"] and True,
+            entry,
+            (meta["weight_version"]),
+        )
+    if isinstance(answer, dict):
+        return status, answer.get("success"), answer.get("message")
+    return status, answer
+
+
+def _answers(engine, model_path: str):
+    async def ask():
+        out = []
+        for path, body in _scenario(model_path):
+            status, answer = await post(engine, path, body)
+            out.append((path, _what_must_agree(path, status, answer)))
+        return out
+
+    return ask()
+
+
+def test_the_fake_answers_as_the_real_server_does(real_sglang, tmp_path):
+    from sglang_fake import FakeSGLang, run
+
+    real = real_sglang.run(lambda engine: _answers(engine, str(real_sglang.base)))
+    fake = run(FakeSGLang(), lambda engine: _answers(engine, str(real_sglang.base)))
+    disagree = [(r, f) for r, f in zip(real, fake, strict=True) if r != f]
+    assert not disagree, "\n".join(f"real {r}\nfake {f}" for r, f in disagree)
