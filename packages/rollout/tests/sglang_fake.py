@@ -156,20 +156,29 @@ GENERATE_FIELDS = frozenset(
 
 _INT, _FLOAT, _BOOL, _STR = "i64", "f64", "a boolean", "a string"
 SAMPLING_FIELDS = {
-    **dict.fromkeys(("max_new_tokens", "top_k", "min_new_tokens", "n", "stream_interval"), _INT),
-    **dict.fromkeys(("sampling_seed", "beam_width"), _INT),
-    **dict.fromkeys(("temperature", "top_p", "min_p", "repetition_penalty"), _FLOAT),
-    **dict.fromkeys(("frequency_penalty", "presence_penalty"), _FLOAT),
-    **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"), _STR),
-    **dict.fromkeys(("ignore_eos", "skip_special_tokens", "no_stop_trim"), _BOOL),
-    "spaces_between_special_tokens": _BOOL,
-    **dict.fromkeys(("stop", "stop_regex", "choice"), "strings"),
+    "max_new_tokens": _INT,
+    **dict.fromkeys(("stop",), "strings"),
     "stop_token_ids": "ints",
-    **dict.fromkeys(("logit_bias", "watermark"), "map"),
+    "stop_regex": "strings",
+    **dict.fromkeys(("temperature", "top_p"), _FLOAT),
+    "top_k": _INT,
+    "min_p": _FLOAT,
+    **dict.fromkeys(("frequency_penalty", "presence_penalty", "repetition_penalty"), _FLOAT),
+    **dict.fromkeys(("min_new_tokens", "n"), _INT),
+    **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"), _STR),
+    **dict.fromkeys(("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"), _BOOL),
+    "no_stop_trim": _BOOL,
+    "stream_interval": _INT,
+    "logit_bias": "map",
+    "sampling_seed": _INT,
     "custom_params": "any",
+    "beam_width": _INT,
+    "watermark": "map",
+    "choice": "strings",
 }
 """sglang 0.5.23's /generate contract (api/v1/api_types.py SamplingParams): the only keys it
-takes in `sampling_params`, each with its JSON type; an unknown key is refused."""
+takes in `sampling_params`, each with its JSON type, in its order (its refusal of an unknown
+key lists them so); an unknown key is refused."""
 
 # -- answers -------------------------------------------------------------------------------------
 
@@ -508,11 +517,12 @@ def sglang_answer(body, *, finish="length", experts_rows=None, weight_version="d
         else {"type": "stop", "matched": tokens[-1]},
         "prompt_tokens": len(body["input_ids"]),
         "weight_version": weight_version,
-        "output_token_logprobs": [[-0.5 - 0.1 * i, t, None] for i, t in enumerate(tokens)],
         "completion_tokens": n,
         "cached_tokens": 0,
         "e2e_latency": 0.01,
     }
+    if body.get("return_logprob"):  # sglang sends no log-probs unless asked
+        meta["output_token_logprobs"] = [[-0.5 - 0.1 * i, t, None] for i, t in enumerate(tokens)]
     if body.get("return_routed_experts"):
         rows = len(body["input_ids"]) + n - 1 if experts_rows is None else experts_rows
         experts = torch.arange(rows * 4, dtype=torch.int32).reshape(rows, 2, 2) % 4
@@ -563,6 +573,8 @@ class FakeSGLang:
         """(server index, path) of every request, in arrival order."""
         self.model_shapes = model_shapes
         """The served model's parameters by checkpoint name, when a test gives them."""
+        self.aborted: list[str | None] = []
+        """Request ids of every /abort_request, in arrival order."""
         self.ignored_names: set[str] = set()
         """Weight names sglang's loaders skip without a word (no such parameter)."""
 
@@ -603,6 +615,15 @@ class FakeSGLang:
             return self.respond(body, hit)
         finally:
             self.in_flight -= 1
+
+    async def _abort(self, request):
+        """sglang 0.5.23 http_server.py `abort_request`: 200 with an empty body, known id or
+        not (an unknown one is dropped silently)."""
+        body, invalid = await read_body(request)
+        if invalid is not None:
+            return invalid
+        self.aborted.append(body.get("rid") if isinstance(body, dict) else None)
+        return web.Response(status=200)
 
     async def _health(self, request):
         return web.Response(status=200 if self.healthy else 503)
@@ -749,6 +770,7 @@ class FakeSGLang:
         for path in MEMORY_PATHS:
             app.router.add_post(path, self._memory)
         app.router.add_post("/generate", self._generate)
+        app.router.add_post("/abort_request", self._abort)
         app.router.add_get("/health", self._health)
         for path in (*SESSION_PATHS, "/begin_weight_update", "/end_weight_update"):
             app.router.add_post(path, self._weights)

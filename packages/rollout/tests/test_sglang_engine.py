@@ -30,7 +30,8 @@ def test_payload_fields_and_parsing():
         return await engine.generate([request(0, n=3, routed=True)])
 
     (out,) = run(fake, body)
-    sent = fake.bodies[0]
+    sent = dict(fake.bodies[0])
+    assert len(sent.pop("rid")) == 32, "a request id of its own, to abort it by"
     assert sent == {
         "input_ids": [1, 2, 3],
         "sampling_params": {
@@ -71,6 +72,9 @@ def test_http_500_is_retried_with_backoff_then_succeeds():
     fake = FakeSGLang(respond)
     (out,) = run(fake, lambda e: e.generate([request(1)]), max_retries=2)
     assert len(fake.bodies) == 3 and out.output_ids == [10, 11, 12]
+    # Each failed attempt is aborted on the server by its own id; the retry gets a new one.
+    rids = [body["rid"] for body in fake.bodies]
+    assert fake.aborted == rids[:2] and len(set(rids)) == 3
 
 
 def test_retries_are_bounded_and_the_error_names_the_sample():

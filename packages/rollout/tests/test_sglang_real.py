@@ -19,6 +19,7 @@ from sglang_real import hf_log_probs
 
 from ember_rollout.engine import EngineError, GenerateRequest, SamplingParams
 from ember_rollout.sglang_launch import free_port
+from ember_rollout.sglang_weights import serialize_named_tensors
 
 pytestmark = pytest.mark.sglang
 
@@ -126,7 +127,9 @@ def test_greedy_generation_is_repeatable_and_weight_versions_follow_disk_loads(r
 
 def test_updates_outside_a_session_and_nested_sessions_are_refused_by_the_server(real_sglang):
     async def body(engine):
-        tensor_update = {"serialized_named_tensors": ["x"], "load_format": None}
+        # A well-formed body: the server checks the request before the session.
+        payload = serialize_named_tensors([("model.norm.weight", torch.ones(64))])
+        tensor_update = {"serialized_named_tensors": [payload], "load_format": None}
         outside = await post(engine, "/update_weights_from_tensor", tensor_update)
         end_without_begin = await post(engine, "/end_weight_update", {})
         await engine.begin_weight_update()
@@ -281,9 +284,16 @@ def test_an_aborted_request_and_a_timed_out_one(real_sglang):
             EngineError, match=r"long one: POST .*/generate failed after 1 attempts"
         ):
             await engine.generate([long])
-        return await greedy(engine)  # the server is still serving
 
-    assert len(real_sglang.run(timed_out, request_timeout_s=0.2, max_retries=0)) == 3
+    real_sglang.run(timed_out, request_timeout_s=0.2, max_retries=0)
+
+    async def after(engine):
+        # The engine aborted the request it gave up on, so nothing runs on the server and a
+        # weight update that flushes the cache succeeds (sglang refuses it while one runs).
+        await engine.update_weights_from_disk(real_sglang.base, weight_version="after")
+        return await greedy(engine)
+
+    assert len(real_sglang.run(after)) == 3
 
 
 # -- the fake against the real server ----------------------------------------------------------
@@ -291,10 +301,11 @@ def test_an_aborted_request_and_a_timed_out_one(real_sglang):
 
 def _scenario(model_path: str) -> list[tuple[str, object]]:
     """Requests Ember's fakes answer too, in an order whose session state matters."""
-    good = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}}
-    sampling = {"max_new_tokens": 2}
+    sampling = {"max_new_tokens": 2, "ignore_eos": True}
+    good = {"input_ids": [3, 4, 5], "sampling_params": sampling}
     update = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"}
     return [
+        ("/update_weights_from_disk", {"model_path": model_path, "weight_version": "v0"}),
         ("/generate", good),
         ("/generate", {**good, "return_logprob": True}),
         ("/generate", {**good, "sampling_params": {**sampling, "seed": 3}}),

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import math
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -119,8 +120,16 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
 
     # -- HTTP ----------------------------------------------------------------------------------
 
-    async def _post(self, url: str, payload: dict[str, Any], *, where: str) -> Any:
+    async def _post(
+        self, url: str, payload: dict[str, Any], *, where: str, abort_url: str | None = None
+    ) -> Any:
         """POST JSON and return the decoded answer, retrying transient failures with backoff.
+
+        With `abort_url` (a /generate), each attempt carries a request id of its own, and an
+        attempt that broke or timed out is aborted on the server by that id: the server goes on
+        generating for a client that left otherwise, and sglang 0.5.23 then refuses weight
+        updates that flush the cache ("requests are still running or queued",
+        scheduler_components/weight_updater.py 124-132).
 
         Raises:
             EngineError: Retries exhausted, a 4xx answer, or malformed JSON; names `where`.
@@ -142,13 +151,31 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
                     last,
                 )
                 await asyncio.sleep(delay)
+            if abort_url is not None:
+                payload = {**payload, "rid": uuid.uuid4().hex}
             try:
                 return await self._post_once(url, payload, where=where)
             except _RetryableError as exc:
                 last = str(exc)
+                if abort_url is not None:
+                    await self._abort(abort_url, payload["rid"], where=where)
         raise EngineError(
             f"{where}: POST {url} failed after {attempts} attempts; last error: {last}"
         )
+
+    async def _abort(self, url: str, rid: str, *, where: str) -> None:
+        """Ask the server at `url` to drop request `rid` (POST /abort_request, which sglang
+        0.5.23 answers 200 with an empty body); a failure is logged, as the request it was for
+        has failed already."""
+        assert self._http is not None
+        try:
+            async with self._http.post(f"{url}/abort_request", json={"rid": rid}) as response:
+                if response.status == 200:
+                    return
+                problem = f"HTTP {response.status}: {(await response.text())[:200]}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        logger.warning("%s: could not abort request %s on %s: %s", where, rid, url, problem)
 
     async def _post_once(self, url: str, payload: dict[str, Any], *, where: str) -> Any:
         assert self._http is not None
@@ -247,8 +274,9 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
         server = self._next % len(self.urls)
         self._next += 1
         async with self._semaphores[server]:
+            url = self.urls[server]
             answer = await self._post(
-                f"{self.urls[server]}/generate", self.payload(request), where=request.name
+                f"{url}/generate", self.payload(request), where=request.name, abort_url=url
             )
         return self.parse(request, answer)
 

@@ -1,0 +1,295 @@
+"""Benchmark the real SGLang server on CPU against the embedded engine, side by side in one run.
+
+Three measurements, each on Ember's own export of the model (fp32, as the default run trains):
+
+- start-up: seconds from launching the server (through the sglang engine) to its first healthy
+  answer, next to the embedded engine's model load;
+- seconds per rollout on the default task: one rollout's requests (`--prompts` copy-task prompts
+  x `--samples` each, at most `--new-tokens` tokens, temperature 1) through each engine, the
+  median of `--reps` rollouts after one warm-up; the ratio is SGLang / embedded;
+- weight push per transport at two model sizes (the `tiny-moe` preset, and a larger one with
+  more layers and wider experts): the median seconds of `--pushes` pushes of the whole model
+  from disk (`/update_weights_from_disk`), as CPU tensors by shared-memory file name
+  (`/update_weights_from_tensor`), and broadcast over gloo from Ember's weight group
+  (`/update_weights_from_distributed`, `--bucket-mb` buckets), each inside the session SGLang
+  requires.
+
+Needs the sglang extra (`uv sync --extra sglang`). Takes about 8 minutes on 2 cores (two server
+starts). Prints one table and the machine it ran on.
+
+Usage: uv run python tools/bench_sglang_cpu.py [--reps 5] [--pushes 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny-moe": {},
+    "large": {"num_layers": 8, "moe_ffn_hidden_size": 224},
+}
+"""Model sizes: `ModelConfig` overrides of the tiny-moe preset (the large one as in
+bench_weights.py, about 10x the parameters)."""
+
+_EXPORT = """
+import json, sys
+from ember_megatron_backend.model import ModelConfig, build_model
+from ember_megatron_backend.parallel import init_distributed
+from ember_megatron_backend.weights import export_hf_checkpoint
+from ember_rollout.tokenizer import save_tokenizer_for_model, toy_tokenizer
+
+init_distributed()
+overrides = json.loads(sys.argv[2])
+cfg = ModelConfig.preset("tiny-moe").replace(vocab_size=len(toy_tokenizer()), **overrides)
+export_hf_checkpoint(build_model(cfg, seed=0), cfg, sys.argv[1])
+save_tokenizer_for_model(None, sys.argv[1])
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per rollout")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--new-tokens", type=int, default=8, help="most tokens per response")
+    parser.add_argument("--reps", type=int, default=5, help="timed rollouts per engine")
+    parser.add_argument("--pushes", type=int, default=5, help="timed pushes per transport")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="broadcast bucket size")
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead")
+    args = parser.parse_args(argv)
+    for key in ("prompts", "samples", "new_tokens", "reps", "pushes", "bucket_mb"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')}={getattr(args, key)}: expected >= 1")
+    return args
+
+
+def machine() -> str:
+    """Processor model, its vector extensions, cores and load: figures depend on all four."""
+    model, flags = platform.processor() or "unknown", set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    wanted = ("avx2", "avx512f", "amx_tile")
+    vector = ", ".join(flag for flag in wanted if flag in flags) or "no AVX2"
+    load = os.getloadavg()[0]
+    return f"{model} ({vector}), {len(os.sched_getaffinity(0))} cores, load {load:.2f}"
+
+
+def export(path: Path, overrides: dict[str, int]) -> Path:
+    subprocess.run(
+        [sys.executable, "-c", _EXPORT, str(path), json.dumps(overrides)],
+        check=True,
+        capture_output=True,
+    )
+    return path
+
+
+def rollout_requests(args: argparse.Namespace, model_dir: Path) -> list:
+    from ember_rollout.config import ToyTaskConfig
+    from ember_rollout.engine import GenerateRequest, SamplingParams
+    from ember_rollout.tokenizer import load_tokenizer
+    from ember_rollout.toy_task import make_toy_prompts
+
+    tokenizer = load_tokenizer(model_dir)
+    task = ToyTaskConfig(num_prompts=args.prompts, min_digits=3, max_digits=3)
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in make_toy_prompts(task)]
+    return [
+        GenerateRequest(
+            input_ids=ids,
+            sampling=SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0),
+            name=f"prompt {i} sample {j}",
+        )
+        for i, ids in enumerate(prompts)
+        for j in range(args.samples)
+    ]
+
+
+async def timed_rollouts(engine, requests, reps: int) -> float:
+    await engine.generate(requests)  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        await engine.generate(requests)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def launch(model_dir: Path, log_dir: Path):
+    from ember_rollout.config import SGLangEngineConfig
+    from ember_rollout.sglang_engine import SGLangEngine
+
+    config = SGLangEngineConfig(
+        model_path=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        launch_timeout_s=900,
+        log_dir=str(log_dir),
+    )
+    return SGLangEngine(config)
+
+
+def broadcast(engine, weights, bucket_bytes: int, version: str) -> None:
+    """Ember's weight group as rank 0 (a thread, as the trainer is a process), the server as
+    rank 1, one bucket after another inside one session."""
+    from ember_megatron_backend.weight_sync import WeightGroup, bucket_weights
+    from ember_rollout.sglang_launch import free_port
+
+    async def push():
+        port, name = free_port(), f"bench-{version}"
+        buckets: queue.Queue = queue.Queue()
+        told = threading.Semaphore(0)
+
+        def send():
+            group = WeightGroup.create(
+                master_address="127.0.0.1",
+                master_port=port,
+                world_size=2,
+                group_name=name,
+                backend="gloo",
+                timeout=datetime.timedelta(minutes=5),
+            )
+            for bucket in bucket_weights(weights.items(), bucket_bytes):
+                buckets.put(bucket)
+                told.acquire()
+                group.broadcast(bucket).wait()
+            buckets.put(None)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        await engine.init_weights_update_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offset=1,
+            world_size=2,
+            group_name=name,
+            backend="gloo",
+        )
+        await engine.begin_weight_update()
+        while (bucket := await asyncio.to_thread(buckets.get)) is not None:
+            load = asyncio.ensure_future(
+                engine.update_weights_from_distributed(
+                    bucket.names, bucket.dtypes, bucket.shapes, group_name=name
+                )
+            )
+            told.release()
+            await load
+        await engine.end_weight_update()
+        await engine.destroy_weights_update_group(name)
+        sender.join()
+
+    return push()
+
+
+async def timed_pushes(engine, model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    from safetensors.torch import load_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    pushes = {
+        "disk": lambda i: engine.update_weights_from_disk(model_dir, weight_version=f"d{i}"),
+        "tensor": lambda i: engine.update_weights_from_tensors(weights.items()),
+        "distributed": lambda i: broadcast(engine, weights, args.bucket_mb * 2**20, f"b{i}"),
+    }
+    seconds = {}
+    for name, push in pushes.items():
+        times = []
+        for i in range(args.pushes + 1):  # the first one warms up
+            start = time.perf_counter()
+            await push(i)
+            times.append(time.perf_counter() - start)
+        seconds[name] = statistics.median(times[1:])
+    return seconds
+
+
+def benchmark(args: argparse.Namespace) -> dict:
+    import torch
+
+    from ember_rollout.config import HFEngineConfig
+    from ember_rollout.hf_engine import HFEngine
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    result: dict = {"machine": machine(), "pushes": {}, "parameters": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
+        root = Path(tmp)
+        for size, overrides in SIZES.items():
+            model_dir = export(root / size, overrides)
+            engine = launch(model_dir, root / "logs")
+            loop = asyncio.new_event_loop()
+            try:
+                start = time.perf_counter()
+                loop.run_until_complete(engine.start())
+                if size == "tiny-moe":
+                    result["sglang_start_s"] = time.perf_counter() - start
+                    requests = rollout_requests(args, model_dir)
+                    result["requests"] = len(requests)
+                    result["sglang_rollout_s"] = loop.run_until_complete(
+                        timed_rollouts(engine, requests, args.reps)
+                    )
+                result["pushes"][size] = loop.run_until_complete(
+                    timed_pushes(engine, model_dir, args)
+                )
+            finally:
+                loop.run_until_complete(engine.shutdown())
+                loop.close()
+            from safetensors import safe_open
+
+            with safe_open(model_dir / "model.safetensors", "pt") as file:
+                count = sum(file.get_slice(k).get_shape().numel() for k in file.keys())
+            result["parameters"][size] = count
+            if size == "tiny-moe":
+                start = time.perf_counter()
+                hf = HFEngine(
+                    HFEngineConfig(model_path=str(model_dir), dtype="float32", max_batch_size=256)
+                )
+                hf.load()
+                result["hf_start_s"] = time.perf_counter() - start
+                result["hf_rollout_s"] = asyncio.run(timed_rollouts(hf, requests, args.reps))
+    return result
+
+
+def report(result: dict) -> str:
+    lines = [
+        f"machine: {result['machine']}",
+        "",
+        "| | SGLang on CPU | embedded (hf) | SGLang / embedded |",
+        "| --- | --- | --- | --- |",
+        f"| start-up (launch or load to ready), s | {result['sglang_start_s']:.1f} | "
+        f"{result['hf_start_s']:.2f} | {result['sglang_start_s'] / result['hf_start_s']:.0f} |",
+        f"| one default rollout ({result['requests']} requests), s | "
+        f"{result['sglang_rollout_s']:.3f} | {result['hf_rollout_s']:.3f} | "
+        f"{result['sglang_rollout_s'] / result['hf_rollout_s']:.2f} |",
+        "",
+        "| model (parameters) | disk, s | tensor, s | distributed (gloo), s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for size, seconds in result["pushes"].items():
+        lines.append(
+            f"| {size} ({result['parameters'][size] / 1e6:.2f} M) | {seconds['disk']:.3f} | "
+            f"{seconds['tensor']:.3f} | {seconds['distributed']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    result = benchmark(args)
+    print(json.dumps(result) if args.json else report(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
