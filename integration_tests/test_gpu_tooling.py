@@ -141,7 +141,6 @@ def test_the_colocated_sglang_gpu_run_is_a_layout_ember_accepts(tmp_path, plugin
 
     from ember.config import load_config, weight_transport
     from ember.placement import COLOCATED, MEMORY_SAVER_FLAG, plan_layout
-
     from ember_megatron_backend.config import BackendConfig
     from ember_megatron_backend.hf_layout import hf_config
 
