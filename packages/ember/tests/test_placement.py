@@ -52,6 +52,15 @@ class Probe:
             "address": ray.util.get_node_ip_address(),
         }
 
+    def visible_after_setup(self) -> str | None:
+        """CUDA_VISIBLE_DEVICES once the process is set up as every Ember actor is."""
+        import os
+
+        from ember.actors import _prepare_process
+
+        _prepare_process(None)
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -541,3 +550,23 @@ def test_the_driver_iterates_through_the_colocated_hand_off(tmp_path, monkeypatc
         "rank.offload weights",
         "engine.resume_memory kv_cache,cuda_graph",
     ]
+
+
+def test_actors_granted_no_gpu_see_none_and_the_others_see_theirs(cluster):
+    # ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for actors with no GPU ids
+    # (_private/utils.py 289-291): without Ember's own step they would see every GPU.
+    placement = Placement.create(config_of("ray.gpus_per_engine=1", "ray.colocate=false"))
+    try:
+        actors = [
+            Probe.options(**placement.train_options(0)).remote(),
+            Probe.options(**placement.engine_options(0)).remote(),
+            Probe.options(**placement.manager_options()).remote(),
+        ]
+        rank, engine, manager = ray.get([a.visible_after_setup.remote() for a in actors])
+        granted = ray.get(actors[1].where.remote())["gpus"]
+        for actor in actors:
+            ray.kill(actor)
+    finally:
+        placement.remove()
+    assert rank == "" and manager == ""
+    assert len(granted) == 1 and engine == str(granted[0])

@@ -21,8 +21,23 @@ from ember_core.types import Sample
 logger = logging.getLogger(__name__)
 
 
+def _hide_ungranted_gpus() -> None:
+    """Show an actor that Ray granted no GPU none at all.
+
+    ray 2.60 sets CUDA_VISIBLE_DEVICES only for actors with GPU ids and leaves it as the node
+    started it for the others (_private/utils.py `set_visible_accelerator_ids`, 289-291,
+    unless RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO is set), so a rank or engine placed with 0 GPUs
+    would see every GPU of its node and pick cuda:0, beside whatever Ray put there. Runs
+    before torch initialises CUDA, which reads the variable once.
+    """
+    if not ray.get_gpu_ids():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def _prepare_process(threads: int | None) -> None:
-    """What every actor process does first: quiet library chatter, then size torch's pool."""
+    """What every actor process does first: hide the GPUs Ray did not grant, quiet library
+    chatter, then size torch's pool."""
+    _hide_ungranted_gpus()
     quiet_libraries()
     if not verbose():
         # Ray logs an actor's failed __init__ with its traceback from inside the actor; the same
