@@ -335,7 +335,13 @@ class TrainRank:
         save_tokenizer_for_model(self.config.data.tokenizer_path, path)
 
     def save(self, path: str) -> None:
-        self.worker.save_checkpoint(Path(path))
+        """Write a training checkpoint at `path` (collective). A colocated rank is offloaded
+        between `after_training` and the next rollout, when the driver saves: then the
+        checkpoint is written from the host copies, without taking GPU memory back from the
+        engines (the offloaded tensors themselves have no bytes to write)."""
+        offload = self._offload
+        host_view = offload.host_view if offload is not None and offload.offloaded else None
+        self.worker.save_checkpoint(Path(path), host_view=host_view)
 
     def load(self, path: str) -> None:
         self.worker.load_checkpoint(Path(path))
