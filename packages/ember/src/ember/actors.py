@@ -106,6 +106,35 @@ def _meet(join: Callable[[], Any], others: list[Any]) -> Any:
     return result["value"]
 
 
+DROP_GROUP_WAIT_S = 60.0
+"""How long a failed push waits for the engines to destroy its weight group."""
+
+
+def _drop_weight_group(group: Any, engines: list[Any]) -> None:
+    """After a failed broadcast: abort `group` on this rank, then destroy it on every engine.
+
+    Aborting closes this rank's connections, so an engine blocked receiving a bucket fails at
+    once (gloo) and its actor takes the next call; then each engine destroys its end. An engine
+    that does not answer within `DROP_GROUP_WAIT_S` (an SGLang server blocked in an NCCL
+    broadcast, until its watchdog's timeout) is logged and left; its group is never used again.
+    """
+    group.abort()
+    refs = [e.destroy_weights_group.remote(group.name) for e in engines]
+    done, late = ray.wait(refs, num_returns=len(refs), timeout=DROP_GROUP_WAIT_S)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as exc:  # the push's own error is the one raised
+            logger.warning("engine could not destroy weight group %s: %s", group.name, exc)
+    if late:
+        logger.warning(
+            "%d engine(s) did not destroy weight group %s within %g s",
+            len(late),
+            group.name,
+            DROP_GROUP_WAIT_S,
+        )
+
+
 @ray.remote
 class TrainRank:
     """One data-parallel training rank: a torch.distributed process holding a Megatron worker.
@@ -269,8 +298,10 @@ class TrainRank:
                 sent["bytes"] += bucket.nbytes
                 sent["buckets"] += 1
         except BaseException:
-            # A broadcast some engine refused stays pending in the group: form a new one next.
+            # The group may hold a broadcast some members wait in: abort it here, have every
+            # engine destroy it, and form a new one on the next push.
             self._weight_group = None
+            _drop_weight_group(group, engines)
             raise
         return sent
 
@@ -452,6 +483,10 @@ class RolloutEngine:
                 backend=backend,
             )
         )
+
+    def destroy_weights_group(self, group_name: str) -> None:
+        """Leave and destroy weight group `group_name` (after a failed push)."""
+        self.loop.run_until_complete(self.engine.destroy_weights_update_group(group_name))
 
     def begin_weight_update(self) -> None:
         self.loop.run_until_complete(self.engine.begin_weight_update())
