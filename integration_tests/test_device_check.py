@@ -6,8 +6,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
+import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -109,3 +112,51 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     assert parts["fine"]["passed"] and parts["fine"]["figures"] == {"device": "cpu"}
     printed = capsys.readouterr().out
     assert "FAIL boom" in printed and "failed: value 2 is not 3" in printed
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s;<>=!~\[(]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_carried_wheels_complete_the_runner_image():
+    """Every requirement of what the GPU form installs is in the runner's image or carried by
+    device_wheels.sh: the environment part fails on any unmet one, and the runner has no
+    network. (`tools/device_check.sh --requirements-only` checks the same on a built copy of
+    the image; the README's GPU section says how.)"""
+    device_check = load_device_check()
+    image = {
+        _name(line)
+        for line in (ROOT / "tools/device_image.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    script = (ROOT / "tools/device_wheels.sh").read_text()
+    arrays = dict(re.findall(r"^(LOCKED|BUILD_BACKEND)=\((.*)\)$", script, re.MULTILINE))
+    locked = [_name(w) for w in shlex.split(arrays["LOCKED"])]
+    carried = set(locked) | {_name(w) for w in shlex.split(arrays["BUILD_BACKEND"])}
+    lock = {p["name"]: p for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
+    members = {
+        "ember-core": "packages/core",
+        "ember-megatron-backend": "packages/megatron_backend",
+        "ember-rollout": "packages/rollout",
+        "ember-r3-routing": "plugins/r3_routing",
+        "ember-ci-kl-checker": "plugins/ci_kl_checker",
+    }
+    assert set(members) <= set(device_check.DISTRIBUTIONS)
+    needed: dict[str, str] = {}
+    for member, folder in members.items():
+        project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
+        for requirement in project["dependencies"]:
+            needed.setdefault(_name(requirement), member)
+    for name in locked:  # what a carried wheel needs, as uv.lock resolved it
+        for dependency in lock[name].get("dependencies", []):
+            if (
+                "marker" not in dependency
+                or "python_full_version < '3.12'" not in dependency["marker"]
+            ):
+                needed.setdefault(dependency["name"], name)
+    missing = sorted(
+        f"{name} (for {by})"
+        for name, by in needed.items()
+        if name not in image | carried | set(members)
+    )
+    assert missing == [], f"neither in the runner's image nor carried: {missing}"

@@ -482,6 +482,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run every part on the CPU (CUDA hidden), fp32 Megatron, CI-sized",
     )
+    parser.add_argument(
+        "--requirements-only",
+        action="store_true",
+        help="only check the installed distributions' requirements (no GPU, nothing imported)",
+    )
     parser.add_argument("--out", default="device_check.json", help="where the JSON goes")
     parser.add_argument(
         "--parts", nargs="+", choices=sorted(PARTS), default=list(PARTS), help="parts to run"
@@ -491,6 +496,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.requirements_only:
+        unmet = unmet_requirements(DISTRIBUTIONS)
+        for line in unmet:
+            print(f"device_check: unmet: {line}")
+        print(
+            f"device_check: requirements of {', '.join(DISTRIBUTIONS)}: "
+            + ("all met" if not unmet else f"{len(unmet)} unmet")
+        )
+        return 1 if unmet else 0
     if args.cpu_dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch first looks for a GPU
     import torch
