@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["environment", "train", "critic", "export", "r3"]
+PARTS = [
+    "environment",
+    "train",
+    "critic",
+    "export",
+    "r3",
+    "offload_checkpoint",
+    "ipc",
+    "broadcast_hf",
+]
 
 
 def load_device_check():
@@ -80,6 +89,30 @@ def test_cpu_dry_run_passes_every_part_with_its_figures(tmp_path):
     assert 0.0 <= r3["routing_agreement_without_replay"] <= 1.0
     for key in ("without_replay", "with_replay"):
         assert math.isfinite(r3[f"train_rollout_logprob_abs_diff_{key}"])
+
+    # The hand-off parts, cross-checked: the ipc bucket holds the whole actor in fp32 (the dry
+    # run's model fits in it), the offload freed the actor's and the reference's weights (two
+    # copies of those bytes), and the broadcast carried them in bf16 (half).
+    offload, ipc, broadcast = (figures[k] for k in ("offload_checkpoint", "ipc", "broadcast_hf"))
+    actor_bytes = ipc["bucket_bytes"]
+    assert offload["optimizer"] == "torch_adamw" and offload["offload_device"] == "cpu"
+    assert offload["freed_weight_bytes"] == 2 * actor_bytes
+    # AdamW's two moments and the fp32 gradient buffer: three actor-sized storages, plus steps.
+    assert 3 * actor_bytes <= offload["freed_training_state_bytes"] < 3 * actor_bytes + 4096
+    assert offload["restored_bytes"] == (
+        offload["freed_weight_bytes"] + offload["freed_training_state_bytes"]
+    )
+    assert offload["parameters_empty_while_saving"] is True
+    assert offload["parameters_differing_after_load"] == 0
+    assert offload["optimizer_state_differences"] == []
+    assert offload["checkpoint_bytes"] > 2 * actor_bytes  # weights of both roles + moments
+    assert ipc["tensors"] == broadcast["tensors"] and ipc["names_received"] is True
+    assert ipc["max_abs_sum_diff"] == 0.0 and ipc["receiver_device"] == "cpu"
+    assert "CUDA tensors only" in ipc["cpu_bucket_refusal"]
+    assert broadcast["broadcast_bytes"] * 2 == actor_bytes
+    assert broadcast["buckets"] >= -(-broadcast["broadcast_bytes"] // (256 << 10))
+    assert broadcast["served_version"] == "1" and broadcast["mismatched"] == []
+    assert broadcast["engine_device"] == "cpu"
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
