@@ -234,3 +234,21 @@ def sglang_run(model: Path, log_dir: Path) -> dict[str, Any]:
         },
         "reward": {"reward_fn": "toy"},
     }
+
+
+def colocated_sglang_run(model: Path, log_dir: Path, plugins: list[str]) -> dict[str, Any]:
+    """`sglang_run` in CI mode on one shared GPU: rank 0 and the SGLang engine take half each,
+    the server with the memory saver a colocated layout needs (`ember.placement`), two
+    steps a rollout, a checkpoint after each."""
+    from ember.placement import MEMORY_SAVER_FLAG
+
+    config = sglang_run(model, log_dir)
+    config["engine"]["sglang"]["server_args"].append(MEMORY_SAVER_FLAG)
+    config["train"].update(dtype="bfloat16", num_steps_per_rollout=2, optimizer={"lr": 1e-4})
+    config.update(
+        plugins=plugins,
+        ci={"test": True},
+        run={"name": "sglang", "save_interval": 1},
+        ray={"data_parallel": 1, "gpus_per_rank": 0.5, "gpus_per_engine": 0.5, "colocate": True},
+    )
+    return config

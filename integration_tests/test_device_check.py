@@ -6,14 +6,26 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
+import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["environment", "train", "critic", "export", "r3"]
+PARTS = [
+    "environment",
+    "train",
+    "critic",
+    "export",
+    "r3",
+    "offload_checkpoint",
+    "ipc",
+    "broadcast_hf",
+]
 
 
 def load_device_check():
@@ -78,6 +90,30 @@ def test_cpu_dry_run_passes_every_part_with_its_figures(tmp_path):
     for key in ("without_replay", "with_replay"):
         assert math.isfinite(r3[f"train_rollout_logprob_abs_diff_{key}"])
 
+    # The hand-off parts, cross-checked: the ipc bucket holds the whole actor in fp32 (the dry
+    # run's model fits in it), the offload freed the actor's and the reference's weights (two
+    # copies of those bytes), and the broadcast carried them in bf16 (half).
+    offload, ipc, broadcast = (figures[k] for k in ("offload_checkpoint", "ipc", "broadcast_hf"))
+    actor_bytes = ipc["bucket_bytes"]
+    assert offload["optimizer"] == "torch_adamw" and offload["offload_device"] == "cpu"
+    assert offload["freed_weight_bytes"] == 2 * actor_bytes
+    # AdamW's two moments and the fp32 gradient buffer: three actor-sized storages, plus steps.
+    assert 3 * actor_bytes <= offload["freed_training_state_bytes"] < 3 * actor_bytes + 4096
+    assert offload["restored_bytes"] == (
+        offload["freed_weight_bytes"] + offload["freed_training_state_bytes"]
+    )
+    assert offload["parameters_empty_while_saving"] is True
+    assert offload["parameters_differing_after_load"] == 0
+    assert offload["optimizer_state_differences"] == []
+    assert offload["checkpoint_bytes"] > 2 * actor_bytes  # weights of both roles + moments
+    assert ipc["tensors"] == broadcast["tensors"] and ipc["names_received"] is True
+    assert ipc["max_abs_sum_diff"] == 0.0 and ipc["receiver_device"] == "cpu"
+    assert "CUDA tensors only" in ipc["cpu_bucket_refusal"]
+    assert broadcast["broadcast_bytes"] * 2 == actor_bytes
+    assert broadcast["buckets"] >= -(-broadcast["broadcast_bytes"] // (256 << 10))
+    assert broadcast["served_version"] == "1" and broadcast["mismatched"] == []
+    assert broadcast["engine_device"] == "cpu"
+
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
     device_check = load_device_check()
@@ -109,3 +145,51 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     assert parts["fine"]["passed"] and parts["fine"]["figures"] == {"device": "cpu"}
     printed = capsys.readouterr().out
     assert "FAIL boom" in printed and "failed: value 2 is not 3" in printed
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s;<>=!~\[(]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_carried_wheels_complete_the_runner_image():
+    """Every requirement of what the GPU form installs is in the runner's image or carried by
+    device_wheels.sh: the environment part fails on any unmet one, and the runner has no
+    network. (`tools/device_check.sh --requirements-only` checks the same on a built copy of
+    the image; the README's GPU section says how.)"""
+    device_check = load_device_check()
+    image = {
+        _name(line)
+        for line in (ROOT / "tools/device_image.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    script = (ROOT / "tools/device_wheels.sh").read_text()
+    arrays = dict(re.findall(r"^(LOCKED|BUILD_BACKEND)=\((.*)\)$", script, re.MULTILINE))
+    locked = [_name(w) for w in shlex.split(arrays["LOCKED"])]
+    carried = set(locked) | {_name(w) for w in shlex.split(arrays["BUILD_BACKEND"])}
+    lock = {p["name"]: p for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
+    members = {
+        "ember-core": "packages/core",
+        "ember-megatron-backend": "packages/megatron_backend",
+        "ember-rollout": "packages/rollout",
+        "ember-r3-routing": "plugins/r3_routing",
+        "ember-ci-kl-checker": "plugins/ci_kl_checker",
+    }
+    assert set(members) <= set(device_check.DISTRIBUTIONS)
+    needed: dict[str, str] = {}
+    for member, folder in members.items():
+        project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
+        for requirement in project["dependencies"]:
+            needed.setdefault(_name(requirement), member)
+    for name in locked:  # what a carried wheel needs, as uv.lock resolved it
+        for dependency in lock[name].get("dependencies", []):
+            if (
+                "marker" not in dependency
+                or "python_full_version < '3.12'" not in dependency["marker"]
+            ):
+                needed.setdefault(dependency["name"], name)
+    missing = sorted(
+        f"{name} (for {by})"
+        for name, by in needed.items()
+        if name not in image | carried | set(members)
+    )
+    assert missing == [], f"neither in the runner's image nor carried: {missing}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from gpu_support import served_model, sglang_run
+from gpu_support import colocated_sglang_run, served_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,14 +73,8 @@ def test_one_gpu_example(tmp_path):
     "plugins", [["r3_routing", "ci_kl_checker"], ["ci_kl_checker"]], ids=["r3", "no-r3"]
 )
 def test_sglang_rollouts_in_ci_mode(served_root, tmp_path, plugins):
-    config = sglang_run(served_model(served_root, seed=0), tmp_path / "sglang-logs")
-    config["train"].update(dtype="bfloat16", num_steps_per_rollout=2, optimizer={"lr": 1e-4})
-    config.update(
-        plugins=plugins,
-        ci={"test": True},
-        run={"name": "sglang", "save_interval": 1},
-        ray={"data_parallel": 1, "gpus_per_rank": 0.5, "gpus_per_engine": 0.5, "colocate": True},
-    )
+    model = served_model(served_root, seed=0)
+    config = colocated_sglang_run(model, tmp_path / "sglang-logs", plugins)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"

@@ -129,3 +129,27 @@ def test_tests_that_need_transformer_engine_skip_with_that_reason():
     # Scoring and export under TP=2 need no TE: that test still runs on two GPUs.
     scores = module.test_tensor_parallel_2_scores_and_exports.pytestmark
     assert not any("Transformer Engine" in m.kwargs.get("reason", "") for m in scores)
+
+
+@pytest.mark.parametrize(
+    "plugins", [["r3_routing", "ci_kl_checker"], ["ci_kl_checker"]], ids=["r3", "no-r3"]
+)
+def test_the_colocated_sglang_gpu_run_is_a_layout_ember_accepts(tmp_path, plugins):
+    # test_e2e_gpu.py::test_sglang_rollouts_in_ci_mode runs this config on a GPU; a layout
+    # `ember train` refuses would fail there before anything it checks ran.
+    from gpu_support import SERVED_MODEL, colocated_sglang_run
+
+    from ember.config import load_config, weight_transport
+    from ember.placement import COLOCATED, MEMORY_SAVER_FLAG, plan_layout
+    from ember_megatron_backend.config import BackendConfig
+    from ember_megatron_backend.hf_layout import hf_config
+
+    model = BackendConfig(model="tiny-moe", model_overrides=SERVED_MODEL).model_config()
+    hf_config(model).save_pretrained(tmp_path / "model")  # what R3 reads the shape from
+    config, _ = load_config(colocated_sglang_run(tmp_path / "model", tmp_path / "logs", plugins))
+    assert MEMORY_SAVER_FLAG in config.engine.sglang.server_args
+    layout = plan_layout(config)
+    assert layout.bundles == {COLOCATED: [1]}
+    assert [s.gpus for s in (*layout.train, *layout.engines)] == [0.5, 0.5]
+    assert config.weights.transport == "auto" and config.run.save_interval == 1
+    assert weight_transport(config) == "ipc"

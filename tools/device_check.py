@@ -15,7 +15,11 @@ does not stop the others; its traceback goes into the JSON):
 - r3: the embedded `hf` engine generates toy-task rollouts in bf16 from that export; the worker
   scores them with the r3_routing plugin off and on: routing agreement without replay, with
   replay (scoring and a training step, both must be exactly 1), and the train-rollout log-prob
-  gap without and with replay (measured, not judged: `tools/bench_r3.py` defines the figures).
+  gap without and with replay (measured, not judged: `tools/bench_r3.py` defines the figures);
+- offload_checkpoint, ipc, broadcast_hf: what a colocated run hands between the trainer and
+  the engines (offload, checkpoint while offloaded, load bit for bit; a weight bucket as CUDA
+  IPC handles opened in a second process; a gloo broadcast into the hf engine), described in
+  `tools/device_check_parts.py`.
 
 On a GPU (the default) Megatron runs in bf16 on cuda:0 and the model is the GPU tests' served
 shape. `--cpu-dry-run` runs the same code on the CPU with CUDA hidden: Megatron in fp32 (the
@@ -427,12 +431,23 @@ def part_r3(part: Part, sizes: Sizes) -> None:
     part.expect(finite(without, with_replay), f"gaps {without}, {with_replay}")
 
 
+def _handoff_parts() -> dict[str, Callable[[Part, Sizes], None]]:
+    import device_check_parts as parts
+
+    return {
+        "offload_checkpoint": parts.part_offload_checkpoint,
+        "ipc": parts.part_ipc,
+        "broadcast_hf": parts.part_broadcast_hf,
+    }
+
+
 PARTS: dict[str, Callable[[Part, Sizes], None]] = {
     "environment": part_environment,
     "train": part_train,
     "critic": part_critic,
     "export": part_export,
     "r3": part_r3,
+    **_handoff_parts(),
 }
 
 
@@ -482,6 +497,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run every part on the CPU (CUDA hidden), fp32 Megatron, CI-sized",
     )
+    parser.add_argument(
+        "--requirements-only",
+        action="store_true",
+        help="only check the installed distributions' requirements (no GPU, nothing imported)",
+    )
     parser.add_argument("--out", default="device_check.json", help="where the JSON goes")
     parser.add_argument(
         "--parts", nargs="+", choices=sorted(PARTS), default=list(PARTS), help="parts to run"
@@ -491,6 +511,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.requirements_only:
+        unmet = unmet_requirements(DISTRIBUTIONS)
+        for line in unmet:
+            print(f"device_check: unmet: {line}")
+        print(
+            f"device_check: requirements of {', '.join(DISTRIBUTIONS)}: "
+            + ("all met" if not unmet else f"{len(unmet)} unmet")
+        )
+        return 1 if unmet else 0
     if args.cpu_dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch first looks for a GPU
     import torch

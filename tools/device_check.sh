@@ -5,6 +5,9 @@
 #                                        # transformers, no network), .device_wheels/ carried
 #   tools/device_check.sh --cpu-dry-run  # anywhere uv is: the same parts on the CPU, CI-sized,
 #                                        # in the locked environment, nothing installed
+#   tools/device_check.sh --requirements-only  # the GPU form's install, then only its
+#                                        # requirement check (no GPU needed): whether the
+#                                        # carried wheels complete the image
 #
 # On the GPU it first installs, without network and into a scratch folder put first on
 # PYTHONPATH, the wheels of .device_wheels/ (tools/device_wheels.sh fills it on a machine with
@@ -21,12 +24,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 dry_run=0
+requirements_only=0
 json="${OUT:-runs/device_check}/device_check.json"
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu-dry-run) dry_run=1 ;;
+        --requirements-only) requirements_only=1 ;;
         --out) json="$2"; shift ;;
-        *) echo "usage: tools/device_check.sh [--cpu-dry-run] [--out FILE.json]" >&2; exit 2 ;;
+        *) echo "usage: tools/device_check.sh [--cpu-dry-run | --requirements-only] [--out FILE.json]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -69,5 +74,9 @@ site="${EMBER_DEVICE_SITE:-${TMPDIR:-/tmp}/ember-device-site}"
     "${install[@]}" --no-build-isolation "${members[@]}"
     echo "device_check: ${#carried[@]} wheels and ${#members[@]} ember packages installed" \
         "into $site in $((SECONDS - started)) s"
-    timeout "$limit" "$python" tools/device_check.py --out "$json"
+    if [ "$requirements_only" = 1 ]; then
+        "$python" tools/device_check.py --requirements-only
+    else
+        timeout "$limit" "$python" tools/device_check.py --out "$json"
+    fi
 } 2>&1 | tee "$log"

@@ -5,6 +5,9 @@
 # carry the folder with the check. It fetches, for CPython 3.12 on manylinux x86_64:
 #   - megatron-core and transformers at their uv.lock versions, checked against uv.lock's
 #     hashes (the image has no megatron-core, and ember-rollout needs transformers >= 5.19);
+#   - math-verify with the two requirements of its that the image lacks (latex2sympy2-extended,
+#     antlr4-python3-runtime; sympy is there), also locked: ember-rollout requires it, and the
+#     check's environment part fails on any unmet requirement of the packages it installs;
 #   - hatchling, the build backend of every workspace member, with the two requirements of its
 #     that the image lacks (uv.lock records no build backends, so these are pinned here).
 # Everything else the check imports is in the image. It prints the folder's size: the wheels
@@ -15,7 +18,7 @@ cd "$(dirname "$0")/.."
 
 python="${PYTHON:-python3}"
 dest="${EMBER_DEVICE_WHEELS:-.device_wheels}"
-LOCKED=(megatron-core transformers)
+LOCKED=(megatron-core transformers math-verify latex2sympy2-extended antlr4-python3-runtime)
 BUILD_BACKEND=(hatchling==1.33.0 trove-classifiers==2026.9.21.13 tomlkit==0.15.2)
 LIMIT_MIB=64
 

@@ -52,6 +52,15 @@ class Probe:
             "address": ray.util.get_node_ip_address(),
         }
 
+    def visible_after_setup(self) -> str | None:
+        """CUDA_VISIBLE_DEVICES once the process is set up as every Ember actor is."""
+        import os
+
+        from ember.actors import _prepare_process
+
+        _prepare_process(None)
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -233,21 +242,33 @@ def test_busy_gpus_time_out_and_leave_nothing_behind(cluster, tmp_path):
     assert live_groups() == set()
 
 
-def test_shares_pack_onto_gpus_and_bad_shares_name_the_key():
+def test_engine_shares_pack_onto_gpus_ranks_never_do_and_bad_shares_name_the_key():
     layout = plan_layout(
         config_of(
             "ray.colocate=false",
             "ray.data_parallel=3",
-            "ray.gpus_per_rank=0.4",
+            "ray.gpus_per_rank=0.6",
             "ray.num_engines=5",
             "ray.gpus_per_engine=0.25",
         )  # fmt: skip
     )
-    assert layout.bundles == {TRAIN: [1, 1], ROLLOUT: [1, 1]}
-    assert [s.bundle for s in layout.train] == [0, 0, 1]
+    assert layout.bundles == {TRAIN: [1, 1, 1], ROLLOUT: [1, 1]}
+    assert [s.bundle for s in layout.train] == [0, 1, 2]
     assert [s.bundle for s in layout.engines] == [0, 0, 0, 0, 1]
-    assert "2 ranks per GPU = 2 GPUs" in layout.arithmetic[0]
+    assert "4 engines per GPU = 2 GPUs" in layout.arithmetic[1]
+    # One rank may take a share of its GPU; two on one GPU would be one NCCL group on one
+    # device, which NCCL refuses (init.cc: "Duplicate GPU detected").
+    assert plan_layout(config_of("ray.colocate=false", "ray.gpus_per_rank=0.25")).train
     bad = [
+        (
+            ["ray.colocate=false", "ray.data_parallel=3", "ray.gpus_per_rank=0.4"],
+            "ray.gpus_per_rank=0.4: expected 1, or a share above 0.5: 2 of the data_parallel 3 "
+            "ranks would share one GPU, and NCCL refuses two ranks of one group on one GPU",
+        ),
+        (  # CPU engines: not colocated either
+            ["ray.data_parallel=2", "ray.gpus_per_rank=0.5"],
+            "ray.gpus_per_rank=0.5: expected 1, or a share above 0.5",
+        ),
         (
             ["ray.gpus_per_rank=2"],
             "ray.gpus_per_rank=2.0: expected 0 (CPU), a share of one GPU, or 1",
@@ -261,6 +282,30 @@ def test_shares_pack_onto_gpus_and_bad_shares_name_the_key():
     for overrides, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
             config_of(*overrides)
+
+
+def test_launched_sglang_servers_sharing_a_gpu_need_memory_fractions_that_fit():
+    packed = [
+        "ray.colocate=false", "ray.num_engines=3", "ray.gpus_per_engine=0.3",
+        "engine.kind=sglang", "engine.sglang.model_path=/m",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(
+        "engine.sglang.mem_fraction_static=None: ray.gpus_per_engine=0.3 puts 3 launched SGLang "
+        "servers on one GPU, which needs a fraction of at most 1/3 = 0.333 per server"
+    )):  # fmt: skip
+        config_of(*packed)
+    with pytest.raises(ValueError, match=r"mem_fraction_static=0.4: .* puts 3 launched"):
+        config_of(*packed, "engine.sglang.mem_fraction_static=0.4")
+    layout = plan_layout(config_of(*packed, "engine.sglang.mem_fraction_static=0.3"))
+    assert [s.bundle for s in layout.engines] == [0, 0, 0]
+    # Two engines at 0.3 fit three to a GPU, but only two exist to share it.
+    config_of(
+        *packed[:1], "ray.num_engines=2", *packed[2:], "engine.sglang.mem_fraction_static=0.5"
+    )
+    # One server per GPU, attached servers and the embedded engine need no fraction.
+    config_of(*packed[:1], "ray.num_engines=1", *packed[2:])
+    config_of(*packed[:4], "engine.sglang.urls=[http://127.0.0.1:1]")
+    config_of(*packed[:3])
 
 
 def test_colocated_gpu_layouts_refuse_what_cannot_share():
@@ -505,3 +550,23 @@ def test_the_driver_iterates_through_the_colocated_hand_off(tmp_path, monkeypatc
         "rank.offload weights",
         "engine.resume_memory kv_cache,cuda_graph",
     ]
+
+
+def test_actors_granted_no_gpu_see_none_and_the_others_see_theirs(cluster):
+    # ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for actors with no GPU ids
+    # (_private/utils.py 289-291): without Ember's own step they would see every GPU.
+    placement = Placement.create(config_of("ray.gpus_per_engine=1", "ray.colocate=false"))
+    try:
+        actors = [
+            Probe.options(**placement.train_options(0)).remote(),
+            Probe.options(**placement.engine_options(0)).remote(),
+            Probe.options(**placement.manager_options()).remote(),
+        ]
+        rank, engine, manager = ray.get([a.visible_after_setup.remote() for a in actors])
+        granted = ray.get(actors[1].where.remote())["gpus"]
+        for actor in actors:
+            ray.kill(actor)
+    finally:
+        placement.remove()
+    assert rank == "" and manager == ""
+    assert len(granted) == 1 and engine == str(granted[0])

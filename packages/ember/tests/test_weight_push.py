@@ -503,3 +503,67 @@ def test_sglang_servers_receive_broadcasts_the_way_sglang_does(on_ray, tmp_path)
         "/end_weight_update",
     }
     assert later[-2]["weight_version"] == "1" and later[-1]["sums"] == sums(wanted)
+
+
+def test_a_broadcast_that_fails_midway_frees_every_engine_and_the_next_push_regroups(
+    on_ray, tmp_path
+):
+    driver = build_on_ray(
+        on_ray,
+        tmp_path,
+        "ray.num_engines=2",
+        "rollout.rollout_batch_size=4",
+        "train.model_overrides.moe_ffn_hidden_size=256",
+        "weights.bucket_mb=1",
+    )
+    ray = on_ray.ray
+    rank, engines = driver.actors.train[0], driver.actors.engines
+
+    def fail_second_broadcast(actor: Any) -> None:
+        # Every engine has been told bucket 2 and waits in its receive; the sender fails.
+        from ember_megatron_backend.weight_sync import WeightGroup
+
+        real, calls = WeightGroup.broadcast, []
+
+        def broadcast(self: Any, bucket: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                WeightGroup.broadcast = real
+                raise RuntimeError("injected: bucket 2 failed")
+            return real(self, bucket)
+
+        WeightGroup.broadcast = broadcast
+
+    def groups(actor: Any) -> list[str]:
+        return sorted(actor.engine._weight_groups)
+
+    def group_name(actor: Any) -> str | None:
+        return None if actor._weight_group is None else actor._weight_group.name
+
+    ray.get(rank.__ray_call__.remote(fail_second_broadcast))
+    outcome: dict[str, BaseException] = {}
+
+    def push() -> None:
+        try:
+            driver.push_weights(0)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    import threading
+
+    thread = threading.Thread(target=push, daemon=True)
+    thread.start()
+    thread.join(120)  # the engines' receive would otherwise wait out its 30-minute timeout
+    assert not thread.is_alive(), "the failed push left the engines blocked in its broadcast"
+    assert "injected: bucket 2 failed" in str(outcome["error"])
+    assert ray.get([e.__ray_call__.remote(groups) for e in engines]) == [[], []]
+    assert ray.get(rank.__ray_call__.remote(group_name)) is None
+
+    perturb_ranks(ray, driver)
+    wanted = trainer_weights_on_ray(ray, driver)
+    driver.push_weights(1)
+    for engine in engines:
+        bad, served = served_mismatches(ray, engine, wanted)
+        assert bad == [] and served == "1"
+    (name,) = set(sum(ray.get([e.__ray_call__.remote(groups) for e in engines]), []))
+    assert name == ray.get(rank.__ray_call__.remote(group_name)), "one new group, all joined"

@@ -7,7 +7,14 @@ import pytest
 from ember.config import load_config, weight_transport
 
 SGLANG = ["engine.kind=sglang"]
-COLOCATED_GPUS = ["ray.gpus_per_rank=0.5", "ray.gpus_per_engine=0.5"]
+COLOCATED_GPUS = [
+    "ray.gpus_per_rank=0.5",
+    "ray.gpus_per_engine=0.5",
+    # What a colocated GPU layout needs besides (`ember.placement.plan_layout`, which
+    # load_config runs): rollout and training in turn, and SGLang's memory saver.
+    "rollout.async=false",
+    "engine.sglang.server_args=[--enable-memory-saver]",
+]
 
 
 def transport(*overrides: str) -> str:

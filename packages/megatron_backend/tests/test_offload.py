@@ -100,3 +100,66 @@ def test_views_share_one_offload_and_dropped_storages_come_back_as_zeros():
     assert offload.reload() == 72
     assert view.tolist() == [4.0, 5.0, 6.0, 7.0] and grad.tolist() == [0.0] * 6
     assert offload.offload([base], skip=[view]) == 0  # a skipped storage stays
+
+
+def _optimizer_state(worker: MegatronWorker) -> dict:
+    return {
+        role: o.state_dict()
+        for role, o in (("actor", worker.actor_optimizer), ("critic", worker.critic_optimizer))
+    }
+
+
+def _equal_nests(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal_nests(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_equal_nests(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_an_offloaded_trainer_saves_from_its_host_copies_and_loads_bit_for_bit(dist_env, tmp_path):
+    samples = make_samples()
+    torch.manual_seed(0)
+    moved, still = _worker(), _worker()
+    for worker in (moved, still):
+        worker.train(0, worker.prepare(0, samples))
+    offload = TrainerOffload(moved, device_type="cpu")
+    offload.offload("training_state")
+    offload.offload("weights")
+    assert offload.offloaded
+
+    # What a colocated run does after training: the trainer stays offloaded while it saves.
+    moved.save_checkpoint(tmp_path / "ckpt", host_view=offload.host_view)
+    assert all(p.untyped_storage().nbytes() == 0 for p in _params(moved)), "nothing reloaded"
+    assert all(t.untyped_storage().nbytes() == 0 for t in _state(moved))
+
+    loaded = _worker()
+    loaded.load_checkpoint(tmp_path / "ckpt")
+    for a, b in zip(_params(loaded), _params(still), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert _equal_nests(_optimizer_state(loaded), _optimizer_state(still))
+    assert loaded.accumulated_step == still.accumulated_step == 2
+    after = [w.train(1, w.prepare(1, samples)) for w in (loaded, still)]
+    assert after[0] == after[1]
+    offload.reload()  # and the offloaded trainer itself is intact
+    for a, b in zip(_params(moved), _params(loaded), strict=False):
+        assert a.shape == b.shape
+
+
+def test_host_views_keep_views_offsets_and_dropped_zeros():
+    base = torch.arange(12.0)
+    view = base[4:8].view(2, 2)
+    grad = torch.ones(3)
+    offload = StorageOffload("cpu")
+    offload.offload([base], [grad])
+    nest = {"a": [view, base], "b": (grad, 7), "c": torch.tensor([1.5])}
+    seen = offload.host_view(nest)
+    assert seen["a"][0].tolist() == [[4.0, 5.0], [6.0, 7.0]] and seen["a"][1].tolist() == list(
+        map(float, range(12))
+    )
+    assert seen["a"][0].untyped_storage()._cdata == seen["a"][1].untyped_storage()._cdata
+    assert seen["b"] == (seen["b"][0], 7) and seen["b"][0].tolist() == [0.0] * 3
+    assert seen["c"] is nest["c"], "a tensor that is not offloaded is itself"
+    assert view.untyped_storage().nbytes() == 0

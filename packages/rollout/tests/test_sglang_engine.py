@@ -410,3 +410,18 @@ def test_model_info_read_from_the_model_directory(tmp_path):
         context_len=512,
         eos_token_ids=(0,),
     )
+
+
+@pytest.mark.parametrize(
+    "server_args",
+    [["--dp-size", "2"], ["--dp-size=4"], ["--data-parallel-size", "2"], ["--dp-size"]],
+)
+def test_data_parallel_replicas_in_server_args_are_refused(server_args):
+    # sglang 0.5.23 tokenizer_control_mixin.py asserts dp_size == 1 for weight updates.
+    with pytest.raises(ValueError, match=r"server_args=.*expected no --d.* \(weight updates need"):
+        SGLangEngineConfig(model_path="/m", server_args=server_args)
+    with pytest.raises(ValueError, match=r"rollout_server_args .* set --d"):
+        SGLangEngine(
+            SGLangEngineConfig(model_path="/m"), extra_server_args=server_args
+        ).server_command(30000)
+    assert SGLangEngineConfig(model_path="/m", server_args=["--dp-size", "1"]).server_args

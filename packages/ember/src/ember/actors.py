@@ -21,8 +21,23 @@ from ember_core.types import Sample
 logger = logging.getLogger(__name__)
 
 
+def _hide_ungranted_gpus() -> None:
+    """Show an actor that Ray granted no GPU none at all.
+
+    ray 2.60 sets CUDA_VISIBLE_DEVICES only for actors with GPU ids and leaves it as the node
+    started it for the others (_private/utils.py `set_visible_accelerator_ids`, 289-291,
+    unless RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO is set), so a rank or engine placed with 0 GPUs
+    would see every GPU of its node and pick cuda:0, beside whatever Ray put there. Runs
+    before torch initialises CUDA, which reads the variable once.
+    """
+    if not ray.get_gpu_ids():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def _prepare_process(threads: int | None) -> None:
-    """What every actor process does first: quiet library chatter, then size torch's pool."""
+    """What every actor process does first: hide the GPUs Ray did not grant, quiet library
+    chatter, then size torch's pool."""
+    _hide_ungranted_gpus()
     quiet_libraries()
     if not verbose():
         # Ray logs an actor's failed __init__ with its traceback from inside the actor; the same
@@ -89,6 +104,35 @@ def _meet(join: Callable[[], Any], others: list[Any]) -> Any:
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+DROP_GROUP_WAIT_S = 60.0
+"""How long a failed push waits for the engines to destroy its weight group."""
+
+
+def _drop_weight_group(group: Any, engines: list[Any]) -> None:
+    """After a failed broadcast: abort `group` on this rank, then destroy it on every engine.
+
+    Aborting closes this rank's connections, so an engine blocked receiving a bucket fails at
+    once (gloo) and its actor takes the next call; then each engine destroys its end. An engine
+    that does not answer within `DROP_GROUP_WAIT_S` (an SGLang server blocked in an NCCL
+    broadcast, until its watchdog's timeout) is logged and left; its group is never used again.
+    """
+    group.abort()
+    refs = [e.destroy_weights_group.remote(group.name) for e in engines]
+    done, late = ray.wait(refs, num_returns=len(refs), timeout=DROP_GROUP_WAIT_S)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as exc:  # the push's own error is the one raised
+            logger.warning("engine could not destroy weight group %s: %s", group.name, exc)
+    if late:
+        logger.warning(
+            "%d engine(s) did not destroy weight group %s within %g s",
+            len(late),
+            group.name,
+            DROP_GROUP_WAIT_S,
+        )
 
 
 @ray.remote
@@ -254,8 +298,10 @@ class TrainRank:
                 sent["bytes"] += bucket.nbytes
                 sent["buckets"] += 1
         except BaseException:
-            # A broadcast some engine refused stays pending in the group: form a new one next.
+            # The group may hold a broadcast some members wait in: abort it here, have every
+            # engine destroy it, and form a new one on the next push.
             self._weight_group = None
+            _drop_weight_group(group, engines)
             raise
         return sent
 
@@ -320,7 +366,13 @@ class TrainRank:
         save_tokenizer_for_model(self.config.data.tokenizer_path, path)
 
     def save(self, path: str) -> None:
-        self.worker.save_checkpoint(Path(path))
+        """Write a training checkpoint at `path` (collective). A colocated rank is offloaded
+        between `after_training` and the next rollout, when the driver saves: then the
+        checkpoint is written from the host copies, without taking GPU memory back from the
+        engines (the offloaded tensors themselves have no bytes to write)."""
+        offload = self._offload
+        host_view = offload.host_view if offload is not None and offload.offloaded else None
+        self.worker.save_checkpoint(Path(path), host_view=host_view)
 
     def load(self, path: str) -> None:
         self.worker.load_checkpoint(Path(path))
@@ -433,6 +485,10 @@ class RolloutEngine:
                 backend=backend,
             )
         )
+
+    def destroy_weights_group(self, group_name: str) -> None:
+        """Leave and destroy weight group `group_name` (after a failed push)."""
+        self.loop.run_until_complete(self.engine.destroy_weights_update_group(group_name))
 
     def begin_weight_update(self) -> None:
         self.loop.run_until_complete(self.engine.begin_weight_update())

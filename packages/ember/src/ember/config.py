@@ -125,7 +125,9 @@ class RaySection:
     """Training ranks (Ray actors, one torch.distributed process each)."""
     gpus_per_rank: float = 0.0
     """GPUs per training rank: 0 trains on CPU, 1 gives each rank a GPU of its own, a fraction
-    below 1 is a share of one GPU (ranks are packed `floor(1 / share)` to a GPU)."""
+    below 1 is a share of one GPU. Ranks never share a GPU with each other (NCCL refuses two
+    ranks of one group on one device): with several ranks, a share of 0.5 or less needs
+    `colocate: true`, where rank i shares GPU i with engine i."""
     colocate: bool = True
     """With GPUs on both sides, training rank i and engine i share GPU i (one placement group,
     one bundle per GPU; `gpus_per_rank + gpus_per_engine` must fit in 1). SGLang engines
@@ -136,7 +138,9 @@ class RaySection:
     """Rollout engine actors."""
     gpus_per_engine: float = 0.0
     """GPUs per rollout engine actor: 0 generates on CPU, a fraction below 1 is a share of one
-    GPU, a whole number N gives the engine N GPUs of one node (SGLang tensor parallelism)."""
+    GPU, a whole number N gives the engine N GPUs of one node (SGLang tensor parallelism).
+    Launched SGLang servers packed onto one GPU (shares of 0.5 or less, colocate: false) need
+    `engine.sglang.mem_fraction_static`, at most 1 over the servers sharing a GPU."""
     threads_per_actor: int | None = None
     """torch threads of each actor; None divides this machine's cores between them."""
     placement_timeout_s: float = 120.0
@@ -181,6 +185,19 @@ class RaySection:
                 f"(rank i and engine i share GPU i; {self.gpus_per_rank:g} + "
                 f"{self.gpus_per_engine:g} = {shares:g} > 1); set colocate: false to give the "
                 "engines GPUs of their own",
+            )
+        colocated = self.colocate and self.gpus_per_rank > 0 and self.gpus_per_engine > 0
+        if not colocated and 0 < self.gpus_per_rank < 1 and self.data_parallel > 1:
+            # NCCL src/init.cc (initTransportsRank): two ranks of one communicator on one
+            # device fail with "Duplicate GPU detected" (ncclInvalidUsage), and GPU ranks
+            # train over NCCL. Only a colocated layout shares a rank's GPU, with an engine.
+            per_gpu = int(1 / self.gpus_per_rank + 1e-9)
+            check(
+                per_gpu < 2,
+                "gpus_per_rank",
+                self.gpus_per_rank,
+                f"1, or a share above 0.5: {per_gpu} of the data_parallel {self.data_parallel} "
+                "ranks would share one GPU, and NCCL refuses two ranks of one group on one GPU",
             )
 
 
@@ -387,6 +404,9 @@ def load_config(
     run_config = from_dict(RunConfig, core)
     resolve_tis(run_config.algorithm, run_config.rollout)
     weight_transport(run_config)
+    from ember.placement import plan_layout
+
+    plan_layout(run_config)  # the layout rules that span sections, before any process starts
     run_config.plugin_sections = sections
     host.configure(run_config, sections)
     return run_config, host

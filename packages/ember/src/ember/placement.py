@@ -2,11 +2,13 @@
 
 Each role that uses GPUs gets one Ray placement group whose bundles hold whole GPUs:
 
-- `train`: one bundle per GPU of the training ranks. A rank with `ray.gpus_per_rank` 1 has a
-  bundle of its own; shares below 1 are packed `floor(1 / share)` ranks to a bundle.
+- `train`: one bundle per GPU of the training ranks, each rank in a bundle of its own (ranks
+  never share a GPU: NCCL refuses two ranks of one group on one device, `RaySection` says so
+  before any of this runs; a single rank may take a share of its GPU).
 - `rollout`: one bundle of N GPUs per engine with `ray.gpus_per_engine` N >= 1 (a bundle never
   spans nodes, so an engine's SGLang server sees all its GPUs on one node); shares below 1 are
-  packed like the ranks.
+  packed `floor(1 / share)` engines to a bundle (launched SGLang servers only with
+  `engine.sglang.mem_fraction_static` set so that theirs fit in one GPU).
 - `colocated` (`ray.colocate` with GPUs on both sides) replaces the two: one bundle per GPU,
   and training rank i and engine i each take their share of bundle i.
 
@@ -130,6 +132,7 @@ def plan_layout(config: RunConfig) -> Layout:
     train = engines = None
     arithmetic: list[str] = []
     _check_engine_gpus(config)
+    _check_shared_servers(config)
     if ray_cfg.colocate and gpr > 0 and gpe > 0:
         _check_colocated(config)
         n = max(dp, ne)
@@ -177,6 +180,30 @@ def _check_engine_gpus(config: RunConfig) -> None:
             f"{sglang.num_servers} = {_gpus(used)} per engine, but ray.gpus_per_engine="
             f"{gpe:g} gives each engine {'a share of one GPU' if gpe < 1 else _gpus(int(gpe))}; "
             "launched servers must use exactly the engine's GPUs"
+        )
+
+
+def _check_shared_servers(config: RunConfig) -> None:
+    """Launched SGLang servers that share one GPU must each be told their memory share."""
+    engine, ray_cfg = config.engine, config.ray
+    gpe, ne = ray_cfg.gpus_per_engine, ray_cfg.num_engines
+    if engine.kind != "sglang" or engine.sglang.urls or not 0 < gpe < 1 or colocated_on_gpu(config):
+        return
+    per_gpu = min(_per_gpu(gpe), ne)
+    if per_gpu < 2:
+        return
+    # sglang 0.5.23 sizes a server's static memory (weights + KV pool) from the GPU memory free
+    # when it starts (distributed/bootstrap.py 207, mem_cache/kv_cache_configurator.py 3007):
+    # without --mem-fraction-static it takes all but a reserve (arg_groups/memory_hook.py
+    # 281-326, 0.9 and more of an H200), and servers started together each count the memory
+    # the others are about to take.
+    fraction = engine.sglang.mem_fraction_static
+    if fraction is None or fraction * per_gpu > 1 + 1e-9:
+        raise ValueError(
+            f"engine.sglang.mem_fraction_static={fraction}: ray.gpus_per_engine={gpe:g} puts "
+            f"{per_gpu} launched SGLang servers on one GPU, which needs a fraction of at most "
+            f"1/{per_gpu} = {1 / per_gpu:.3g} per server (each would otherwise size its memory "
+            "pool from the whole GPU)"
         )
 
 

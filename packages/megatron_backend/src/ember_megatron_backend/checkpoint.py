@@ -21,6 +21,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,7 @@ def save_checkpoint(
     models: dict[str, Any],
     optimizers: dict[str, ModelOptimizer],
     meta: dict[str, Any],
+    host_view: Callable[[Any], Any] | None = None,
 ) -> Path:
     """Write one checkpoint under `root` (collective: every rank calls it with the same args).
 
@@ -165,6 +167,9 @@ def save_checkpoint(
         models: Models by role (possibly DDP-wrapped); this rank's shards are saved.
         optimizers: Optimizers by role.
         meta: JSON-serialisable metadata (counters, layout, model shape), written by rank 0.
+        host_view: Maps the payload to what is written, for a trainer whose device memory is
+            offloaded (`ember_megatron_backend.offload.TrainerOffload.host_view`): its tensors
+            have no bytes on the device, their contents are in host memory.
 
     Returns:
         The checkpoint directory.
@@ -181,6 +186,8 @@ def save_checkpoint(
         "optimizers": {role: opt.state_dict() for role, opt in optimizers.items()},
         "rng": rng_state(),
     }
+    if host_view is not None:
+        payload = host_view(payload)
     _write(payload, staging / f"rank_{_rank():05d}.pt")
     _barrier()
     if _rank() == 0:

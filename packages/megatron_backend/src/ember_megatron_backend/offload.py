@@ -28,6 +28,10 @@ gone (`ember.placement.MemoryHandoff`):
 - "weights": the parameters and buffers of the actor, the reference and the critic, kept.
 
 Only storages on `device_type` ("cuda" by default) move, so on a CPU run every call is a no-op.
+
+While offloaded, a tensor has no bytes to read: a checkpoint taken then is written from the
+host copies (`host_view`), since `torch.save` of the tensors themselves writes empty storages
+that `torch.load` cannot rebuild.
 """
 
 from __future__ import annotations
@@ -133,6 +137,39 @@ class StorageOffload:
             torch.cuda.empty_cache()  # hand the blocks back to the driver, for the engines
         return freed
 
+    def host_view(self, value: Any) -> Any:
+        """`value` (a nest of dicts, lists and tuples, as a checkpoint payload is) with every
+        offloaded tensor replaced by a CPU tensor over its host copy: same dtype, shape,
+        strides and offset, views of one storage sharing one copy. A dropped storage reads as
+        the zeros `reload` would give. Nothing is moved back to the device.
+
+        An offloaded tensor itself must not be read: its storage has zero bytes, so
+        `torch.save` writes an empty storage that `torch.load` cannot rebuild ("Trying to
+        resize storage that is not resizable").
+        """
+        if self.device_type == "cuda" and self._held:
+            torch.cuda.synchronize()  # the copies into the pinned buffers are asynchronous
+        return self._host_view(value)
+
+    def _host_view(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            held = self._held.get(_key(value.untyped_storage()))
+            if held is None:
+                return value
+            if held.backup is None:
+                return torch.zeros(value.shape, dtype=value.dtype)
+            storage = held.backup.untyped_storage()
+            view = torch.empty(0, dtype=value.dtype)
+            return view.set_(storage, value.storage_offset(), value.shape, value.stride())
+        if isinstance(value, dict):
+            out = type(value)((k, self._host_view(v)) for k, v in value.items())
+            if hasattr(value, "_metadata"):  # nn.Module.state_dict's per-module versions
+                out._metadata = value._metadata  # type: ignore[attr-defined]
+            return out
+        if isinstance(value, list | tuple):
+            return type(value)(self._host_view(v) for v in value)
+        return value
+
     def reload(self) -> int:
         """Give every offloaded storage its memory back, with its bytes (or zeros where
         dropped). Returns the bytes restored."""
@@ -196,6 +233,15 @@ class TrainerOffload:
         ]
         # Parameters that are the model's own (fp32 models) belong to "weights".
         return self.storage.offload([*state, *params], grads, skip=weights)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether any part is offloaded (and not reloaded yet)."""
+        return self.storage.offloaded_bytes > 0
+
+    def host_view(self, value: Any) -> Any:
+        """`StorageOffload.host_view`: a checkpoint payload readable while offloaded."""
+        return self.storage.host_view(value)
 
     def reload(self) -> int:
         """Bring back every offloaded part; returns the bytes restored."""

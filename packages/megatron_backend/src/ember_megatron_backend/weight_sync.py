@@ -241,7 +241,21 @@ class WeightGroup:
                 f"weight group {self.name} ({self.backend}) sends {device} tensors; the bucket "
                 f"is on {bucket.flat.device}"
             )
+        if self._pg is None:
+            raise ValueError(f"weight group {self.name} was aborted; form a new one")
         return self._pg.broadcast([bucket.flat], _broadcast_options())
+
+    def abort(self) -> None:
+        """Abort the group after a failed broadcast: its pending work is dropped and its
+        connections closed, so members blocked receiving from this rank fail instead of
+        waiting for the group's timeout (over gloo; an NCCL member still waits for its own
+        watchdog, as ncclCommAbort reaches only this rank's communicator). Later calls do
+        nothing."""
+        if self._pg is None:
+            return
+        pg, self._pg = self._pg, None
+        pg.abort()  # torch 2.14: ProcessGroupGloo.abort / ProcessGroupNCCL.abort
+        self._store = None
 
     @property
     def device(self) -> torch.device:

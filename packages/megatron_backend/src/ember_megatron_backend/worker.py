@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -506,9 +506,17 @@ class MegatronWorker:
             optimizers[Role.CRITIC.value] = self.critic_optimizer
         return models, optimizers
 
-    def save_checkpoint(self, path: str | Path) -> Path:
+    def save_checkpoint(
+        self, path: str | Path, *, host_view: Callable[[Any], Any] | None = None
+    ) -> Path:
         """Save models, optimizers, RNG and counters under checkpoint root `path` (collective;
-        atomic; see ``ember_megatron_backend.checkpoint``). Returns the checkpoint directory."""
+        atomic; see ``ember_megatron_backend.checkpoint``). Returns the checkpoint directory.
+
+        Args:
+            path: The checkpoint root.
+            host_view: For a worker offloaded to host memory, `TrainerOffload.host_view`:
+                the checkpoint is written from the host copies, nothing reloaded.
+        """
         models, optimizers = self._roles()
         meta = {
             "rollout_id": self.rollout_id,
@@ -522,6 +530,7 @@ class MegatronWorker:
             models=models,
             optimizers=optimizers,
             meta=meta,
+            host_view=host_view,
         )
 
     def load_checkpoint(self, path: str | Path) -> None:

@@ -138,20 +138,35 @@ class HFEngineConfig:
         )
 
 
+DP_SIZE_FLAGS = ("--dp-size", "--data-parallel-size")
+"""SGLang's data-parallel replica flag and its alias (sglang 0.5.23
+arg_groups/fields/parallel.py)."""
+
+
 def gpu_placement_flags(args: list[str], num_servers: int) -> list[str]:
     """The GPU-placement flags in launched servers' arguments that Ember sets itself, explained.
 
     sglang 0.5.23 (entrypoints/engine.py) puts TP rank r of a server on GPU
     `--base-gpu-id + r * --gpu-id-step` (defaults 0 and 1); Ember gives every launched server its
-    own `--base-gpu-id`, so a second one would fight it.
+    own `--base-gpu-id`, so a second one would fight it. `--dp-size` above 1 is refused too: a
+    server of several data-parallel replicas takes no weight update.
     """
     found = []
-    for arg in args:
-        flag = arg.split("=", 1)[0]
+    for i, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
         if flag == "--base-gpu-id":
             found.append("--base-gpu-id (set sglang.base_gpu_id)")
         elif flag == "--gpu-id-step" and num_servers > 1:
             found.append("--gpu-id-step with num_servers > 1 (each server takes tp_size GPUs)")
+        elif flag in DP_SIZE_FLAGS:
+            value = value if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            if value.strip() != "1":
+                # sglang 0.5.23 managers/tokenizer_control_mixin.py 451, 509, 569, 607: the
+                # weight-group, distributed and tensor updates assert dp_size == 1.
+                found.append(
+                    f"{flag} {value} (weight updates need one replica per server; set "
+                    "sglang.num_servers or ray.num_engines instead)"
+                )
     return found
 
 
@@ -185,7 +200,8 @@ class SGLangEngineConfig:
     """Launched servers' --dtype. auto is SGLang's own rule, which serves a float32 checkpoint
     in float16; float32 keeps an fp32 trainer's policy exactly."""
     server_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments for launched servers (plugins can add more); not the GPU ids."""
+    """Extra command-line arguments for launched servers (plugins can add more); not the GPU ids,
+    nor `--dp-size` above 1 (SGLang takes weight updates only with one replica per server)."""
     python: str | None = None
     """Python interpreter that runs `-m sglang.launch_server`; None uses this one."""
     launch_timeout_s: float = 900.0

@@ -334,8 +334,10 @@ class HFEngine(Engine):
         )
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        if self._weight_groups.pop(group_name, None) is None:
+        group = self._weight_groups.pop(group_name, None)
+        if group is None:
             raise EngineError(f"no weight group {group_name!r} to destroy")
+        group.abort()  # closes its connections now, not when garbage collection gets to it
 
     async def begin_weight_update(self) -> None:
         if self._weight_update is not None:
