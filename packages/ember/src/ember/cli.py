@@ -44,11 +44,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "--resume continues a run with its own config; drop the CONFIG argument"
             )
         config_source = yaml.safe_load(resolved.read_text())
-    config, _ = load_config(config_source, overrides=args.set, plugins=args.plugins)
+    config, plugins = load_config(config_source, overrides=args.set, plugins=args.plugins)
     check_inputs(config)  # bad prompt files, reward names, paths: fail before Ray starts
     from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
 
-    driver = Driver(config, run_dir)
+    driver = Driver(config, run_dir, plugins)
     try:
         out = driver.run(resume=bool(args.resume))
     finally:
