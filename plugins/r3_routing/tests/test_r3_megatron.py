@@ -274,7 +274,13 @@ def test_plugin_combinations_on_a_megatron_worker(dist_env, caplog, names):
     else:
         assert "rollout/replay_agreement" not in rollout
 
-    lines = [r for r in caplog.records if r.name == CHECKER_LOGGER]
+    # Under replay every training forward used the rollout's experts.
+    if r3:
+        assert [s["train/replay_agreement"] for s in steps + again] == [1.0] * 4
+        assert all(s["train/routing_agreement"] < 0.2 for s in steps + again)
+    else:
+        assert all("train/replay_agreement" not in s for s in steps + again)
+    lines = [r for r in caplog.records if "exempted by" in r.getMessage()]
     if names == ["r3_routing", "ci_kl_checker"]:
         assert len(lines) == 1, [r.getMessage() for r in lines]
         message = lines[0].getMessage()
