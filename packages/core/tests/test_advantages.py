@@ -49,6 +49,38 @@ def test_registered_estimators_and_flags() -> None:
     assert not ADVANTAGE_ESTIMATORS.get("grpo").uses_critic
 
 
+@pytest.mark.parametrize("whiten", [False, True])
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_plus_plus_whitens_once_with_the_given_whitening(name, whiten) -> None:
+    """The estimator whitens by definition; `whiten=True` must not whiten a second time, and a
+    trainer's whitening (over all data-parallel ranks) replaces the local one."""
+    inputs = grpo_inputs()
+    calls = []
+
+    def whiten_fn(advantages, masks):
+        calls.append([a.clone() for a in advantages])
+        return [a * 0 + 7.0 for a in advantages]
+
+    advantages, returns = compute_advantages(name, inputs, whiten=whiten, whiten_fn=whiten_fn)
+    assert len(calls) == 1
+    assert flat(calls[0]) == flat(returns)  # it received the unwhitened returns
+    assert flat(advantages) == [7.0] * sum(inputs.response_lengths)
+    # Without a whitening function: ember-core's, once.
+    local, _ = compute_advantages(name, inputs, whiten=whiten)
+    assert_close(flat(local), whiten_by_hand(flat(returns)))
+    assert ADVANTAGE_ESTIMATORS.get(name).whitens
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "ppo"])
+def test_other_estimators_whiten_only_on_request(name) -> None:
+    inputs = grpo_inputs(values=[torch.zeros(n) for n in grpo_inputs().response_lengths])
+    calls = []
+    compute_advantages(name, inputs, whiten_fn=lambda a, m: calls.append(1) or a)
+    assert calls == [] and not ADVANTAGE_ESTIMATORS.get(name).whitens
+    compute_advantages(name, inputs, whiten=True, whiten_fn=lambda a, m: calls.append(1) or a)
+    assert calls == [1]
+
+
 # ----------------------------------------------------------------------------- GRPO
 
 

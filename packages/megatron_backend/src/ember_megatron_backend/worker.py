@@ -14,17 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ember_core.algorithms import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    compute_advantages,
-    whiten_advantages,
-)
+from ember_core.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from ember_core.config import AlgorithmConfig, SamplingConfig
 from ember_core.hookspecs import Phase, Role
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
 from ember_megatron_backend import checkpoint, comm, pipeline
+from ember_megatron_backend.advantages import whiten_across
 from ember_megatron_backend.batches import (
     MicroBatch,
     RolloutBatch,
@@ -310,9 +306,11 @@ class MegatronWorker:
                 kl_kind=self.algorithm.kl_loss_type,
                 normalize_std=self.algorithm.normalize_group_std,
             ),
+            # Once, over every rank's counted tokens: what one rank holding the whole rollout
+            # computes (REINFORCE++ whitens by definition, whiten_advantages on request).
+            whiten=self.algorithm.whiten_advantages,
+            whiten_fn=functools.partial(whiten_across, group=dp_group),
         )
-        if self.algorithm.whiten_advantages:
-            advantages = _whiten_across(advantages, masks, dp_group)
         return RolloutBatch(
             rollout_id=rollout_id,
             samples=samples,
@@ -579,21 +577,3 @@ class MegatronWorker:
         )
         self.rollout_id = int(meta["rollout_id"])
         self.accumulated_step = int(meta["accumulated_step"])
-
-
-def _whiten_across(advantages: list[Tensor], masks: list[Tensor], group: Any) -> list[Tensor]:
-    """``whiten_advantages`` with the mean and unbiased variance over every rank's counted
-    tokens (a single rank uses ember-core's function itself)."""
-    if dist.get_world_size(group) == 1:
-        return whiten_advantages(advantages, masks)
-    flat, mask = torch.cat(advantages).double(), torch.cat(masks).double()
-    stats = torch.stack([(flat * mask).sum(), mask.sum()])
-    comm.all_reduce(stats, group=group)
-    if stats[1] == 0:
-        return advantages
-    mean = stats[0] / stats[1]
-    square = ((flat - mean).square() * mask).sum()
-    comm.all_reduce(square, group=group)
-    var = square / (stats[1] - 1).clamp_min(1)
-    whitened = ((flat - mean) * torch.rsqrt(var + 1e-8)).float()
-    return list(whitened.split([a.numel() for a in advantages]))

@@ -134,9 +134,17 @@ class AdvantageEstimator:
     """Needs critic `values` (and a critic to train on the returns)."""
     sequence_ratio: bool = False
     """The policy loss clips the sequence-level ratio (`gspo_policy_loss`)."""
+    whitens: bool = False
+    """The estimator's advantages are its `fn`'s, whitened over every counted token of the
+    whole batch (REINFORCE++). `fn` leaves them unwhitened, and `compute_advantages` whitens
+    once, with a whitening function that may reduce over data-parallel ranks."""
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]:
-        return self.fn(inputs)
+        advantages, returns = self.fn(inputs)
+        if self.whitens:
+            assert inputs.loss_masks is not None
+            advantages = whiten_advantages(advantages, inputs.loss_masks)
+        return advantages, returns
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
@@ -144,7 +152,11 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 
 
 def register_advantage_estimator(
-    name: str, *aliases: str, uses_critic: bool = False, sequence_ratio: bool = False
+    name: str,
+    *aliases: str,
+    uses_critic: bool = False,
+    sequence_ratio: bool = False,
+    whitens: bool = False,
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator registering an `AdvantageFn` in `ADVANTAGE_ESTIMATORS` under `name`.
 
@@ -153,11 +165,16 @@ def register_advantage_estimator(
         *aliases: Further names for the same estimator.
         uses_critic: See `AdvantageEstimator.uses_critic`.
         sequence_ratio: See `AdvantageEstimator.sequence_ratio`.
+        whitens: See `AdvantageEstimator.whitens` (`fn` returns unwhitened advantages).
     """
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         estimator = AdvantageEstimator(
-            name=name, fn=fn, uses_critic=uses_critic, sequence_ratio=sequence_ratio
+            name=name,
+            fn=fn,
+            uses_critic=uses_critic,
+            sequence_ratio=sequence_ratio,
+            whitens=whitens,
         )
         ADVANTAGE_ESTIMATORS.add(name, estimator, *aliases)
         return fn
@@ -166,15 +183,24 @@ def register_advantage_estimator(
 
 
 def compute_advantages(
-    estimator: str, inputs: AdvantageInputs, *, whiten: bool = False
+    estimator: str,
+    inputs: AdvantageInputs,
+    *,
+    whiten: bool = False,
+    whiten_fn: Callable[[list[Tensor], list[Tensor]], list[Tensor]] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Runs the estimator registered as `estimator`, optionally whitening the advantages.
+
+    Advantages are whitened at most once: when asked (`whiten`) or when the estimator whitens
+    by definition (`AdvantageEstimator.whitens`: the REINFORCE++ variants).
 
     Args:
         estimator: A name registered in `ADVANTAGE_ESTIMATORS`.
         inputs: The batch.
-        whiten: Whiten the advantages over the batch's masked tokens afterwards
-            (`whiten_advantages`); REINFORCE++ variants whiten anyway.
+        whiten: Whiten the advantages over the batch's masked tokens afterwards.
+        whiten_fn: `(advantages, loss_masks) -> advantages`, the whitening to use (a trainer
+            with data-parallel ranks passes one that reduces over all ranks' tokens); default
+            `whiten_advantages`, over this batch alone.
 
     Returns:
         `(advantages, returns)`: per-sample lists of [R_i] float32 tensors, detached.
@@ -183,9 +209,11 @@ def compute_advantages(
         ValueError: Unknown estimator (the message lists the known ones) or inputs the
             estimator needs are missing.
     """
-    advantages, returns = ADVANTAGE_ESTIMATORS.get(estimator)(inputs)
-    if whiten:
-        advantages = whiten_advantages(advantages, inputs.loss_masks)
+    found = ADVANTAGE_ESTIMATORS.get(estimator)
+    advantages, returns = found.fn(inputs)
+    if whiten or found.whitens:
+        assert inputs.loss_masks is not None
+        advantages = (whiten_fn or whiten_advantages)(advantages, inputs.loss_masks)
     return advantages, returns
 
 
@@ -311,7 +339,31 @@ def grpo_advantages(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]
 register_advantage_estimator("gspo", sequence_ratio=True)(grpo_advantages)
 
 
-@register_advantage_estimator("reinforce_plus_plus")
+def _reinforce_plus_plus_returns(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]:
+    """REINFORCE++'s discounted returns, as advantages (unwhitened) and returns."""
+    returns = _discounted_returns(
+        _token_rewards(inputs, inputs.rewards), inputs.gamma, inputs.response_lengths
+    )
+    return [r.clone() for r in returns], returns
+
+
+def _reinforce_plus_plus_baseline_returns(
+    inputs: AdvantageInputs,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """REINFORCE++-baseline's discounted returns, as advantages (unwhitened) and returns."""
+    centered_B, _ = _group_centered(inputs)
+    returns = _discounted_returns(
+        _token_rewards(inputs, centered_B), inputs.gamma, inputs.response_lengths
+    )
+    return [r.clone() for r in returns], returns
+
+
+register_advantage_estimator("reinforce_plus_plus", whitens=True)(_reinforce_plus_plus_returns)
+register_advantage_estimator("reinforce_plus_plus_baseline", whitens=True)(
+    _reinforce_plus_plus_baseline_returns
+)
+
+
 def reinforce_plus_plus_advantages(
     inputs: AdvantageInputs,
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -325,13 +377,9 @@ def reinforce_plus_plus_advantages(
     Returns:
         `(advantages, returns)` with the returns before whitening.
     """
-    token_rewards = _token_rewards(inputs, inputs.rewards)
-    returns = _discounted_returns(token_rewards, inputs.gamma, inputs.response_lengths)
-    assert inputs.loss_masks is not None
-    return whiten_advantages(returns, inputs.loss_masks), returns
+    return ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus")(inputs)
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantages(
     inputs: AdvantageInputs,
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -345,11 +393,7 @@ def reinforce_plus_plus_baseline_advantages(
     Returns:
         `(advantages, returns)` with the returns before whitening.
     """
-    centered_B, _ = _group_centered(inputs)
-    token_rewards = _token_rewards(inputs, centered_B)
-    returns = _discounted_returns(token_rewards, inputs.gamma, inputs.response_lengths)
-    assert inputs.loss_masks is not None
-    return whiten_advantages(returns, inputs.loss_masks), returns
+    return ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus_baseline")(inputs)
 
 
 @register_advantage_estimator("ppo", "gae", uses_critic=True)
