@@ -50,8 +50,12 @@ CONFIGS = {
     ),
     "reinforce_plus_plus_baseline": ({}, {"advantage_estimator": "reinforce_plus_plus_baseline"}),
 }
-REL_TOL, ABS_TOL = 1e-5, 1e-8
-"""A 1% error on a metric of size 1e-5 (1e-7) fails; so does one of 1e-3 relative anywhere."""
+REL_TOL, ABS_TOL = 1e-4, 1e-8
+"""A 1% error on a metric of size 1e-5 (1e-7) fails, and so does a relative error of 1e-4 on
+any metric. Why not tighter: from the second step on, the weights differ by the rounding of
+fp32 gradient sums taken in another order (two ranks' halves added, or one rank's whole), and
+small differences of log-probs amplify it: train/ppo_kl of size 8e-3 differs by 1.5e-5 relative
+(measured on the 2-core AMD EPYC), while every other metric agrees to about 1e-6."""
 ROLLOUTS = 2
 
 
@@ -143,9 +147,13 @@ def test_two_ranks_log_the_same_metrics_as_one(dist_env, two_ranks, name):
                 value,
             )
     keys = set().union(*one)
-    assert {"rollout/routing_agreement", "train/kl_loss", "train/grad_norm"} <= keys
-    # A maximum over both ranks' tokens (a sum of the two ranks' maxima would differ).
-    assert one[3]["rollout/log_probs_ref_max_abs_diff"] > 0  # rollout 1: the actor has moved
+    assert {"rollout/routing_agreement", "rollout/advantages", "train/grad_norm"} <= keys
+    settings = CONFIGS[name][1]
+    if settings.get("use_kl_loss"):
+        assert "train/kl_loss" in keys
+    if settings.get("use_kl_loss") or settings.get("kl_coef"):
+        # A maximum over both ranks' tokens (a sum of the two ranks' maxima would differ).
+        assert one[3]["rollout/log_probs_ref_max_abs_diff"] > 0  # rollout 1: the actor moved
     if name == "ppo":
         assert {"rollout/values", "train/value_loss", "train/tis"} <= keys
 
