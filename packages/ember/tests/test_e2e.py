@@ -88,7 +88,7 @@ def test_the_readme_r3_and_ci_command_audits_the_default_loop(tmp_path):
     assert [r.get("rollout/audit") for r in rollouts] == [1.0, None, 1.0]
     assert [r["rollout/staleness"] for r in rollouts] == [0.0, 1.0, 0.0]  # drained for rollout 2
     for r in rollouts[::2]:
-        assert r["rollout/train_rollout_logprob_max_abs_diff"] <= 1e-5
+        assert r["rollout/train_rollout_logprob_max_abs_diff"] <= 1e-4
         assert r["rollout/routing_agreement"] > 0.9 and r["rollout/replay_agreement"] == 1.0
     steps = records(tmp_path, "train")
     assert all(s["train/replay_agreement"] == 1.0 for s in steps)

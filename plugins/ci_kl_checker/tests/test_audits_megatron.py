@@ -40,7 +40,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWar
 LAYERS, EXPERTS, TOPK, VOCAB = 4, 8, 2, 256
 LOGGER = "ember_ci_kl_checker.plugin"
 D = 2.0**-10
-"""A per-token fault: exact in fp32 next to log-probs of a few units, 100x the fp32 ceiling."""
+"""A per-token fault: exact in fp32 next to log-probs of a few units, about 10x the fp32 ceiling."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,7 +220,7 @@ def test_one_trainer_log_prob_off_by_2_to_the_minus_10_stops_the_run(run):
     # The mean of the same gap is far inside slime's ceiling: only the maximum sees it.
     assert error.metrics["rollout/train_rollout_logprob_abs_diff"] < 1e-3
     assert error.detail == (
-        "rollout/train_rollout_logprob_max_abs_diff = 9.766e-04, expected <= 1e-05 "
+        "rollout/train_rollout_logprob_max_abs_diff = 9.766e-04, expected <= 0.0001 "
         "(ci_kl_checker.train_rollout_logprob_max_abs_diff_threshold)"
     )
 

@@ -23,7 +23,7 @@ class KLCheckerConfig:
     0.1)."""
     train_rollout_logprob_max_abs_diff_threshold: float | None = None
     """Largest rollout/train_rollout_logprob_max_abs_diff (the per-token maximum of |trainer -
-    engine| log-prob at audits) that passes; null: 1e-5 when the embedded engine and the trainer
+    engine| log-prob at audits) that passes; null: 1e-4 when the embedded engine and the trainer
     both compute in float32, 0.1 otherwise (slime's ceiling)."""
     audit_interval: int = 50
     """Audit rollout 0 and every this many rollouts: the engine samples from the trainer's
