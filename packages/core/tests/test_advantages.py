@@ -318,3 +318,48 @@ def test_unknown_estimator_lists_known_names() -> None:
         r"reinforce_plus_plus, reinforce_plus_plus_baseline",
     ):
         compute_advantages("rloo", inputs)
+
+
+# ----------------------------------------------------------------------------- multi-turn
+
+TWO_TURNS = t(1, 1, 0, 0, 1, 1)
+"""Response [a1 a2 | tool t1 t2 | b1 b2]: the tool's two tokens are not the model's."""
+
+
+def two_turn_inputs(tool_values: tuple[float, float], **overrides) -> AdvantageInputs:
+    kwargs = dict(
+        rewards=t(1.0),
+        response_lengths=[6],
+        loss_masks=[TWO_TURNS],
+        values=[t(0.1, 0.2, *tool_values, 0.5, 0.6)],
+        gamma=0.9,
+        lambd=0.8,
+    )
+    kwargs.update(overrides)
+    return AdvantageInputs(**kwargs)
+
+
+def test_gae_steps_over_tool_tokens_of_a_two_turn_sample() -> None:
+    """With gamma and lambda below 1, the untrained critic values of the tool's tokens must not
+    bootstrap the counted token before them: GAE runs over a1 a2 b1 b2 alone.
+
+    By hand (gamma 0.9, lambda 0.8, gamma * lambda 0.72, V = 0.1 0.2 0.5 0.6, reward 1 on b2):
+    b2: delta = 1 - 0.6 = 0.4, A = 0.4; b1: delta = 0.9 * 0.6 - 0.5 = 0.04,
+    A = 0.04 + 0.72 * 0.4 = 0.328; a2: delta = 0.9 * 0.5 - 0.2 = 0.25,
+    A = 0.25 + 0.72 * 0.328 = 0.48616; a1: delta = 0.9 * 0.2 - 0.1 = 0.08,
+    A = 0.08 + 0.72 * 0.48616 = 0.4300352.
+    """
+    expected = [0.4300352, 0.48616, 0.328, 0.4]
+    for tool_values in ((5.0, 7.0), (0.0, -3.0)):
+        (advantages,), (returns,) = compute_advantages("ppo", two_turn_inputs(tool_values))
+        counted = advantages[TWO_TURNS > 0].tolist()
+        assert_close(counted, expected, tol=1e-6)
+        values = torch.tensor([0.1, 0.2, 0.5, 0.6])
+        assert_close(returns[TWO_TURNS > 0].tolist(), (torch.tensor(expected) + values).tolist())
+
+
+def test_reinforce_plus_plus_discounts_over_counted_tokens_only() -> None:
+    """G over b2, b1, a2, a1 with gamma 0.9: 1, 0.9, 0.81, 0.729; the tool's tokens are no
+    discount step (they carry b1's return)."""
+    (_,), (returns,) = compute_advantages("reinforce_plus_plus", two_turn_inputs((0.0, 0.0)))
+    assert_close(returns.tolist(), [0.729, 0.81, 0.9, 0.9, 0.9, 1.0], tol=1e-6)

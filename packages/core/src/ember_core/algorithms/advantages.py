@@ -303,15 +303,20 @@ def _unpad(padded_BR: Tensor, lengths: Sequence[int]) -> list[Tensor]:
 
 
 def _discounted_returns(
-    token_rewards: list[Tensor], gamma: float, lengths: Sequence[int]
+    token_rewards: list[Tensor], gamma: float, lengths: Sequence[int], masks: list[Tensor]
 ) -> list[Tensor]:
-    """G_t = r_t + gamma * G_{t+1}, G_R = 0. Zero right-padding leaves each G_t exact."""
+    """G_t = r_t + gamma * G_{t'} over the counted tokens, t' the next counted token (G = 0
+    after the last). Tokens the model did not generate (loss mask 0: a tool's output) are not
+    steps: they are not discounted over, and carry the next counted token's return. Zero
+    right-padding (mask 0) leaves each G_t exact."""
     device = token_rewards[0].device if token_rewards else torch.device("cpu")
     rewards_BR = _pad(token_rewards, device)
+    counted_BR = _pad(masks, device) > 0
     returns_BR = torch.zeros_like(rewards_BR)
     running_B = rewards_BR.new_zeros(rewards_BR.shape[0])
     for t in reversed(range(rewards_BR.shape[1])):
-        running_B = rewards_BR[:, t] + gamma * running_B
+        step_B = rewards_BR[:, t] + gamma * running_B
+        running_B = torch.where(counted_BR[:, t], step_B, running_B)
         returns_BR[:, t] = running_B
     return _unpad(returns_BR, lengths)
 
@@ -341,8 +346,12 @@ register_advantage_estimator("gspo", sequence_ratio=True)(grpo_advantages)
 
 def _reinforce_plus_plus_returns(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]:
     """REINFORCE++'s discounted returns, as advantages (unwhitened) and returns."""
+    assert inputs.loss_masks is not None
     returns = _discounted_returns(
-        _token_rewards(inputs, inputs.rewards), inputs.gamma, inputs.response_lengths
+        _token_rewards(inputs, inputs.rewards),
+        inputs.gamma,
+        inputs.response_lengths,
+        inputs.loss_masks,
     )
     return [r.clone() for r in returns], returns
 
@@ -352,8 +361,9 @@ def _reinforce_plus_plus_baseline_returns(
 ) -> tuple[list[Tensor], list[Tensor]]:
     """REINFORCE++-baseline's discounted returns, as advantages (unwhitened) and returns."""
     centered_B, _ = _group_centered(inputs)
+    assert inputs.loss_masks is not None
     returns = _discounted_returns(
-        _token_rewards(inputs, centered_B), inputs.gamma, inputs.response_lengths
+        _token_rewards(inputs, centered_B), inputs.gamma, inputs.response_lengths, inputs.loss_masks
     )
     return [r.clone() for r in returns], returns
 
@@ -401,9 +411,12 @@ def gae_advantages(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]
     """PPO with generalised advantage estimation (arXiv 1506.02438).
 
     Token rewards as in `reinforce_plus_plus` (reward on the last counted token, KL
-    penalty per token). With V_R = 0 after the last response token:
-    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lambd * A_{t+1},
-    returns = A + V. Not whitened unless asked (`compute_advantages(whiten=True)`).
+    penalty per token). Over the counted tokens, t' the next counted one and V = 0 after the
+    last: delta_t = r_t + gamma * V_{t'} - V_t, A_t = delta_t + gamma * lambd * A_{t'},
+    returns = A + V. Tokens with loss mask 0 (a tool's output in a multi-turn sample) are
+    skipped: their values, which no value loss trains, bootstrap nothing, and they carry the
+    next counted token's advantage (no loss reads it). Not whitened unless asked
+    (`compute_advantages(whiten=True)`).
 
     Raises:
         ValueError: `values` is missing.
@@ -411,16 +424,21 @@ def gae_advantages(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]
     if inputs.values is None:
         raise ValueError("values is required by the 'ppo' advantage estimator")
     device = inputs.rewards.device
+    assert inputs.loss_masks is not None
     rewards_BR = _pad(_token_rewards(inputs, inputs.rewards), device)
     values_BR = _pad(inputs.values, device)
+    counted_BR = _pad(inputs.loss_masks, device) > 0
     advantages_BR = torch.zeros_like(rewards_BR)
     next_value_B = rewards_BR.new_zeros(rewards_BR.shape[0])
     running_B = torch.zeros_like(next_value_B)
     for t in reversed(range(rewards_BR.shape[1])):
         delta_B = rewards_BR[:, t] + inputs.gamma * next_value_B - values_BR[:, t]
-        running_B = delta_B + inputs.gamma * inputs.lambd * running_B
+        step_B = delta_B + inputs.gamma * inputs.lambd * running_B
+        # A token the model did not generate is no step: the critic is never trained there,
+        # so its value must not bootstrap the counted token before it (as verl does).
+        running_B = torch.where(counted_BR[:, t], step_B, running_B)
+        next_value_B = torch.where(counted_BR[:, t], values_BR[:, t], next_value_B)
         advantages_BR[:, t] = running_B
-        next_value_B = values_BR[:, t]
     returns_BR = advantages_BR + values_BR
     lengths = inputs.response_lengths
     return _unpad(advantages_BR, lengths), _unpad(returns_BR, lengths)
