@@ -18,6 +18,7 @@ from ember_core.config import (
     CIConfig,
     SamplingConfig,
     check,
+    check_old_log_probs,
     from_dict,
     resolve_tis,
     to_dict,
@@ -386,6 +387,7 @@ def load_config(
     core["plugins"] = enabled
     run_config = from_dict(RunConfig, core)
     resolve_tis(run_config.algorithm, run_config.rollout)
+    check_old_log_probs(run_config.algorithm, run_config.rollout)
     weight_transport(run_config)
     run_config.plugin_sections = sections
     host.configure(run_config, sections)
