@@ -481,6 +481,27 @@ def check_inputs(config: RunConfig) -> None:
             )
 
 
+def describe_loop(config: RunConfig) -> str:
+    """One line saying which loop a run config runs and where its old log-probs come from.
+
+    `ember train` without a config runs examples/default.yaml (overlapped, the engine's
+    log-probs); a config file of one's own starts from the dataclass defaults (rollout, then
+    training, the trainer's log-probs) plus what it sets. The CLI prints this line at start so
+    the two are never confused.
+    """
+    algorithm, rollout = config.algorithm, config.rollout
+    if rollout.async_:
+        loop = "overlapped (rollout.async=true: rollout i+1 generates from weights one update old)"
+    else:
+        loop = "rollout, then training (rollout.async=false)"
+    if algorithm.use_rollout_log_probs:
+        old = "the engine's (algorithm.use_rollout_log_probs=true)"
+    else:
+        old = "the trainer's scoring forward (algorithm.use_rollout_log_probs=false)"
+    tis = "on" if algorithm.use_tis else "off"
+    return f"loop: {loop}; old log-probs: {old}; TIS {tis} (algorithm.use_tis)"
+
+
 def default_run_dir(config: RunConfig) -> Path:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{config.run.name}-{stamp}"
