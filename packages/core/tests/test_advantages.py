@@ -49,6 +49,38 @@ def test_registered_estimators_and_flags() -> None:
     assert not ADVANTAGE_ESTIMATORS.get("grpo").uses_critic
 
 
+@pytest.mark.parametrize("whiten", [False, True])
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_plus_plus_whitens_once_with_the_given_whitening(name, whiten) -> None:
+    """The estimator whitens by definition; `whiten=True` must not whiten a second time, and a
+    trainer's whitening (over all data-parallel ranks) replaces the local one."""
+    inputs = grpo_inputs()
+    calls = []
+
+    def whiten_fn(advantages, masks):
+        calls.append([a.clone() for a in advantages])
+        return [a * 0 + 7.0 for a in advantages]
+
+    advantages, returns = compute_advantages(name, inputs, whiten=whiten, whiten_fn=whiten_fn)
+    assert len(calls) == 1
+    assert flat(calls[0]) == flat(returns)  # it received the unwhitened returns
+    assert flat(advantages) == [7.0] * sum(inputs.response_lengths)
+    # Without a whitening function: ember-core's, once.
+    local, _ = compute_advantages(name, inputs, whiten=whiten)
+    assert_close(flat(local), whiten_by_hand(flat(returns)))
+    assert ADVANTAGE_ESTIMATORS.get(name).whitens
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "ppo"])
+def test_other_estimators_whiten_only_on_request(name) -> None:
+    inputs = grpo_inputs(values=[torch.zeros(n) for n in grpo_inputs().response_lengths])
+    calls = []
+    compute_advantages(name, inputs, whiten_fn=lambda a, m: calls.append(1) or a)
+    assert calls == [] and not ADVANTAGE_ESTIMATORS.get(name).whitens
+    compute_advantages(name, inputs, whiten=True, whiten_fn=lambda a, m: calls.append(1) or a)
+    assert calls == [1]
+
+
 # ----------------------------------------------------------------------------- GRPO
 
 
@@ -286,3 +318,48 @@ def test_unknown_estimator_lists_known_names() -> None:
         r"reinforce_plus_plus, reinforce_plus_plus_baseline",
     ):
         compute_advantages("rloo", inputs)
+
+
+# ----------------------------------------------------------------------------- multi-turn
+
+TWO_TURNS = t(1, 1, 0, 0, 1, 1)
+"""Response [a1 a2 | tool t1 t2 | b1 b2]: the tool's two tokens are not the model's."""
+
+
+def two_turn_inputs(tool_values: tuple[float, float], **overrides) -> AdvantageInputs:
+    kwargs = dict(
+        rewards=t(1.0),
+        response_lengths=[6],
+        loss_masks=[TWO_TURNS],
+        values=[t(0.1, 0.2, *tool_values, 0.5, 0.6)],
+        gamma=0.9,
+        lambd=0.8,
+    )
+    kwargs.update(overrides)
+    return AdvantageInputs(**kwargs)
+
+
+def test_gae_steps_over_tool_tokens_of_a_two_turn_sample() -> None:
+    """With gamma and lambda below 1, the untrained critic values of the tool's tokens must not
+    bootstrap the counted token before them: GAE runs over a1 a2 b1 b2 alone.
+
+    By hand (gamma 0.9, lambda 0.8, gamma * lambda 0.72, V = 0.1 0.2 0.5 0.6, reward 1 on b2):
+    b2: delta = 1 - 0.6 = 0.4, A = 0.4; b1: delta = 0.9 * 0.6 - 0.5 = 0.04,
+    A = 0.04 + 0.72 * 0.4 = 0.328; a2: delta = 0.9 * 0.5 - 0.2 = 0.25,
+    A = 0.25 + 0.72 * 0.328 = 0.48616; a1: delta = 0.9 * 0.2 - 0.1 = 0.08,
+    A = 0.08 + 0.72 * 0.48616 = 0.4300352.
+    """
+    expected = [0.4300352, 0.48616, 0.328, 0.4]
+    for tool_values in ((5.0, 7.0), (0.0, -3.0)):
+        (advantages,), (returns,) = compute_advantages("ppo", two_turn_inputs(tool_values))
+        counted = advantages[TWO_TURNS > 0].tolist()
+        assert_close(counted, expected, tol=1e-6)
+        values = torch.tensor([0.1, 0.2, 0.5, 0.6])
+        assert_close(returns[TWO_TURNS > 0].tolist(), (torch.tensor(expected) + values).tolist())
+
+
+def test_reinforce_plus_plus_discounts_over_counted_tokens_only() -> None:
+    """G over b2, b1, a2, a1 with gamma 0.9: 1, 0.9, 0.81, 0.729; the tool's tokens are no
+    discount step (they carry b1's return)."""
+    (_,), (returns,) = compute_advantages("reinforce_plus_plus", two_turn_inputs((0.0, 0.0)))
+    assert_close(returns.tolist(), [0.729, 0.81, 0.9, 0.9, 0.9, 1.0], tol=1e-6)

@@ -388,6 +388,28 @@ def test_hook_ember_replayed_reference_forward(plugins):
     assert asked == [0, 3]
 
 
+def test_hook_ember_audit_rollout(plugins):
+    asked = []
+
+    class Audits:
+        @hookimpl
+        def ember_audit_rollout(self, rollout_id):
+            asked.append(rollout_id)
+            return rollout_id % 3 == 0
+
+    class Quiet:
+        @hookimpl
+        def ember_audit_rollout(self):
+            return None
+
+    assert plugins.audit_rollout(0) is False
+    plugins.add(Quiet(), "quiet")
+    assert plugins.audit_rollout(0) is False
+    plugins.add(Audits(), "audits")
+    assert [plugins.audit_rollout(i) for i in range(4)] == [True, False, False, True]
+    assert asked == [0, 1, 2, 3]
+
+
 def test_hook_ember_after_train_step(plugins):
     seen = []
 

@@ -4,6 +4,7 @@ each stage of the loop and resumes (`resume_harness`: actors in the killed proce
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,35 @@ def test_r3_and_kl_checker_in_ci_mode(tmp_path, model):
     steps = records(tmp_path, "train")
     assert steps[0]["train/ppo_kl"] == 0.0
     assert "routing" in run.stderr + run.stdout and "mismatch" in run.stderr + run.stdout
+
+
+def test_the_readme_r3_and_ci_command_audits_the_default_loop(tmp_path):
+    """The default loop (overlapped, the engine's log-probs as the old policy) under R3 and the
+    checker: rollouts 0 and 2 are audits, where every check runs exactly and says so."""
+    run = ember(
+        "--plugins", "r3_routing,ci_kl_checker",
+        "--set", "ci.test=true",
+        "--set", "ci_kl_checker.audit_interval=2",
+        "--set", "run.num_rollouts=3",
+        "--set", "run.save_interval=0",
+        run_dir=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rollouts = records(tmp_path, "rollout")
+    assert [r.get("rollout/audit") for r in rollouts] == [1.0, None, 1.0]
+    assert [r["rollout/staleness"] for r in rollouts] == [0.0, 1.0, 0.0]  # drained for rollout 2
+    for r in rollouts[::2]:
+        assert r["rollout/train_rollout_logprob_max_abs_diff"] <= 1e-4
+        assert r["rollout/routing_agreement"] > 0.9 and r["rollout/replay_agreement"] == 1.0
+    steps = records(tmp_path, "train")
+    assert all(s["train/replay_agreement"] == 1.0 for s in steps)
+    assert [s["train/ppo_kl"] for s in steps[::2]][0::2] == [0.0, 0.0]  # rollouts 0 and 2
+    assert "train/stale_rollout_logprob_abs_diff" in steps[2]  # rollout 1, one update behind
+    output = run.stderr + run.stdout
+    for rollout_id in (0, 2):
+        for check in ("train_rollout_mismatch_max", "first_step_ppo_kl", "replay_agreement"):
+            assert re.search(rf"audit rollout {rollout_id}\b[^\n]*: {check} passed: ", output)
+    assert output.count("between audits, first_step_ppo_kl") == 1
 
 
 def test_kl_checker_alone_passes_in_ci_mode(tmp_path):

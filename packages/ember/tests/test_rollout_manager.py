@@ -109,6 +109,49 @@ def test_rollout_async_turns_tis_on_unless_use_tis_is_set():
         load_config("default", overrides=["algorithm.use_tis=true"])
 
 
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["rollout.top_p=0.9"], "rollout.top_p=0.9"),
+        (["rollout.top_k=5"], "rollout.top_k=5"),
+        (["rollout.top_p=0.95", "rollout.top_k=20"], "rollout.top_p=0.95 and rollout.top_k=20"),
+    ],
+)
+def test_engine_old_log_probs_from_a_filtered_distribution_are_refused(overrides, named):
+    """The engine's log-probs under top-p/top-k are of the renormalised, filtered distribution;
+    the trainer's are not: the ratio would be biased, so the default loop refuses the filter."""
+    with pytest.raises(ValueError) as info:
+        load_config("default", overrides=overrides)
+    message = str(info.value)
+    assert message.startswith(f"algorithm.use_rollout_log_probs=true with {named}: ")
+    assert "\n" not in message
+    # The trainer's own old log-probs, or no filter, are accepted.
+    load_config("default", overrides=[*overrides, TRAINER_OLD])
+    load_config("default", overrides=["rollout.top_p=1.0", "rollout.top_k=-1"])
+
+
+def test_the_run_says_which_loop_and_old_log_probs_it_uses(tmp_path):
+    """`ember train` (examples/default.yaml) and a YAML of one's own start from different
+    defaults; the line printed at start tells them apart."""
+    from ember.config import describe_loop
+
+    config, _ = load_config("default")
+    assert describe_loop(config) == (
+        "loop: overlapped (rollout.async=true: rollout i+1 generates from weights one update "
+        "old); old log-probs: the engine's (algorithm.use_rollout_log_probs=true); TIS off "
+        "(algorithm.use_tis)"
+    )
+    path = tmp_path / "mine.yaml"
+    path.write_text("run:\n  num_rollouts: 3\n")
+    config, _ = load_config(path)
+    assert describe_loop(config) == (
+        "loop: rollout, then training (rollout.async=false); old log-probs: the trainer's "
+        "scoring forward (algorithm.use_rollout_log_probs=false); TIS off (algorithm.use_tis)"
+    )
+    config, _ = load_config(path, overrides=["rollout.async=true"])
+    assert describe_loop(config).endswith("TIS on (algorithm.use_tis)")
+
+
 def test_the_key_is_async_in_files_and_resolved_configs(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("rollout:\n  async: true\n")

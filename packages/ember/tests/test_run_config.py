@@ -37,7 +37,7 @@ def test_global_kl_checker_switch_alias():
 
 
 def test_resolved_config_round_trips(tmp_path):
-    config, _ = load_config(None, overrides=["rollout.top_p=0.9"], plugins=["ci_kl_checker"])
+    config, _ = load_config(None, overrides=["rollout.temperature=0.8"], plugins=["ci_kl_checker"])
     path = write_resolved(config, tmp_path)
     again, plugins = load_config(yaml.safe_load(path.read_text()))
     assert again.to_dict() == config.to_dict()

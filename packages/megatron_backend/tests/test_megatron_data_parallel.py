@@ -16,11 +16,14 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.slow
 
 CONFIGS = {
-    # Critic, reference, KL loss, TIS, whitening across ranks, one sample per micro-batch.
+    # GAE with a critic, reference, KL loss, TIS, whitening across ranks, one sample per
+    # micro-batch.
     "ppo": (
         {"micro_batch_size": 1},
         {
             "advantage_estimator": "ppo",
+            "gamma": 0.9,
+            "lambd": 0.8,
             "whiten_advantages": True,
             "use_kl_loss": True,
             "kl_loss_coef": 0.1,
@@ -32,7 +35,27 @@ CONFIGS = {
         {"micro_batch_size": None, "max_tokens_per_micro_batch": 30},
         {"loss_reduction": "token", "entropy_coef": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.1},
     ),
+    # The sequence-level ratio.
+    "gspo": ({}, {"advantage_estimator": "gspo"}),
+    # Whitened by definition, over every rank's tokens once (whiten_advantages adds nothing);
+    # a KL penalty in the token rewards.
+    "reinforce_plus_plus": (
+        {},
+        {
+            "advantage_estimator": "reinforce_plus_plus",
+            "whiten_advantages": True,
+            "kl_coef": 0.05,
+            "gamma": 0.95,
+        },
+    ),
+    "reinforce_plus_plus_baseline": ({}, {"advantage_estimator": "reinforce_plus_plus_baseline"}),
 }
+REL_TOL, ABS_TOL = 1e-4, 1e-8
+"""A 1% error on a metric of size 1e-5 (1e-7) fails, and so does a relative error of 1e-4 on
+any metric. Why not tighter: from the second step on, the weights differ by the rounding of
+fp32 gradient sums taken in another order (two ranks' halves added, or one rank's whole), and
+small differences of log-probs amplify it: train/ppo_kl of size 8e-3 differs by 1.5e-5 relative
+(measured on the 2-core AMD EPYC), while every other metric agrees to about 1e-6."""
 ROLLOUTS = 2
 
 
@@ -118,15 +141,19 @@ def test_two_ranks_log_the_same_metrics_as_one(dist_env, two_ranks, name):
     for record_one, record_two in zip(one, two, strict=True):
         assert set(record_one) == set(record_two)
         for key, value in record_one.items():
-            assert math.isclose(record_two[key], value, rel_tol=1e-5, abs_tol=1e-5), (
+            assert math.isclose(record_two[key], value, rel_tol=REL_TOL, abs_tol=ABS_TOL), (
                 key,
                 record_two[key],
                 value,
             )
     keys = set().union(*one)
-    assert {"rollout/routing_agreement", "train/kl_loss", "train/grad_norm"} <= keys
-    # A maximum over both ranks' tokens (a sum of the two ranks' maxima would differ).
-    assert one[3]["rollout/log_probs_ref_max_abs_diff"] > 0  # rollout 1: the actor has moved
+    assert {"rollout/routing_agreement", "rollout/advantages", "train/grad_norm"} <= keys
+    settings = CONFIGS[name][1]
+    if settings.get("use_kl_loss"):
+        assert "train/kl_loss" in keys
+    if settings.get("use_kl_loss") or settings.get("kl_coef"):
+        # A maximum over both ranks' tokens (a sum of the two ranks' maxima would differ).
+        assert one[3]["rollout/log_probs_ref_max_abs_diff"] > 0  # rollout 1: the actor moved
     if name == "ppo":
         assert {"rollout/values", "train/value_loss", "train/tis"} <= keys
 
@@ -149,7 +176,7 @@ def test_every_backend_collective_runs_on_the_device_its_group_accepts(two_ranks
             "worker.MegatronWorker._all_ranks",
             "batches.plan_steps",
             "worker.MegatronWorker.train",
-            "worker._whiten_across",
+            "advantages.whiten_across",
             "metrics.SampleMeans.reduce",
             "metrics.masked_max_abs_diff",
             "metrics.reduce_sums",

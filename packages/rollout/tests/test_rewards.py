@@ -217,3 +217,34 @@ def test_async_rewards_run_concurrently_within_the_limit():
     rewards = score("test_concurrency_probe", [sample("x") for _ in range(8)], max_concurrency=3)
     assert rewards == [1.0] * 8 and state["peak"] == 3
     assert not math.isnan(rewards[0])
+
+
+def test_a_math_answer_over_its_time_limit_scores_0_and_is_counted():
+    from fractions import Fraction
+
+    from ember_rollout.rewards import REWARD_TIMEOUT
+    from ember_rollout.rollout import RolloutGenerator
+
+    # A sum of 40 fractions no earlier test parsed (math-verify caches parses): parsing and
+    # comparing it takes milliseconds, far over 0.1 ms.
+    terms = "+".join(rf"\frac{{{i}}}{{{i + 1}}}" for i in range(1, 41))
+    total = sum(Fraction(i, i + 1) for i in range(1, 41))  # the right answer
+    right = sample(rf"\boxed{{{terms}}}", rf"\frac{{{total.numerator}}}{{{total.denominator}}}")
+    assert score("math", [right], math_timeout_s=1e-4) == [0.0]
+    assert right.metadata[REWARD_TIMEOUT] is True
+    # With time to finish, the same answer is right.
+    late = sample(right.response, right.label)
+    assert score("math", [late], math_timeout_s=60) == [1.0]
+    # The overrunning child was killed; the next answer gets a fresh one, and is decided.
+    again = sample(r"\boxed{\frac{1}{2}}", "0.5")
+    assert score("math", [again], math_timeout_s=60) == [1.0]
+    assert REWARD_TIMEOUT not in again.metadata
+    counts = {"zero_std": 0, "groups": 1, "aborted": 0}
+    metrics = RolloutGenerator._metrics([right, again], counts, [], 0, 0, 1)
+    assert metrics["rollout/reward_timeouts"] == 1.0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf")])
+def test_the_math_timeout_must_be_positive_and_finite(bad):
+    with pytest.raises(ValueError, match=rf"^math_timeout_s={bad!r}: expected a finite number"):
+        RewardConfig(math_timeout_s=bad)

@@ -32,6 +32,8 @@ ON_POLICY_ROLLOUT = {
     "rollout/log_probs_ref_max_abs_diff": 0.0,
     "rollout/rollout_log_probs": -1.23,
     "rollout/train_rollout_logprob_abs_diff": 0.004,
+    "rollout/train_rollout_logprob_max_abs_diff": 0.009,
+    "rollout/audit": 1.0,
 }
 WITHOUT_ENGINE_LOG_PROBS = {k: v for k, v in ON_POLICY_ROLLOUT.items() if "rollout_log" not in k}
 """A rollout whose samples carry no engine log-probs (a generator that returns none)."""
@@ -91,14 +93,109 @@ def configure(
     host.configure(config, {"ci_kl_checker": KLCheckerConfig(**section)})
 
 
+def said(caplog) -> list[str]:
+    """The checker's log lines, less the audit reports of passed checks."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == LOGGER and " passed: " not in r.getMessage()
+    ]
+
+
+def reports(caplog) -> list[str]:
+    """The audit reports of passed checks."""
+    return [r.getMessage() for r in caplog.records if " passed: " in r.getMessage()]
+
+
+AUDITS = (
+    "ci_kl_checker: audits at rollout 0 and every 50 rollouts (ci_kl_checker.audit_interval); "
+    "the per-token mismatch ceiling is 0.1 (engine dtype unknown, trainer dtype float32 "
+    "(slime's ceiling))"
+)
+
+
 def test_passes_when_the_first_update_is_exactly_on_policy(host, caplog):
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     configure(host)
+    assert said(caplog) == []  # said at the first check, by the process that checks
     host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)
     host.after_train_step(0, 0, 0, ON_POLICY_STEP)
-    host.after_log_rollout_data(1, ON_POLICY_ROLLOUT)
+    host.after_log_rollout_data(1, without(ON_POLICY_ROLLOUT, "rollout/audit"))
     host.after_train_step(1, 0, 4, ON_POLICY_STEP)
-    assert caplog.records == []
+    assert said(caplog) == [AUDITS]
+    # Rollout 0 is an audit: every check that ran says what it measured, once.
+    prefix = "ci_kl_checker: audit rollout 0"
+    assert reports(caplog) == [
+        f"{prefix} (log_rollout_data): first_rollout_ref_log_probs passed: "
+        "|rollout/log_probs_ref_max_abs_diff| = 0.000e+00, expected < 1e-08",
+        f"{prefix} (log_rollout_data): train_rollout_mismatch_max passed: "
+        "rollout/train_rollout_logprob_max_abs_diff = 9.000e-03, expected <= 0.1 "
+        "(ci_kl_checker.train_rollout_logprob_max_abs_diff_threshold)",
+        f"{prefix} (log_rollout_data): train_rollout_mismatch_ceiling passed: "
+        "rollout/train_rollout_logprob_abs_diff = 4.000e-03, expected <= 0.1 "
+        "(ci_kl_checker.train_rollout_logprob_abs_diff_threshold)",
+        f"{prefix}, step 0 (accumulated step 0): first_step_ppo_kl passed: "
+        "|train/ppo_kl| = 0.000e+00, expected < 1e-08",
+        f"{prefix}, step 0 (accumulated step 0): first_step_kl_loss passed: "
+        "|train/kl_loss| = 0.000e+00, expected < 1e-08",
+        f"{prefix}, step 0 (accumulated step 0): train_rollout_mismatch_ceiling passed: "
+        "train/train_rollout_logprob_abs_diff = 4.000e-03, expected <= 0.1 "
+        "(ci_kl_checker.train_rollout_logprob_abs_diff_threshold)",
+    ]
+
+
+def test_an_audit_the_run_did_not_carry_out_fails(host):
+    configure(host, audit_interval=3)
+    host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)
+    host.after_log_rollout_data(2, without(ON_POLICY_ROLLOUT, "rollout/audit"))
+    with pytest.raises(KLCheckError) as info:
+        host.after_log_rollout_data(3, without(ON_POLICY_ROLLOUT, "rollout/audit"))
+    assert info.value.check == Check.AUDIT
+    assert info.value.detail == (
+        "rollout/audit is not logged; it must be: the checker asked for an audit iteration at "
+        "rollout 3 (rollout 0 and every 3: ci_kl_checker.audit_interval)"
+    )
+    assert [host.audit_rollout(i) for i in range(7)] == [True, False, False, True] + [
+        False,
+        False,
+        True,
+    ]
+
+
+@pytest.mark.parametrize(("ci_test", "disable"), [(False, False), (True, True)])
+def test_no_audit_is_asked_for_when_the_checker_is_off(host, ci_test, disable):
+    configure(host, ci_test=ci_test, disable=disable)
+    assert not any(host.audit_rollout(i) for i in range(101))
+
+
+@pytest.mark.parametrize(
+    ("engine", "trainer", "ceiling"),
+    [("float32", "float32", 1e-4), ("bfloat16", "float32", 0.1), (None, "float32", 0.1)],
+)
+def test_the_per_token_ceiling_fits_the_dtypes(host, engine, trainer, ceiling):
+    config = {
+        "ci": {"test": True},
+        "train": {"dtype": trainer},
+        "engine": {"kind": "hf", "hf": {"dtype": engine}} if engine else {"kind": "sglang"},
+        "plugins": host.enabled,
+    }
+    host.configure(config, {"ci_kl_checker": KLCheckerConfig()})
+    at = {**ON_POLICY_ROLLOUT, "rollout/train_rollout_logprob_max_abs_diff": ceiling}
+    host.after_log_rollout_data(0, at)  # inclusive
+    # One token 2^-10 off: over the float32 ceiling, within slime's.
+    off = {**at, "rollout/train_rollout_logprob_max_abs_diff": 2.0**-10}
+    if ceiling < 2.0**-10:
+        with pytest.raises(KLCheckError) as info:
+            host.after_log_rollout_data(0, off)
+        assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH_MAX
+    else:
+        host.after_log_rollout_data(0, off)
+    # The section's value wins over the dtypes.
+    host.configure(
+        config,
+        {"ci_kl_checker": KLCheckerConfig(train_rollout_logprob_max_abs_diff_threshold=1e-3)},
+    )
+    host.after_log_rollout_data(0, off)
 
 
 @pytest.mark.parametrize("value", [1e-8, 3e-7, -2e-5, math.nan])
@@ -230,57 +327,94 @@ def test_a_later_rollout_with_engine_log_probs_needs_the_train_mismatch_too(host
         )
 
 
-def test_engine_old_log_probs_stand_the_exact_checks_down_and_keep_the_first_step_ceiling(
-    host, caplog
-):
+def test_engine_old_log_probs_audit_exactly_and_stand_down_between_audits(host, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    configure(host, engine_old=True)
-    (record,) = caplog.records
-    assert "algorithm.use_rollout_log_probs=true" in record.getMessage()
-    # No trainer log-probs before training: the rollout logs the engine's alone.
+    configure(host, engine_old=True, audit_interval=2)
+    # Rollout 0 is an audit: the trainer scored it, and every check is exact.
+    host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)
+    with pytest.raises(KLCheckError) as info:
+        host.after_train_step(0, 0, 0, {**ON_POLICY_STEP, "train/ppo_kl": 3e-8})
+    assert info.value.check == Check.PPO_KL
+    with pytest.raises(KLCheckError) as info:
+        host.after_log_rollout_data(
+            0, without(ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff")
+        )
+    assert info.value.check == Check.ROLLOUT_REF_LOG_PROBS
+    # Rollout 1 is not: no trainer log-probs before training, the engine's alone.
     rollout = without(
         ON_POLICY_ROLLOUT,
+        "rollout/audit",
         "rollout/log_probs",
         "rollout/log_probs_ref_max_abs_diff",
         "rollout/train_rollout_logprob_abs_diff",
+        "rollout/train_rollout_logprob_max_abs_diff",
     )
-    host.after_log_rollout_data(0, rollout)
+    host.after_log_rollout_data(1, rollout)
     first = {**ON_POLICY_STEP, "train/ppo_kl": 3e-4}  # the mismatch, signed
-    host.after_train_step(0, 0, 0, first)
+    host.after_train_step(1, 0, 4, first)
     # Later steps compare weights the step already moved with the engine's: not a mismatch.
     moved = {**first, "train/train_rollout_logprob_abs_diff": 0.4}
-    host.after_train_step(0, 1, 1, moved)
+    host.after_train_step(1, 1, 5, moved)
     with pytest.raises(KLCheckError) as info:
         host.after_train_step(1, 0, 4, moved)
     assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
-    # The actor/reference KL at the run's first step is still the trainer's own: exact.
-    configure(host, engine_old=True)
+    # Rollout 2 is an audit again: its missing trainer metrics fail.
     with pytest.raises(KLCheckError) as info:
-        host.after_train_step(0, 0, 0, {**first, "train/kl_loss": 1e-5})
-    assert info.value.check == Check.KL_LOSS
+        host.after_log_rollout_data(2, {**rollout, "rollout/audit": 1.0})
+    assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH_MAX
+    with pytest.raises(KLCheckError) as info:
+        host.after_train_step(2, 0, 8, first)
+    assert info.value.check == Check.PPO_KL
+    (between,) = [m for m in said(caplog) if "between audits" in m]
+    assert between == (
+        "ci_kl_checker: between audits, first_step_ppo_kl and train_rollout_mismatch_max stand "
+        "down: algorithm.use_rollout_log_probs=true takes the old log-probs from the engine, so "
+        "the trainer computes none to compare; train_rollout_mismatch_ceiling is checked at "
+        "each rollout's first step only (later steps compare the rollout's own updates with the "
+        "engine's log-probs)"
+    )
 
 
 @pytest.mark.parametrize("as_mapping", [False, True])
-def test_one_step_off_runs_bound_the_mismatch_at_rollout_0_only(host, caplog, as_mapping):
+def test_one_step_off_runs_bound_the_mismatch_at_audits_only(host, caplog, as_mapping):
     caplog.set_level(logging.INFO, logger=LOGGER)
     if as_mapping:
         config = {"ci": {"test": True}, "rollout": {"async": True}, "plugins": host.enabled}
-        host.configure(config, {"ci_kl_checker": KLCheckerConfig()})
+        host.configure(config, {"ci_kl_checker": KLCheckerConfig(audit_interval=4)})
     else:
-        configure(host, reference=False, one_step_off=True)
-    assert any("rollout.async=true" in r.getMessage() for r in caplog.records)
+        configure(host, reference=False, one_step_off=True, audit_interval=4)
     lagging = {**ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff": 0.3}
-    # After rollout 0 the engine's weights are one update behind the trainer's.
-    host.after_log_rollout_data(
-        1, {**ON_POLICY_ROLLOUT, "rollout/train_rollout_logprob_abs_diff": 0.3}
-    )
+    lagging_rollout = {**ON_POLICY_ROLLOUT, "rollout/train_rollout_logprob_abs_diff": 0.3}
+    # Between audits the engine's weights are one update behind the trainer's.
+    host.after_log_rollout_data(1, without(lagging_rollout, "rollout/audit"))
     host.after_train_step(1, 0, 4, lagging)
-    with pytest.raises(KLCheckError) as info:
-        host.after_train_step(0, 0, 0, lagging)
-    assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
+    assert any("rollout.async=true samples each rollout" in m for m in said(caplog))
+    for rollout_id in (0, 4):
+        with pytest.raises(KLCheckError) as info:
+            host.after_train_step(rollout_id, 0, 4 * rollout_id, lagging)
+        assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
+        with pytest.raises(KLCheckError) as info:
+            host.after_log_rollout_data(rollout_id, lagging_rollout)
+        assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
     with pytest.raises(KLCheckError) as info:
         host.after_train_step(1, 0, 4, {**lagging, "train/ppo_kl": 1e-3})  # still exact
     assert info.value.check == Check.PPO_KL
+
+
+def test_replay_agreement_must_be_exactly_one_under_a_routing_exemption(host):
+    host.add(Exempting("r", "routes as the rollout did", ExemptionScope.ROUTING), "r")
+    configure(host, reference=False)
+    replayed = {**ON_POLICY_STEP, "train/replay_agreement": 1.0}
+    host.after_train_step(0, 0, 0, replayed)
+    host.after_train_step(3, 2, 14, replayed)  # every step of every rollout
+    for value in (1.0 - 2.0**-20, math.nan):
+        with pytest.raises(KLCheckError) as info:
+            host.after_train_step(3, 2, 14, {**replayed, "train/replay_agreement": value})
+        assert info.value.check == Check.REPLAY_AGREEMENT
+        assert "expected exactly 1.0" in info.value.detail
+    with pytest.raises(KLCheckError) as info:
+        host.after_train_step(3, 2, 14, ON_POLICY_STEP)
+    assert info.value.detail.startswith("train/replay_agreement is not logged; it must be: a ")
 
 
 def test_checks_the_config_rules_out_are_said_once_and_need_no_metric(host, caplog):
@@ -293,13 +427,11 @@ def test_checks_the_config_rules_out_are_said_once_and_need_no_metric(host, capl
     # No engine log-probs in the rollout: the mismatch metrics are not needed either.
     host.after_log_rollout_data(1, without(WITHOUT_ENGINE_LOG_PROBS, "rollout/ref_log_probs"))
     host.after_train_step(1, 0, 1, without(no_ref_step, "train/train_rollout_logprob_abs_diff"))
-    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (
-            logging.INFO,
-            "ci_kl_checker: first_step_kl_loss and first_rollout_ref_log_probs do not apply: the "
-            "config uses no reference model (algorithm.use_kl_loss=false, algorithm.kl_coef=0, "
-            "no train.ref_load); they run only if their metrics are logged anyway",
-        )
+    assert said(caplog) == [
+        AUDITS,
+        "ci_kl_checker: first_step_kl_loss and first_rollout_ref_log_probs do not apply: the "
+        "config uses no reference model (algorithm.use_kl_loss=false, algorithm.kl_coef=0, "
+        "no train.ref_load); they run only if their metrics are logged anyway",
     ]
     # A metric that is logged anyway is checked.
     with pytest.raises(KLCheckError, match="first_step_kl_loss"):
@@ -365,9 +497,8 @@ def test_exemptions_stand_the_actor_ref_checks_down_with_one_log_line(host, capl
     # An exempted check needs no metric.
     host.after_log_rollout_data(0, without(ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff"))
     host.after_train_step(0, 0, 0, without(ON_POLICY_STEP, "train/kl_loss"))
-    assert len(caplog.records) == 1
-    line = caplog.records[0].getMessage()
-    assert caplog.records[0].levelno == logging.INFO
+    assert len(said(caplog)) == 2 and said(caplog)[0] == AUDITS
+    line = said(caplog)[1]
     assert "replayer: the actor replays recorded decisions" in line
     assert "adapter: only the actor carries the adapter" in line
     assert "first_step_kl_loss" in line and "first_rollout_ref_log_probs" in line
@@ -378,7 +509,7 @@ def test_exemptions_stand_the_actor_ref_checks_down_with_one_log_line(host, capl
         host.after_train_step(
             0, 1, 1, {**ON_POLICY_STEP, "train/train_rollout_logprob_abs_diff": 1}
         )
-    assert len(caplog.records) == 1
+    assert len(said(caplog)) == 2
 
 
 REPLAYED = "rollout/ref_replayed_log_probs_max_abs_diff"

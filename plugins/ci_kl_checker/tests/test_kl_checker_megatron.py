@@ -200,11 +200,12 @@ def test_engine_log_probs_beyond_the_ceiling_stop_the_run(checker):
     with pytest.raises(KLCheckError) as info:
         worker.log_rollout_data(0, far)
     error = info.value
-    assert error.check == Check.TRAIN_ROLLOUT_MISMATCH
+    # The per-token maximum is checked first (0.1 where the engine's dtype is not known).
+    assert error.check == Check.TRAIN_ROLLOUT_MISMATCH_MAX
     assert error.step == "rollout 0 (log_rollout_data)"
     assert error.detail == (
-        "rollout/train_rollout_logprob_abs_diff = 2.500e-01, expected <= 0.1 "
-        "(ci_kl_checker.train_rollout_logprob_abs_diff_threshold)"
+        "rollout/train_rollout_logprob_max_abs_diff = 2.500e-01, expected <= 0.1 "
+        "(ci_kl_checker.train_rollout_logprob_max_abs_diff_threshold)"
     )
     # Each step's own mean is bounded too (slime's check of the train/ metric).
     with pytest.raises(KLCheckError) as info:
@@ -216,22 +217,23 @@ def test_engine_log_probs_beyond_the_ceiling_stop_the_run(checker):
 
 @pytest.mark.parametrize("offset", [0.05, -0.25])
 def test_engine_old_log_probs_train_within_the_ceiling_and_stop_beyond_it(checker, offset):
-    """With `use_rollout_log_probs` the first step's ratio is taken against the engine's
-    log-probs: its ppo_kl is their offset, which no longer fails; the ceiling still does."""
+    """With `use_rollout_log_probs`, outside audits (rollout 1 here), the first step's ratio is
+    taken against the engine's log-probs: its ppo_kl is their offset, which no longer fails;
+    the ceiling still does."""
     scorer = MegatronWorker(backend(), AlgorithmConfig(), SamplingConfig())  # same weights
     samples = with_engine_log_probs(scorer, offset)
     worker = worker_with(checker, backend(), disable=False, engine_old=True)
-    batch = worker.prepare(0, samples)
-    rollout = worker.log_rollout_data(0, batch)
+    batch = worker.prepare(1, samples)
+    rollout = worker.log_rollout_data(1, batch)
     assert "rollout/log_probs" not in rollout and "rollout/rollout_log_probs" in rollout
     if offset > 0:
-        steps = worker.train(0, batch)
+        steps = worker.train(1, batch)
         assert steps[0]["train/ppo_kl"] == pytest.approx(offset, abs=1e-6)
         assert steps[0]["train/train_rollout_logprob_abs_diff"] == pytest.approx(offset, abs=1e-6)
         assert steps[0]["train/kl_loss"] == 0.0  # the reference forward still runs
         return
     with pytest.raises(KLCheckError) as info:
-        worker.train(0, batch)
+        worker.train(1, batch)
     assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
-    assert info.value.step == "rollout 0, step 0 (accumulated step 0)"
+    assert info.value.step == "rollout 1, step 0 (accumulated step 0)"
     assert info.value.metrics["train/ppo_kl"] == pytest.approx(offset, abs=1e-6)

@@ -234,7 +234,10 @@ def test_plugin_combinations_on_a_megatron_worker(dist_env, caplog, names):
     train = backend()
     # make_samples' rollout log-probs are random draws, about 4.6 from the trainer's, not an
     # engine's: the checker's mismatch ceiling is not what these combinations test.
-    checker = KLCheckerConfig(train_rollout_logprob_abs_diff_threshold=10.0)
+    checker = KLCheckerConfig(
+        train_rollout_logprob_abs_diff_threshold=10.0,
+        train_rollout_logprob_max_abs_diff_threshold=10.0,
+    )
     sections = {"r3_routing": R3RoutingConfig(), "ci_kl_checker": checker}
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
     samples = make_samples()
@@ -271,7 +274,13 @@ def test_plugin_combinations_on_a_megatron_worker(dist_env, caplog, names):
     else:
         assert "rollout/replay_agreement" not in rollout
 
-    lines = [r for r in caplog.records if r.name == CHECKER_LOGGER]
+    # Under replay every training forward used the rollout's experts.
+    if r3:
+        assert [s["train/replay_agreement"] for s in steps + again] == [1.0] * 4
+        assert all(s["train/routing_agreement"] < 0.2 for s in steps + again)
+    else:
+        assert all("train/replay_agreement" not in s for s in steps + again)
+    lines = [r for r in caplog.records if "exempted by" in r.getMessage()]
     if names == ["r3_routing", "ci_kl_checker"]:
         assert len(lines) == 1, [r.getMessage() for r in lines]
         message = lines[0].getMessage()
@@ -286,7 +295,10 @@ def test_plugin_combinations_on_a_megatron_worker(dist_env, caplog, names):
 
 BOTH = ["r3_routing", "ci_kl_checker"]
 REPLAYED = "rollout/ref_replayed_log_probs_max_abs_diff"
-LOOSE = KLCheckerConfig(train_rollout_logprob_abs_diff_threshold=10.0)
+LOOSE = KLCheckerConfig(
+    train_rollout_logprob_abs_diff_threshold=10.0,
+    train_rollout_logprob_max_abs_diff_threshold=10.0,
+)
 """make_samples' rollout log-probs are random draws, not an engine's: no mismatch ceiling."""
 
 
@@ -380,7 +392,11 @@ def test_the_replayed_reference_forward_runs_only_at_rollout_0_of_a_routing_exem
     # A wrong reference: wherever the replayed check does not run, nothing stops the run.
     train = backend(ref_load=trained_checkpoint)
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
-    checker = KLCheckerConfig(disable=disable, train_rollout_logprob_abs_diff_threshold=10.0)
+    checker = KLCheckerConfig(
+        disable=disable,
+        train_rollout_logprob_abs_diff_threshold=10.0,
+        train_rollout_logprob_max_abs_diff_threshold=10.0,
+    )
     with running(BOTH, train, algorithm=algorithm, extra=extra, ci=ci, ci_kl_checker=checker) as (
         plugins
     ):

@@ -277,9 +277,11 @@ class AlgorithmConfig:
     `rollout_log_probs`) instead of a scoring forward of the trainer: one actor forward over the
     rollout less per iteration. Exact where the engine samples in the trainer's dtype from the
     trainer's weights; otherwise the first step's ratio carries the train/rollout mismatch.
-    Without that forward, rollout/log_probs, rollout/entropy and the routing metrics are not
-    logged; train/train_rollout_logprob_abs_diff compares the step's own log-probs with the
-    engine's (at step 0: the mismatch)."""
+    Refused with rollout.top_p < 1 or rollout.top_k > 0 (the engine's log-probs are then of the
+    filtered distribution). Without that forward, rollout/log_probs, rollout/entropy and the
+    rollout/ routing metrics are not logged (train/ ones are); train/train_rollout_logprob_abs_diff
+    compares the step's own log-probs with the engine's (at step 0: the mismatch). CI audits
+    (ci_kl_checker) score some rollouts anyway."""
     use_tis: bool | None = None
     """Truncated importance sampling: scale the policy loss by clamp(exp(lp_train - lp_rollout));
     null (the default) becomes true when `rollout.async` is true (and `use_rollout_log_probs`
@@ -370,3 +372,28 @@ def resolve_tis(algorithm: AlgorithmConfig, rollout: SamplingConfig) -> None:
     config (`ember.config.load_config`) does this, so the resolved config holds a boolean."""
     if algorithm.use_tis is None:
         algorithm.use_tis = rollout.async_ and not algorithm.use_rollout_log_probs
+
+
+def check_old_log_probs(algorithm: AlgorithmConfig, rollout: SamplingConfig) -> None:
+    """Refuse engine log-probs as the old policy (`algorithm.use_rollout_log_probs`) when the
+    engine samples from a filtered distribution (`rollout.top_p` < 1 or `rollout.top_k` > 0):
+    its log-probs are then of the top-p/top-k renormalised distribution, while the trainer's
+    `PolicyHead` scores the full one, so the PPO ratio would be biased without a sign of it.
+
+    Raises:
+        ValueError: One line naming the keys and values.
+    """
+    if not algorithm.use_rollout_log_probs:
+        return
+    filters = []
+    if rollout.top_p < 1:
+        filters.append(f"rollout.top_p={rollout.top_p:g}")
+    if rollout.top_k > 0:
+        filters.append(f"rollout.top_k={rollout.top_k}")
+    if filters:
+        raise ValueError(
+            f"algorithm.use_rollout_log_probs=true with {' and '.join(filters)}: the engine's "
+            "log-probs are of the filtered, renormalised distribution and the trainer scores "
+            "the unfiltered one, so the PPO ratio would be biased; set rollout.top_p=1 and "
+            "rollout.top_k=-1, or algorithm.use_rollout_log_probs=false"
+        )

@@ -219,6 +219,10 @@ class EmberPlugins:
         """Whether any plugin asks for the check-only, routing-replayed reference forward."""
         return any(self.pm.hook.ember_replayed_reference_forward(rollout_id=rollout_id))
 
+    def audit_rollout(self, rollout_id: int) -> bool:
+        """Whether any plugin asks for an audit iteration at this rollout."""
+        return any(self.pm.hook.ember_audit_rollout(rollout_id=rollout_id))
+
     # -- logging -------------------------------------------------------------------------------
 
     def after_train_step(

@@ -152,6 +152,12 @@ class TrainRank:
         threads: int | None,
     ) -> None:
         _prepare_process(threads)
+        # The training hooks' INFO lines (the CI checker's audit results) reach the driver's
+        # console, which shows what each actor process writes.
+        logging.basicConfig(
+            level=logging.DEBUG if verbose() else logging.INFO,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
         from ember.config import load_config
 
         self.config, self.plugins = load_config(config)

@@ -23,7 +23,7 @@ def _split_plugins(value: str) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ember.config import check_inputs, load_config
+    from ember.config import check_inputs, describe_loop, load_config
 
     run_dir = None
     if args.config and args.config_option:
@@ -44,11 +44,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "--resume continues a run with its own config; drop the CONFIG argument"
             )
         config_source = yaml.safe_load(resolved.read_text())
-    config, _ = load_config(config_source, overrides=args.set, plugins=args.plugins)
+    config, plugins = load_config(config_source, overrides=args.set, plugins=args.plugins)
     check_inputs(config)  # bad prompt files, reward names, paths: fail before Ray starts
+    logging.getLogger("ember").info("%s", describe_loop(config))
     from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
 
-    driver = Driver(config, run_dir)
+    driver = Driver(config, run_dir, plugins)
     try:
         out = driver.run(resume=bool(args.resume))
     finally:

@@ -18,6 +18,7 @@ from ember_core.config import (
     CIConfig,
     SamplingConfig,
     check,
+    check_old_log_probs,
     from_dict,
     resolve_tis,
     to_dict,
@@ -403,6 +404,7 @@ def load_config(
     core["plugins"] = enabled
     run_config = from_dict(RunConfig, core)
     resolve_tis(run_config.algorithm, run_config.rollout)
+    check_old_log_probs(run_config.algorithm, run_config.rollout)
     weight_transport(run_config)
     from ember.placement import plan_layout
 
@@ -507,6 +509,27 @@ def check_inputs(config: RunConfig) -> None:
                 f"{key}={value!r}: not a transformers checkpoint (expected config.json and "
                 "model.safetensors or its index)"
             )
+
+
+def describe_loop(config: RunConfig) -> str:
+    """One line saying which loop a run config runs and where its old log-probs come from.
+
+    `ember train` without a config runs examples/default.yaml (overlapped, the engine's
+    log-probs); a config file of one's own starts from the dataclass defaults (rollout, then
+    training, the trainer's log-probs) plus what it sets. The CLI prints this line at start so
+    the two are never confused.
+    """
+    algorithm, rollout = config.algorithm, config.rollout
+    if rollout.async_:
+        loop = "overlapped (rollout.async=true: rollout i+1 generates from weights one update old)"
+    else:
+        loop = "rollout, then training (rollout.async=false)"
+    if algorithm.use_rollout_log_probs:
+        old = "the engine's (algorithm.use_rollout_log_probs=true)"
+    else:
+        old = "the trainer's scoring forward (algorithm.use_rollout_log_probs=false)"
+    tis = "on" if algorithm.use_tis else "off"
+    return f"loop: {loop}; old log-probs: {old}; TIS {tis} (algorithm.use_tis)"
 
 
 def default_run_dir(config: RunConfig) -> Path:

@@ -22,6 +22,7 @@ from ember.config import RunConfig, default_run_dir, write_resolved
 from ember.metrics import METRICS_FILE, MetricsLogger, metrics_lines
 from ember.placement import MemoryHandoff, Placement
 from ember.quiet import VERBOSE_ENV, verbose
+from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
 from ember_rollout.rollout import RolloutBatch
 
@@ -187,8 +188,12 @@ def split_by_rank(samples: list[Sample], n_per_prompt: int, ranks: int) -> list[
 class Driver:
     """Owns the Ray actors of one run and drives the loop of DESIGN section 2."""
 
-    def __init__(self, config: RunConfig, run_dir: Path | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, run_dir: Path | None = None, plugins: EmberPlugins | None = None
+    ) -> None:
         self.config = config
+        self.plugins = plugins if plugins is not None else _configured_plugins(config)
+        """The run's plugins in this process (asked which rollouts to audit)."""
         self.run_dir = Path(run_dir or config.run.dir or default_run_dir(config))
         self.config.run.dir = str(self.run_dir)
         self.actors: Actors | None = None
@@ -394,14 +399,18 @@ class Driver:
         Synchronous: the rollout is generated now, from the weights trained on rollout i - 1.
         With `rollout.async`, it was started during the previous iteration, from the weights one
         version older, and rollout i + 1 starts before training: it generates while the trainer
-        trains, and the push waits for it, so the engines never change weights mid-rollout.
+        trains, and the push waits for it, so the engines never change weights mid-rollout. A
+        rollout a plugin audits (`EmberPlugins.audit_rollout`) is not started ahead: it
+        generates at the start of its own iteration, from the trainer's current weights.
         """
         assert self.actors is not None
         timings: dict[str, float] = {}
         started = t0 = time.perf_counter()
         batch = self._take(rollout_id)
         waited = time.perf_counter() - t0
-        if self.config.rollout.async_:
+        # An audit iteration needs a rollout sampled from the weights the trainer holds then:
+        # the overlap drains before it (the next rollout starts after this push).
+        if self.config.rollout.async_ and not self.plugins.audit_rollout(rollout_id + 1):
             self._start(rollout_id + 1)
         ahead = self._pending.get(rollout_id + 1)
 
@@ -629,11 +638,16 @@ def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[st
     elif "train/train_rollout_logprob_abs_diff" in first:
         # Old log-probs from the engine: the first step's own log-probs against the engine's.
         parts.append(f"mismatch {first['train/train_rollout_logprob_abs_diff']:.2e}")
-    if "rollout/routing_agreement" in rollout:
-        routing = f"routing {rollout['rollout/routing_agreement']:.4f}"
-        if "rollout/replay_agreement" in rollout:
-            routing += f" (replayed {rollout['rollout/replay_agreement']:.4f})"
+    # Scored rollouts measure routing before training; otherwise the first step's forward does.
+    source = rollout if "rollout/routing_agreement" in rollout else first
+    prefix = "rollout" if source is rollout else "train"
+    if f"{prefix}/routing_agreement" in source:
+        routing = f"routing {source[f'{prefix}/routing_agreement']:.4f}"
+        if f"{prefix}/replay_agreement" in source:
+            routing += f" (replayed {source[f'{prefix}/replay_agreement']:.4f})"
         parts.append(routing)
+    if "rollout/audit" in rollout:
+        parts.append("audit")
     if "perf/rollout_tokens_per_s" in rollout:
         parts.append(f"{rollout['perf/rollout_tokens_per_s']:.0f} tok/s")
     return " | ".join(parts)
@@ -646,6 +660,13 @@ def eval_line(metrics: dict[str, float]) -> str:
         if key.startswith("eval/") and (key.endswith("/reward") or "/pass@" in key):
             parts.append(f"{key[len('eval/') :]} {value:.3f}")
     return " | ".join(parts)
+
+
+def _configured_plugins(config: RunConfig) -> EmberPlugins:
+    """The config's enabled plugins, loaded and configured with its parsed sections."""
+    plugins = EmberPlugins.load(config.plugins)
+    plugins.configure(config, config.plugin_sections)
+    return plugins
 
 
 def _end_sessions(engines: list[Any], *, quiet: bool = False) -> None:

@@ -89,7 +89,17 @@ class RolloutBatch:
     routing: Tensor | None = None
     """[B, 4] float64 per sample: (token, layer) routings where the actor's own top-k set equals
     the rollout's, and routings compared; the same for the experts a replaying forward used
-    (``RoutingRecorder.record``); None without routed experts."""
+    (``RoutingRecorder.record``); None without routed experts or without a scoring forward."""
+    has_experts: bool = False
+    """Some sample of some rank carries the engine's routed experts: the training forwards
+    record the routing too (`train/routing_agreement`, `train/replay_agreement`)."""
+    audit: bool = False
+    """An audit iteration (`EmberPlugins.audit_rollout`): the engine sampled from the weights
+    the trainer holds, and the actor scored the rollout itself even under
+    `algorithm.use_rollout_log_probs`."""
+    stale: bool = False
+    """Some sample was generated from weights older than the trainer's (its `weight_version`
+    is below the trainer's): a train/rollout log-prob gap then holds that staleness too."""
 
     @property
     def response_lengths(self) -> list[int]:

@@ -26,6 +26,7 @@ __all__ = [
     "actor_metric_keys",
     "critic_loss",
     "local_denominator",
+    "mismatch_key",
     "policy_forward",
     "policy_head",
     "value_forward",
@@ -81,10 +82,18 @@ def actor_metric_keys(algorithm: AlgorithmConfig, batch: RolloutBatch) -> list[s
     if algorithm.eps_clip_c is not None:
         keys.append("dual_clipfrac")
     if batch.rollout_log_probs is not None:
-        keys.append("train_rollout_logprob_abs_diff")
+        keys.append(mismatch_key(batch))
         if algorithm.use_tis:
             keys += ["tis", "tis_clipfrac"]
     return keys
+
+
+def mismatch_key(batch: RolloutBatch) -> str:
+    """The name of the step metric |trainer log-prob - engine log-prob|: with samples from the
+    trainer's own weights, `train_rollout_logprob_abs_diff` (the numerical mismatch); with
+    samples from older weights (`RolloutBatch.stale`), `stale_rollout_logprob_abs_diff`, which
+    holds the weights' staleness too."""
+    return "stale_rollout_logprob_abs_diff" if batch.stale else "train_rollout_logprob_abs_diff"
 
 
 def actor_loss(
@@ -132,9 +141,10 @@ def actor_loss(
     if batch.rollout_log_probs is not None:
         rollout = given(batch.rollout_log_probs)
         # The trainer's old log-probs against the engine's; when the old ones are the engine's
-        # (use_rollout_log_probs), this step's own (at step 0 the same weights: the mismatch).
-        trained = log_probs.detach() if algorithm.use_rollout_log_probs else old
-        metrics["train_rollout_logprob_abs_diff"] = (trained - rollout).abs()
+        # (use_rollout_log_probs outside audits), this step's own (at step 0 the same weights
+        # as the sampler's unless the batch is stale: the mismatch).
+        trained = log_probs.detach() if batch.old_from_engine else old
+        metrics[mismatch_key(batch)] = (trained - rollout).abs()
         if algorithm.use_tis:
             weights, tis = tis_weights(
                 old, rollout, tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low

@@ -14,6 +14,8 @@ from ember_megatron_backend import comm
 from ember_megatron_backend.batches import RolloutBatch
 
 __all__ = [
+    "AUDIT",
+    "MISMATCH_MAX_ABS_DIFF",
     "REF_MAX_ABS_DIFF",
     "REF_REPLAYED_MAX_ABS_DIFF",
     "ROLLOUT_KEYS",
@@ -21,6 +23,7 @@ __all__ = [
     "masked_max_abs_diff",
     "reduce_sums",
     "rollout_metrics",
+    "routing_means",
 ]
 
 ROLLOUT_KEYS = (
@@ -42,6 +45,11 @@ ROLLOUT_KEYS = (
 REF_MAX_ABS_DIFF = "rollout/log_probs_ref_max_abs_diff"
 """max |log_prob - ref_log_prob| over the counted response tokens of every rank (a reference
 exists): the per-token comparison of actor and reference, which a difference of means can hide."""
+MISMATCH_MAX_ABS_DIFF = "rollout/train_rollout_logprob_max_abs_diff"
+"""max |trainer old log-prob - engine log-prob| over the counted response tokens of every rank,
+logged where the trainer scored the rollout (and the engine reported log-probs)."""
+AUDIT = "rollout/audit"
+"""1.0 on an audit iteration (`RolloutBatch.audit`); absent otherwise."""
 REF_REPLAYED_MAX_ABS_DIFF = "rollout/ref_replayed_log_probs_max_abs_diff"
 """The same maximum against the reference's check-only forward with the rollout's routing
 replayed (`Phase.REPLAY_CHECK`); logged only at the rollouts a plugin asked for it."""
@@ -143,9 +151,10 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
     rollout/replay_agreement, logged only when routers replay, is the same for the experts the
     forward actually used. `REF_MAX_ABS_DIFF` (and `REF_REPLAYED_MAX_ABS_DIFF`, when the batch
     holds the replayed reference's log-probs) is a maximum over the counted tokens of all ranks.
-    When the old log-probs are the engine's (`algorithm.use_rollout_log_probs`), the metrics that
-    compare the trainer's own log-probs with something (rollout/log_probs, the mismatch, the
-    reference maxima) are left out.
+    `MISMATCH_MAX_ABS_DIFF` is the same maximum of |trainer - engine| log-prob. When the old
+    log-probs are the engine's (`algorithm.use_rollout_log_probs` outside audit iterations), the
+    metrics that compare the trainer's own log-probs with something (rollout/log_probs, the
+    mismatch, the maxima) are left out. `AUDIT` is 1.0 on an audit iteration.
     """
     means = SampleMeans(ROLLOUT_KEYS)
     masks = batch.loss_masks
@@ -176,11 +185,14 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
         has = replay_compared > 0
         means.add("rollout/replay_agreement", replayed[has] / replay_compared[has])
     metrics = means.reduce(group)
-    # Both are None or not on every rank alike: one config builds the models, and the replayed
-    # forward is asked for by rollout id.
+    if batch.audit:
+        metrics[AUDIT] = 1.0
+    # Each is None or not on every rank alike: one config builds the models, the replayed
+    # forward and the audit are asked for by rollout id, and rollout log-probs are all-reduced.
     maxima = {
         REF_MAX_ABS_DIFF: batch.ref_log_probs,
         REF_REPLAYED_MAX_ABS_DIFF: batch.ref_replayed_log_probs,
+        MISMATCH_MAX_ABS_DIFF: batch.rollout_log_probs,
     }
     for key, ref in maxima.items():
         if ref is not None and scored:
@@ -188,3 +200,24 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
             if largest is not None:
                 metrics[key] = largest
     return metrics
+
+
+def routing_means(counts: Tensor, indices: list[int], group: Any = None) -> dict[str, float]:
+    """`train/routing_agreement` and `train/replay_agreement` of one training step: means over
+    the step's samples on every rank of `group` of each sample's fraction of agreeing
+    (position, MoE layer) routings, from `RoutingRecorder.record` counts.
+
+    Collective: every rank of `group` calls it. A fraction no sample of any rank measured
+    (`replay_agreement` without replay) is left out.
+
+    Args:
+        counts: [B, 4] float64 counts of the rank's rollout batch (see `RolloutBatch.routing`).
+        indices: The step's samples on this rank (rows of `counts`).
+    """
+    means = SampleMeans(["train/routing_agreement", "train/replay_agreement"])
+    rows = counts[indices]
+    for key, column in (("train/routing_agreement", 0), ("train/replay_agreement", 2)):
+        agree, compared = rows[:, column], rows[:, column + 1]
+        has = compared > 0
+        means.add(key, agree[has] / compared[has])
+    return means.reduce(group)

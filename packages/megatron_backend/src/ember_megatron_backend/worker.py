@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -13,17 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ember_core.algorithms import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    compute_advantages,
-    whiten_advantages,
-)
+from ember_core.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from ember_core.config import AlgorithmConfig, SamplingConfig
 from ember_core.hookspecs import Phase, Role
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
 from ember_megatron_backend import checkpoint, comm, pipeline
+from ember_megatron_backend.advantages import whiten_across
 from ember_megatron_backend.batches import (
     MicroBatch,
     RolloutBatch,
@@ -41,7 +38,7 @@ from ember_megatron_backend.losses import (
     policy_head,
     value_head,
 )
-from ember_megatron_backend.metrics import reduce_sums, rollout_metrics
+from ember_megatron_backend.metrics import reduce_sums, rollout_metrics, routing_means
 from ember_megatron_backend.model import build_model
 from ember_megatron_backend.optimizer import build_optimizer, wrap_ddp
 from ember_megatron_backend.parallel import require_no_context_parallel
@@ -233,8 +230,17 @@ class MegatronWorker:
             raise ValueError(
                 f"algorithm.{needs[0]} needs rollout_log_probs on every sample; {where} has none"
             )
-        # The engine's log-probs stand in for the old policy's: no actor forward here.
-        score_actor = not self.algorithm.use_rollout_log_probs
+        # The engine's log-probs stand in for the old policy's: no actor forward here, except
+        # at an audit iteration, where the trainer scores the rollout itself to be compared.
+        audit = self.plugins.audit_rollout(rollout_id)
+        stale = self._stale(samples, dp_group)
+        if audit and stale:
+            raise RuntimeError(
+                f"audit of rollout {rollout_id}: samples were generated from weights older than "
+                f"the trainer's (version {self.rollout_id}); the driver must let no rollout "
+                "generate ahead into an audit iteration"
+            )
+        score_actor = not self.algorithm.use_rollout_log_probs or audit
         steps = plan_steps(
             samples,
             self.config.num_steps_per_rollout,
@@ -300,9 +306,11 @@ class MegatronWorker:
                 kl_kind=self.algorithm.kl_loss_type,
                 normalize_std=self.algorithm.normalize_group_std,
             ),
+            # Once, over every rank's counted tokens: what one rank holding the whole rollout
+            # computes (REINFORCE++ whitens by definition, whiten_advantages on request).
+            whiten=self.algorithm.whiten_advantages,
+            whiten_fn=functools.partial(whiten_across, group=dp_group),
         )
-        if self.algorithm.whiten_advantages:
-            advantages = _whiten_across(advantages, masks, dp_group)
         return RolloutBatch(
             rollout_id=rollout_id,
             samples=samples,
@@ -318,6 +326,9 @@ class MegatronWorker:
             rollout_log_probs=rollout_lp,
             layouts=layouts,
             routing=routing,
+            has_experts=has_experts,
+            audit=audit,
+            stale=stale,
         )
 
     def _check_groups(self, samples: list[Sample], group: Any) -> None:
@@ -335,6 +346,18 @@ class MegatronWorker:
                         f"{rank}; each group must stay on one rank (group baselines need it)"
                     )
                 owner[g] = rank
+
+    def _stale(self, samples: list[Sample], group: Any) -> bool:
+        """Whether any sample of any rank came from weights older than the trainer's (its
+        integer `weight_version` below the last rollout trained on; -1: the initial weights).
+        Samples without an integer version count as current."""
+        versions = []
+        for s in samples:
+            try:
+                versions.append(int(s.weight_version))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                continue
+        return self._all_ranks([True, any(v < self.rollout_id for v in versions)], group)[1]
 
     @staticmethod
     def _all_ranks(flags: list[bool], group: Any) -> list[bool]:
@@ -394,11 +417,19 @@ class MegatronWorker:
             self.actor_optimizer.zero_grad()
             if self.critic_optimizer is not None:
                 self.critic_optimizer.zero_grad()
-            self._train_step(roles, batch, step_id, float(totals[step_id]), dp_size, sums)
+            counts = None
+            if batch.has_experts:  # on every stage alike: the stages add their counts up
+                counts = torch.zeros(len(batch.samples), 4, dtype=torch.float64)
+            self._train_step(roles, batch, step_id, float(totals[step_id]), dp_size, sums, counts)
             metrics = reduce_sums({f"train/{k}": v for k, v in sums.items()}, dp_group)
             if self.pipelined:
                 # The last stage computed them; the other stages add zeros.
                 metrics = reduce_sums(metrics, ps.get_pipeline_model_parallel_group())
+            if counts is not None:
+                if self.pipelined:  # each stage counted its own layers' routings
+                    comm.all_reduce(counts, group=ps.get_pipeline_model_parallel_group())
+                step_samples = [i for mb in batch.steps[step_id] for i in mb]
+                metrics.update(routing_means(counts, step_samples, dp_group))
             result = self.actor_optimizer.step(self.accumulated_step)
             metrics["train/grad_norm"], metrics["train/lr"] = result.grad_norm, result.lr
             metrics["train/skipped_step"] = float(result.skipped)
@@ -421,10 +452,12 @@ class MegatronWorker:
         total: float,
         dp_size: int,
         sums: dict[str, Tensor],
+        routing: Tensor | None = None,
     ) -> None:
         """Forwards and backwards of step `step_id`'s micro-batches for each role's model:
         gradients into the DDP buffers, metrics (weighted by each micro-batch's share
-        `d_m / total`) into `sums`.
+        `d_m / total`) into `sums`, and with `routing` ([B, 4] counts) the actor's routing
+        against the rollout's experts in each training forward (``RoutingRecorder.record``).
 
         Each forward, with its loss, runs inside the plugins' `forward_context(role,
         Phase.TRAIN, mb)` and each backward inside `forward_context(role, Phase.BACKWARD, mb)`.
@@ -453,7 +486,13 @@ class MegatronWorker:
             return value * (weight * dp_size)
 
         def forward(role: Role, mb: MicroBatch) -> Any:
-            return self.plugins.forward_context(role, Phase.TRAIN, mb)
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.plugins.forward_context(role, Phase.TRAIN, mb))
+            if role == Role.ACTOR and routing is not None and self.routing.active:
+                # Under routing replay the experts the forward used are the replayed ones:
+                # counted against the rollout's they give train/replay_agreement, 1.0 exactly.
+                stack.enter_context(self.routing.record(mb, routing))
+            return stack
 
         def backward(role: Role, mb: MicroBatch) -> Any:
             return self.plugins.forward_context(role, Phase.BACKWARD, mb)
@@ -547,21 +586,3 @@ class MegatronWorker:
         )
         self.rollout_id = int(meta["rollout_id"])
         self.accumulated_step = int(meta["accumulated_step"])
-
-
-def _whiten_across(advantages: list[Tensor], masks: list[Tensor], group: Any) -> list[Tensor]:
-    """``whiten_advantages`` with the mean and unbiased variance over every rank's counted
-    tokens (a single rank uses ember-core's function itself)."""
-    if dist.get_world_size(group) == 1:
-        return whiten_advantages(advantages, masks)
-    flat, mask = torch.cat(advantages).double(), torch.cat(masks).double()
-    stats = torch.stack([(flat * mask).sum(), mask.sum()])
-    comm.all_reduce(stats, group=group)
-    if stats[1] == 0:
-        return advantages
-    mean = stats[0] / stats[1]
-    square = ((flat - mean).square() * mask).sum()
-    comm.all_reduce(square, group=group)
-    var = square / (stats[1] - 1).clamp_min(1)
-    whitened = ((flat - mean) * torch.rsqrt(var + 1e-8)).float()
-    return list(whitened.split([a.numel() for a in advantages]))

@@ -352,10 +352,20 @@ class RewardConfig:
     """Registered reward (toy, math) or `package.module:function` for user code."""
     max_concurrency: int = 64
     """Reward calls in flight at once (async reward functions)."""
+    math_timeout_s: float = 5.0
+    """Seconds the math reward may spend on one answer (math-verify in a child process, which
+    is killed when it overruns); an answer that times out scores 0 and is counted in
+    rollout/reward_timeouts."""
 
     def __post_init__(self) -> None:
         check(bool(self.reward_fn), "reward_fn", self.reward_fn, "a registered name")
         check(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, ">= 1")
+        check(
+            math.isfinite(self.math_timeout_s) and self.math_timeout_s > 0,
+            "math_timeout_s",
+            self.math_timeout_s,
+            "a finite number of seconds > 0",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

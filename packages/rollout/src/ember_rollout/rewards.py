@@ -121,6 +121,7 @@ class Scorer:
         self.config = config or RewardConfig()
         self.name = self.config.reward_fn
         self.spec = resolve_reward(self.name)
+        set_math_timeout(self.config.math_timeout_s)
 
     async def score_groups(self, groups: Sequence[list[Sample]]) -> None:
         """Set `sample.reward` on every sample, in place."""
@@ -275,9 +276,95 @@ def math_answers_equal(response: str, label: Any) -> bool:
     return answers_match(extract_final_answer(response), fallback)
 
 
+REWARD_TIMEOUT = "reward_timeout"
+"""`Sample.metadata` key set to True when the reward ran out of time and scored 0
+(`rollout/reward_timeouts` counts them)."""
+
+
+def _verifier_main(conn: Any) -> None:
+    """The math-verify child: answer (response, label) pairs until the pipe closes. It runs
+    math-verify in its main thread, where math-verify's own signal timeouts work too."""
+    import math_verify  # noqa: F401  (imported before saying ready: the import is slow)
+
+    conn.send("ready")
+    while True:
+        try:
+            response, label = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", math_answers_equal(response, label)))
+        except Exception as exc:  # sent back and raised in the scoring process
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class MathVerifier:
+    """math-verify in a child process, so that one answer can be cut off after a time limit
+    from any thread (SIGALRM works only in the main thread, and a thread cannot be stopped):
+    the child is killed and a fresh one starts at the next answer. Calls are serialised."""
+
+    START_TIMEOUT_S = 300.0
+    """How long the child may take to start and import math-verify (not part of any answer's
+    time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self._conn: Any = None
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded process
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_verifier_main, args=(child,), daemon=True)
+        proc.start()
+        child.close()
+        if not parent.poll(self.START_TIMEOUT_S) or parent.recv() != "ready":
+            proc.kill()
+            raise RuntimeError("the math-verify process did not start")
+        self._proc, self._conn = proc, parent
+
+    def equal(self, response: str, label: Any, timeout_s: float) -> bool | None:
+        """`math_answers_equal(response, label)`, or None when it took more than `timeout_s`."""
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                self._start()
+            self._conn.send((response, label))
+            if not self._conn.poll(timeout_s):
+                self.close()
+                return None
+            kind, value = self._conn.recv()
+            if kind == "error":
+                raise RuntimeError(f"math-verify failed: {value}")
+            return bool(value)
+
+    def close(self) -> None:
+        """Stop the child (a later call starts a new one)."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+            self._conn.close()
+        self._proc = self._conn = None
+
+
+_verifier = MathVerifier()
+_math_timeout_s = RewardConfig().math_timeout_s
+
+
+def set_math_timeout(seconds: float) -> None:
+    """Set the per-answer time limit of the math reward in this process (`Scorer` does)."""
+    global _math_timeout_s
+    _math_timeout_s = seconds
+
+
 @register_reward("math")
 def math_reward(sample: Sample) -> float:
     """1.0 when the response's final answer equals the label (`math_answers_equal`), else 0.0.
+
+    The comparison runs in a child process (`MathVerifier`) and gets `reward.math_timeout_s`
+    seconds; an answer that takes longer scores 0.0 and is marked in
+    `sample.metadata[REWARD_TIMEOUT]`.
 
     Raises:
         ValueError: The sample has no label (naming it): a math reward needs the reference.
@@ -289,4 +376,8 @@ def math_reward(sample: Sample) -> float:
             f"reference answer as its label, got {label!r} (data.label_key names the key of "
             "the prompt file that holds it)"
         )
-    return 1.0 if math_answers_equal(sample.response, label) else 0.0
+    equal = _verifier.equal(sample.response, label, _math_timeout_s)
+    if equal is None:
+        sample.metadata[REWARD_TIMEOUT] = True
+        return 0.0
+    return 1.0 if equal else 0.0

@@ -525,4 +525,7 @@ class RolloutGenerator:
             "rollout/unused_groups": float(unused),
             "rollout/sampling_rounds": float(rounds),
             "rollout/num_samples": float(len(samples)),
+            "rollout/reward_timeouts": float(
+                sum(bool(s.metadata.get("reward_timeout")) for s in samples)
+            ),
         }

@@ -19,15 +19,37 @@ class KLCheckerConfig:
     disable: bool = False
     """Turn every check off with one warning, the mismatch ceiling too (slime's flag spares it)."""
     train_rollout_logprob_abs_diff_threshold: float = 0.1
-    """Largest train/ and rollout/train_rollout_logprob_abs_diff that passes (slime's: 0.1)."""
+    """Largest train/ and rollout/train_rollout_logprob_abs_diff (means) that passes (slime's:
+    0.1)."""
+    train_rollout_logprob_max_abs_diff_threshold: float | None = None
+    """Largest rollout/train_rollout_logprob_max_abs_diff (the per-token maximum of |trainer -
+    engine| log-prob at audits) that passes; null: 1e-4 when the embedded engine and the trainer
+    both compute in float32, 0.1 otherwise (slime's ceiling)."""
+    audit_interval: int = 50
+    """Audit rollout 0 and every this many rollouts: the engine samples from the trainer's
+    weights (the overlap drains) and the trainer scores the rollout itself, so every check is
+    exact there."""
 
     def __post_init__(self) -> None:
         check(isinstance(self.disable, bool), "disable", self.disable, "true or false")
-        ceiling = self.train_rollout_logprob_abs_diff_threshold
-        number = isinstance(ceiling, int | float) and not isinstance(ceiling, bool)
-        check(
-            number and math.isfinite(ceiling) and ceiling >= 0,
+        for key in (
             "train_rollout_logprob_abs_diff_threshold",
-            ceiling,
-            "a finite number >= 0",
+            "train_rollout_logprob_max_abs_diff_threshold",
+        ):
+            ceiling = getattr(self, key)
+            if ceiling is None and key.startswith("train_rollout_logprob_max"):
+                continue
+            number = isinstance(ceiling, int | float) and not isinstance(ceiling, bool)
+            check(
+                number and math.isfinite(ceiling) and ceiling >= 0,
+                key,
+                ceiling,
+                "a finite number >= 0" + (" or null" if "max" in key else ""),
+            )
+        interval = self.audit_interval
+        check(
+            isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1,
+            "audit_interval",
+            interval,
+            "an integer >= 1",
         )

@@ -22,8 +22,17 @@ class Check(enum.StrEnum):
     log-prob, the reference replaying the rollout's routing in a check-only forward) < tolerance
     at rollout 0, when every exemption excuses routing only."""
     TRAIN_ROLLOUT_MISMATCH = "train_rollout_mismatch_ceiling"
-    """train/ and rollout/train_rollout_logprob_abs_diff <= the configured ceiling, at every
-    step and rollout."""
+    """train/ and rollout/train_rollout_logprob_abs_diff <= the configured ceiling, wherever
+    engine and trainer held the same weights."""
+    TRAIN_ROLLOUT_MISMATCH_MAX = "train_rollout_mismatch_max"
+    """rollout/train_rollout_logprob_max_abs_diff (max over tokens of |trainer - engine|
+    log-prob) <= the per-token ceiling, wherever the trainer scored the rollout with the
+    engine's weights (every audit)."""
+    REPLAY_AGREEMENT = "replay_agreement"
+    """train/replay_agreement == 1.0 at every step, when a plugin replays the rollout's
+    routing: the experts each training forward used are the rollout's."""
+    AUDIT = "audit"
+    """rollout/audit is logged at every rollout the checker asked to audit."""
 
 
 class KLCheckError(AssertionError):

@@ -28,6 +28,18 @@ ROLLOUT_LOG_PROBS = "rollout/rollout_log_probs"
 """Logged when the rollout's samples carry the engine's log-probs."""
 TRAIN_MISMATCH = "train/train_rollout_logprob_abs_diff"
 ROLLOUT_MISMATCH = "rollout/train_rollout_logprob_abs_diff"
+MISMATCH_MAX = "rollout/train_rollout_logprob_max_abs_diff"
+"""max |trainer - engine| log-prob over a rollout's counted response tokens (all ranks)."""
+REPLAY_AGREEMENT = "train/replay_agreement"
+"""Fraction of (token, MoE layer) routings of a step's training forwards that used the
+rollout's experts."""
+AUDIT = "rollout/audit"
+"""1.0 on an audit iteration."""
+SLIME_CEILING = 0.1
+"""slime's train/rollout log-prob ceiling (`--ci-train-rollout-logprob-abs-diff-threshold`)."""
+FP32_MAX_ABS_DIFF = 1e-4
+"""Per-token ceiling when the embedded engine and the trainer both compute in float32 (see the
+README's Measured section for the figures behind it)."""
 _PPO_KL_REQUIRED = "every actor update logs it"
 
 
@@ -78,9 +90,18 @@ class KLChecker:
     """The checks of one run, its switches resolved once at configure time.
 
     A check that applies runs or fails naming the metric it misses. Whether it applies comes
-    from the run config (the actor/reference checks need a reference model), from the rollout
-    (the mismatch ceiling needs the engine's log-probs), or from the exemptions other plugins
-    report. A metric that is logged is checked even where the check is not required.
+    from the run config (the actor/reference checks need a reference model; the loop decides
+    which rollouts are exact), from the rollout (the mismatch ceilings need the engine's
+    log-probs), or from the exemptions other plugins report. A metric that is logged is checked
+    even where the check is not required.
+
+    Audits: rollout 0 and every `audit_interval` rollouts, the checker asks the run for an audit
+    iteration (`wants_audit`): the engine samples from the weights the trainer holds and the
+    trainer scores the rollout itself, so every check is exact there whatever the loop. Between
+    audits, the loop decides what is exact: with `engine_old_log_probs` the trainer computes no
+    old log-probs (the first-step ppo_kl then holds the mismatch, not an exact zero); with
+    `one_step_off` the engine samples from weights one update older than the trainer's (a
+    train/rollout gap then holds that update too). Those checks stand down between audits.
 
     Args:
         active: Whether checks run at all (`ci.test` and not `ci_kl_checker.disable`).
@@ -88,18 +109,14 @@ class KLChecker:
             `kl_check_exemptions`); asked once, at the first check that can be exempted, so
             every plugin is configured by then.
         reference: Why the config uses a reference model (`reference_reasons`); empty: none.
-        ceiling: The mismatch ceiling (`train_rollout_logprob_abs_diff_threshold`).
+        ceiling: The ceiling of the mean mismatch metrics
+            (`train_rollout_logprob_abs_diff_threshold`).
+        max_ceiling: The ceiling of the per-token maximum (`MISMATCH_MAX`).
+        audit_interval: Audit rollout 0 and every this many rollouts.
         engine_old_log_probs: The config takes the old log-probs from the engine
-            (`algorithm.use_rollout_log_probs`): the trainer computes none before training, so
-            the first-step ppo_kl holds the train/rollout mismatch instead of an exact zero,
-            and the actor/reference log-prob comparison of rollout 0 is not logged. Those two
-            checks stand down; the mismatch ceiling is checked at each rollout's first step,
-            where train/train_rollout_logprob_abs_diff is the trainer's log-probs at the
-            rollout's weights against the engine's.
-        one_step_off: The config overlaps rollout and training (`rollout.async`): after rollout
-            0 the engine samples from weights one update older than the trainer's, so the
-            train/rollout comparison holds that update too, and the ceiling is checked at
-            rollout 0 only.
+            (`algorithm.use_rollout_log_probs`).
+        one_step_off: The config overlaps rollout and training (`rollout.async`).
+        announcements: INFO lines logged once, at the first check of this process.
     """
 
     def __init__(
@@ -109,14 +126,22 @@ class KLChecker:
         exemptions: Callable[[], Sequence[KLExemption]],
         reference: Sequence[str] = (),
         ceiling: float = KLCheckerConfig().train_rollout_logprob_abs_diff_threshold,
+        max_ceiling: float = SLIME_CEILING,
+        audit_interval: int = KLCheckerConfig().audit_interval,
         engine_old_log_probs: bool = False,
         one_step_off: bool = False,
+        announcements: Sequence[str] = (),
     ) -> None:
         self.active = active
+        self._announcements = list(announcements)
+        """INFO lines on what runs when, logged at the first check: only the processes that
+        check (the training ranks) say it, once each."""
         self.engine_old_log_probs = engine_old_log_probs
         self.one_step_off = one_step_off
         self.reference = list(reference)
         self.ceiling = ceiling
+        self.max_ceiling = max_ceiling
+        self.audit_interval = audit_interval
         self._exemptions_source = exemptions
         self._exemptions: list[KLExemption] | None = None
         self._announced = False
@@ -129,58 +154,96 @@ class KLChecker:
             self._exemptions = list(self._exemptions_source())
         return self._exemptions
 
+    def _announce(self) -> None:
+        for line in self._announcements:
+            logger.info("%s", line)
+        self._announcements = []
+
+    def wants_audit(self, rollout_id: int) -> bool:
+        """Whether rollout `rollout_id` is an audit iteration: rollout 0 and every
+        `audit_interval` rollouts of a CI run."""
+        return self.active and rollout_id % self.audit_interval == 0
+
+    def _scored(self, rollout_id: int) -> bool:
+        """The trainer's own log-probs are the rollout's old ones."""
+        return not self.engine_old_log_probs or self.wants_audit(rollout_id)
+
+    def _same_weights(self, rollout_id: int) -> bool:
+        """The engine sampled the rollout from the weights the trainer holds."""
+        return not self.one_step_off or self.wants_audit(rollout_id)
+
     def after_train_step(
         self, rollout_id: int, step_id: int, accumulated_step_id: int, metrics: Mapping[str, Any]
     ) -> None:
-        """Check ppo_kl at the first step of each rollout, kl_loss at the first step of the run,
-        and the mismatch ceiling at every step."""
+        """Check ppo_kl at the first step of each exact rollout, kl_loss at the first step of
+        the run, the replay agreement at every step, and the mean mismatch where the step's
+        old log-probs and the engine's come from the same weights."""
         if not self.active:
             return
+        self._announce()
         where = f"rollout {rollout_id}, step {step_id} (accumulated step {accumulated_step_id})"
+        audit = self.wants_audit(rollout_id)
         # Old and new actor log-probs come from the same weights (and, under routing replay,
         # the same experts) at the first step of a rollout, so their KL is exactly zero.
-        if step_id == 0 and not self.engine_old_log_probs:
-            self._expect_zero(Check.PPO_KL, PPO_KL, metrics, where, _PPO_KL_REQUIRED)
+        if step_id == 0 and self._scored(rollout_id):
+            self._expect_zero(Check.PPO_KL, PPO_KL, metrics, where, _PPO_KL_REQUIRED, audit)
         # Actor and reference hold the same weights only before the first update.
         if accumulated_step_id == 0 and self._applies(KL_LOSS, metrics):
-            self._expect_zero(Check.KL_LOSS, KL_LOSS, metrics, where, self._reference_reason())
+            reason = self._reference_reason()
+            self._expect_zero(Check.KL_LOSS, KL_LOSS, metrics, where, reason, audit)
+        if self._replaying() or REPLAY_AGREEMENT in metrics:
+            self._expect_replayed(metrics, where, audit and step_id == 0)
         self._engine_log_probs = {r for r in self._engine_log_probs if r >= rollout_id}
         engine = rollout_id in self._engine_log_probs
-        if (self.engine_old_log_probs and step_id > 0) or (self.one_step_off and rollout_id > 0):
-            return  # the metric then includes updates the engine has not seen
+        if not self._same_weights(rollout_id):
+            return  # the metric is then train/stale_rollout_logprob_abs_diff
+        if not self._scored(rollout_id) and step_id > 0:
+            return  # this step's log-probs, after the rollout's own updates, against the engine's
         if engine or TRAIN_MISMATCH in metrics:
-            self._expect_ceiling(TRAIN_MISMATCH, metrics, where, self._engine_reason(rollout_id))
+            self._expect_ceiling(
+                Check.TRAIN_ROLLOUT_MISMATCH,
+                TRAIN_MISMATCH,
+                self.ceiling,
+                metrics,
+                where,
+                self._engine_reason(rollout_id),
+                audit and step_id == 0,
+            )
 
     def wants_replayed_reference(self, rollout_id: int) -> bool:
         """Whether to ask for the check-only reference forward that replays the rollout's
-        routing: at rollout 0 of a CI run with a reference, when plugins exempted the
-        actor/reference checks for routing alone."""
-        return (
-            self.active
-            and rollout_id == 0
-            and bool(self.reference)
-            and not self.engine_old_log_probs
-            and self._routing_only()
-        )
+        routing: at rollout 0 (an audit) of a CI run with a reference, when plugins exempted
+        the actor/reference checks for routing alone."""
+        return self.active and rollout_id == 0 and bool(self.reference) and self._routing_only()
 
     def after_log_rollout_data(self, rollout_id: int, metrics: Mapping[str, Any]) -> None:
-        """At rollout 0, check that actor and reference agree on every counted token's
-        log-prob (under a routing-only exemption, the reference that replays the rollout's
-        routing); at every rollout, check the mismatch ceiling."""
+        """At an audit, require its marker; at rollout 0, check that actor and reference agree
+        on every counted token's log-prob (under a routing-only exemption, the reference that
+        replays the rollout's routing); wherever the trainer scored the rollout with the
+        engine's weights, check the per-token maximum and the mean mismatch."""
         if not self.active:
             return
+        self._announce()
         where = f"rollout {rollout_id} (log_rollout_data)"
-        if (
-            rollout_id == 0
-            and self._applies(REF_MAX_ABS_DIFF, metrics)
-            and not (self.engine_old_log_probs and REF_MAX_ABS_DIFF not in metrics)
-        ):
+        audit = self.wants_audit(rollout_id)
+        if audit:
+            self._number(
+                Check.AUDIT,
+                AUDIT,
+                metrics,
+                where,
+                f"the checker asked for an audit iteration at rollout {rollout_id} (rollout 0 "
+                f"and every {self.audit_interval}: {SECTION}.audit_interval)",
+            )
+        scored = self._scored(rollout_id)
+        if rollout_id == 0 and scored and self._applies(REF_MAX_ABS_DIFF, metrics):
             self._expect_zero(
                 Check.ROLLOUT_REF_LOG_PROBS,
                 REF_MAX_ABS_DIFF,
                 metrics,
                 where,
                 self._reference_reason(),
+                audit,
             )
         if rollout_id == 0 and (
             self.wants_replayed_reference(rollout_id) or REF_REPLAYED_MAX_ABS_DIFF in metrics
@@ -192,15 +255,21 @@ class KLChecker:
                 where,
                 f"{self._reference_reason()} and every exemption excuses routing only, so the "
                 "checker asked for the reference forward that replays the rollout's routing",
+                audit,
             )
         if ROLLOUT_LOG_PROBS in metrics:
             self._engine_log_probs.add(rollout_id)
-        if self.one_step_off and rollout_id > 0:
+        if not (scored and self._same_weights(rollout_id)):
             return
-        if (
-            ROLLOUT_LOG_PROBS in metrics and not self.engine_old_log_probs
-        ) or ROLLOUT_MISMATCH in metrics:
-            self._expect_ceiling(ROLLOUT_MISMATCH, metrics, where, self._engine_reason(rollout_id))
+        engine = ROLLOUT_LOG_PROBS in metrics
+        # Per-token maxima decide: a mean hides one far token among many close ones.
+        for check, name, ceiling in (
+            (Check.TRAIN_ROLLOUT_MISMATCH_MAX, MISMATCH_MAX, self.max_ceiling),
+            (Check.TRAIN_ROLLOUT_MISMATCH, ROLLOUT_MISMATCH, self.ceiling),
+        ):
+            if engine or name in metrics:
+                reason = self._engine_reason(rollout_id)
+                self._expect_ceiling(check, name, ceiling, metrics, where, reason, audit)
 
     def _applies(self, name: str, metrics: Mapping[str, Any]) -> bool:
         """Whether an actor/reference check runs: a reference by config (or its metric logged
@@ -218,6 +287,10 @@ class KLChecker:
         """Plugins exempted the actor/reference checks, each for routing alone."""
         exemptions = self.exemptions()
         return bool(exemptions) and all(e.scope == ExemptionScope.ROUTING for e in exemptions)
+
+    def _replaying(self) -> bool:
+        """A plugin reported a routing exemption: it replays the rollout's routing."""
+        return any(e.scope == ExemptionScope.ROUTING for e in self.exemptions())
 
     def _exempted(self) -> bool:
         exemptions = self.exemptions()
@@ -251,29 +324,85 @@ class KLChecker:
             detail = f"{name}={metrics[name]!r} is not a number"
             raise KLCheckError(check, where, metrics, detail) from None
 
+    @staticmethod
+    def _passed(check: Check, where: str, text: str) -> None:
+        logger.info("ci_kl_checker: audit %s: %s passed: %s", where, check, text)
+
     def _expect_zero(
-        self, check: Check, name: str, metrics: Mapping[str, Any], where: str, required: str
+        self,
+        check: Check,
+        name: str,
+        metrics: Mapping[str, Any],
+        where: str,
+        required: str,
+        report: bool = False,
     ) -> None:
         number = self._number(check, name, metrics, where, required)
         # NaN fails too: `abs(nan) < TOLERANCE` is False.
+        text = f"|{name}| = {abs(number):.3e}, expected < {TOLERANCE:g}"
         if not abs(number) < TOLERANCE:
-            raise KLCheckError(
-                check, where, metrics, f"|{name}| = {abs(number):.3e}, expected < {TOLERANCE:g}"
-            )
+            raise KLCheckError(check, where, metrics, text)
+        if report:
+            self._passed(check, where, text)
+
+    def _expect_replayed(self, metrics: Mapping[str, Any], where: str, report: bool) -> None:
+        check = Check.REPLAY_AGREEMENT
+        required = (
+            "a plugin replays the rollout's routing (a routing exemption), so every training "
+            "forward compares the experts it used with the rollout's"
+        )
+        number = self._number(check, REPLAY_AGREEMENT, metrics, where, required)
+        text = f"{REPLAY_AGREEMENT} = {number!r}, expected exactly 1.0"
+        if not number == 1.0:
+            raise KLCheckError(check, where, metrics, text)
+        if report:
+            self._passed(check, where, text)
 
     def _expect_ceiling(
-        self, name: str, metrics: Mapping[str, Any], where: str, required: str
+        self,
+        check: Check,
+        name: str,
+        ceiling: float,
+        metrics: Mapping[str, Any],
+        where: str,
+        required: str,
+        report: bool = False,
     ) -> None:
-        check = Check.TRAIN_ROLLOUT_MISMATCH
         number = self._number(check, name, metrics, where, required)
-        if not number <= self.ceiling:  # NaN fails
-            raise KLCheckError(
-                check,
-                where,
-                metrics,
-                f"{name} = {number:.3e}, expected <= {self.ceiling:g} "
-                f"({SECTION}.train_rollout_logprob_abs_diff_threshold)",
-            )
+        key = "max_abs_diff" if check == Check.TRAIN_ROLLOUT_MISMATCH_MAX else "abs_diff"
+        text = (
+            f"{name} = {number:.3e}, expected <= {ceiling:g} "
+            f"({SECTION}.train_rollout_logprob_{key}_threshold)"
+        )
+        if not number <= ceiling:  # NaN fails
+            raise KLCheckError(check, where, metrics, text)
+        if report:
+            self._passed(check, where, text)
+
+
+def engine_dtype(config: Any) -> str | None:
+    """The dtype the run's engine computes in, where the config says it (the embedded engine's
+    `engine.hf.dtype`); None otherwise (an SGLang server's is its own)."""
+    engine = _get(config, "engine")
+    if engine is None or _get(engine, "kind") not in (None, "hf"):
+        return None
+    return _get(_get(engine, "hf"), "dtype")
+
+
+def max_ceiling(config: Any, section: KLCheckerConfig) -> tuple[float, str]:
+    """The per-token mismatch ceiling of a run and why: the section's, or by the dtypes of
+    the engine and the trainer when it is null."""
+    if section.train_rollout_logprob_max_abs_diff_threshold is not None:
+        value = section.train_rollout_logprob_max_abs_diff_threshold
+        return value, f"{SECTION}.train_rollout_logprob_max_abs_diff_threshold={value:g}"
+    engine = engine_dtype(config)
+    trainer = _get(_get(config, "train"), "dtype")
+    if engine == "float32" and trainer in (None, "float32"):
+        return FP32_MAX_ABS_DIFF, "the embedded engine and the trainer both compute in float32"
+    return SLIME_CEILING, (
+        f"engine dtype {engine or 'unknown'}, trainer dtype {trainer or 'float32'} (slime's "
+        "ceiling)"
+    )
 
 
 _checker: KLChecker | None = None
@@ -314,43 +443,70 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
     rollout = _get(config, "rollout")
     # A RunConfig holds `async_` (a keyword otherwise); a mapping of the file holds `async`.
     one_step_off = bool(_get(rollout, "async_") or _get(rollout, "async"))
-    if ci_test and one_step_off and not section.disable:
-        logger.info(
-            "ci_kl_checker: rollout.async=true: after rollout 0 the engine samples from weights "
-            "one update older than the trainer's, so %s is checked at rollout 0 only",
-            Check.TRAIN_ROLLOUT_MISMATCH,
+    ceiling, why = max_ceiling(config, section)
+    active = ci_test and not section.disable
+    lines = []
+    if active:
+        lines.append(
+            f"ci_kl_checker: audits at rollout 0 and every {section.audit_interval} rollouts "
+            f"({SECTION}.audit_interval); the per-token mismatch ceiling is {ceiling:g} ({why})"
         )
-    if ci_test and engine_old and not section.disable:
-        logger.info(
-            "ci_kl_checker: %s and %s stand down: algorithm.use_rollout_log_probs=true takes the "
-            "old log-probs from the engine, so the trainer computes none to compare; %s is "
-            "checked at the first step of each rollout",
-            Check.PPO_KL,
-            Check.ROLLOUT_REF_LOG_PROBS,
-            Check.TRAIN_ROLLOUT_MISMATCH,
-        )
+        between = _between_audits(engine_old, one_step_off)
+        if between:
+            lines.append(f"ci_kl_checker: between audits, {between}")
+        if not reference:
+            lines.append(
+                f"ci_kl_checker: {Check.KL_LOSS} and {Check.ROLLOUT_REF_LOG_PROBS} do not apply: "
+                "the config uses no reference model (algorithm.use_kl_loss=false, "
+                "algorithm.kl_coef=0, no train.ref_load); they run only if their metrics are "
+                "logged anyway"
+            )
     if section.disable:
         logger.warning(
             "ci_kl_checker: disabled by %s.disable=true; none of its checks runs%s",
             SECTION,
             "" if ci_test else " (ci.test is false, so none would have run anyway)",
         )
-    elif ci_test and not reference:
-        logger.info(
-            "ci_kl_checker: %s and %s do not apply: the config uses no reference model "
-            "(algorithm.use_kl_loss=false, algorithm.kl_coef=0, no train.ref_load); they run "
-            "only if their metrics are logged anyway",
-            Check.KL_LOSS,
-            Check.ROLLOUT_REF_LOG_PROBS,
-        )
     _checker = KLChecker(
-        active=ci_test and not section.disable,
+        active=active,
         exemptions=plugins.kl_check_exemptions,
         reference=reference,
         ceiling=section.train_rollout_logprob_abs_diff_threshold,
+        max_ceiling=ceiling,
+        audit_interval=section.audit_interval,
         engine_old_log_probs=engine_old,
         one_step_off=one_step_off,
+        announcements=lines,
     )
+
+
+def _between_audits(engine_old: bool, one_step_off: bool) -> str:
+    """What stands down between audits in this loop, and why; empty when nothing does."""
+    parts = []
+    if engine_old:
+        parts.append(
+            f"{Check.PPO_KL} and {Check.TRAIN_ROLLOUT_MISMATCH_MAX} stand down: "
+            "algorithm.use_rollout_log_probs=true takes the old log-probs from the engine, so "
+            "the trainer computes none to compare"
+        )
+    if one_step_off:
+        parts.append(
+            f"{Check.TRAIN_ROLLOUT_MISMATCH} stands down: rollout.async=true samples each "
+            "rollout from weights one update older than the trainer's, so the train/rollout "
+            "gap holds that update too (logged apart as train/stale_rollout_logprob_abs_diff, "
+            "with rollout/staleness)"
+        )
+    elif engine_old:
+        parts.append(
+            f"{Check.TRAIN_ROLLOUT_MISMATCH} is checked at each rollout's first step only "
+            "(later steps compare the rollout's own updates with the engine's log-probs)"
+        )
+    return "; ".join(parts)
+
+
+@hookimpl
+def ember_audit_rollout(rollout_id: int) -> bool:
+    return _current().wants_audit(rollout_id)
 
 
 @hookimpl

@@ -134,9 +134,17 @@ class AdvantageEstimator:
     """Needs critic `values` (and a critic to train on the returns)."""
     sequence_ratio: bool = False
     """The policy loss clips the sequence-level ratio (`gspo_policy_loss`)."""
+    whitens: bool = False
+    """The estimator's advantages are its `fn`'s, whitened over every counted token of the
+    whole batch (REINFORCE++). `fn` leaves them unwhitened, and `compute_advantages` whitens
+    once, with a whitening function that may reduce over data-parallel ranks."""
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]:
-        return self.fn(inputs)
+        advantages, returns = self.fn(inputs)
+        if self.whitens:
+            assert inputs.loss_masks is not None
+            advantages = whiten_advantages(advantages, inputs.loss_masks)
+        return advantages, returns
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
@@ -144,7 +152,11 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 
 
 def register_advantage_estimator(
-    name: str, *aliases: str, uses_critic: bool = False, sequence_ratio: bool = False
+    name: str,
+    *aliases: str,
+    uses_critic: bool = False,
+    sequence_ratio: bool = False,
+    whitens: bool = False,
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator registering an `AdvantageFn` in `ADVANTAGE_ESTIMATORS` under `name`.
 
@@ -153,11 +165,16 @@ def register_advantage_estimator(
         *aliases: Further names for the same estimator.
         uses_critic: See `AdvantageEstimator.uses_critic`.
         sequence_ratio: See `AdvantageEstimator.sequence_ratio`.
+        whitens: See `AdvantageEstimator.whitens` (`fn` returns unwhitened advantages).
     """
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         estimator = AdvantageEstimator(
-            name=name, fn=fn, uses_critic=uses_critic, sequence_ratio=sequence_ratio
+            name=name,
+            fn=fn,
+            uses_critic=uses_critic,
+            sequence_ratio=sequence_ratio,
+            whitens=whitens,
         )
         ADVANTAGE_ESTIMATORS.add(name, estimator, *aliases)
         return fn
@@ -166,15 +183,24 @@ def register_advantage_estimator(
 
 
 def compute_advantages(
-    estimator: str, inputs: AdvantageInputs, *, whiten: bool = False
+    estimator: str,
+    inputs: AdvantageInputs,
+    *,
+    whiten: bool = False,
+    whiten_fn: Callable[[list[Tensor], list[Tensor]], list[Tensor]] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Runs the estimator registered as `estimator`, optionally whitening the advantages.
+
+    Advantages are whitened at most once: when asked (`whiten`) or when the estimator whitens
+    by definition (`AdvantageEstimator.whitens`: the REINFORCE++ variants).
 
     Args:
         estimator: A name registered in `ADVANTAGE_ESTIMATORS`.
         inputs: The batch.
-        whiten: Whiten the advantages over the batch's masked tokens afterwards
-            (`whiten_advantages`); REINFORCE++ variants whiten anyway.
+        whiten: Whiten the advantages over the batch's masked tokens afterwards.
+        whiten_fn: `(advantages, loss_masks) -> advantages`, the whitening to use (a trainer
+            with data-parallel ranks passes one that reduces over all ranks' tokens); default
+            `whiten_advantages`, over this batch alone.
 
     Returns:
         `(advantages, returns)`: per-sample lists of [R_i] float32 tensors, detached.
@@ -183,9 +209,11 @@ def compute_advantages(
         ValueError: Unknown estimator (the message lists the known ones) or inputs the
             estimator needs are missing.
     """
-    advantages, returns = ADVANTAGE_ESTIMATORS.get(estimator)(inputs)
-    if whiten:
-        advantages = whiten_advantages(advantages, inputs.loss_masks)
+    found = ADVANTAGE_ESTIMATORS.get(estimator)
+    advantages, returns = found.fn(inputs)
+    if whiten or found.whitens:
+        assert inputs.loss_masks is not None
+        advantages = (whiten_fn or whiten_advantages)(advantages, inputs.loss_masks)
     return advantages, returns
 
 
@@ -275,15 +303,20 @@ def _unpad(padded_BR: Tensor, lengths: Sequence[int]) -> list[Tensor]:
 
 
 def _discounted_returns(
-    token_rewards: list[Tensor], gamma: float, lengths: Sequence[int]
+    token_rewards: list[Tensor], gamma: float, lengths: Sequence[int], masks: list[Tensor]
 ) -> list[Tensor]:
-    """G_t = r_t + gamma * G_{t+1}, G_R = 0. Zero right-padding leaves each G_t exact."""
+    """G_t = r_t + gamma * G_{t'} over the counted tokens, t' the next counted token (G = 0
+    after the last). Tokens the model did not generate (loss mask 0: a tool's output) are not
+    steps: they are not discounted over, and carry the next counted token's return. Zero
+    right-padding (mask 0) leaves each G_t exact."""
     device = token_rewards[0].device if token_rewards else torch.device("cpu")
     rewards_BR = _pad(token_rewards, device)
+    counted_BR = _pad(masks, device) > 0
     returns_BR = torch.zeros_like(rewards_BR)
     running_B = rewards_BR.new_zeros(rewards_BR.shape[0])
     for t in reversed(range(rewards_BR.shape[1])):
-        running_B = rewards_BR[:, t] + gamma * running_B
+        step_B = rewards_BR[:, t] + gamma * running_B
+        running_B = torch.where(counted_BR[:, t], step_B, running_B)
         returns_BR[:, t] = running_B
     return _unpad(returns_BR, lengths)
 
@@ -311,7 +344,36 @@ def grpo_advantages(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]
 register_advantage_estimator("gspo", sequence_ratio=True)(grpo_advantages)
 
 
-@register_advantage_estimator("reinforce_plus_plus")
+def _reinforce_plus_plus_returns(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]:
+    """REINFORCE++'s discounted returns, as advantages (unwhitened) and returns."""
+    assert inputs.loss_masks is not None
+    returns = _discounted_returns(
+        _token_rewards(inputs, inputs.rewards),
+        inputs.gamma,
+        inputs.response_lengths,
+        inputs.loss_masks,
+    )
+    return [r.clone() for r in returns], returns
+
+
+def _reinforce_plus_plus_baseline_returns(
+    inputs: AdvantageInputs,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """REINFORCE++-baseline's discounted returns, as advantages (unwhitened) and returns."""
+    centered_B, _ = _group_centered(inputs)
+    assert inputs.loss_masks is not None
+    returns = _discounted_returns(
+        _token_rewards(inputs, centered_B), inputs.gamma, inputs.response_lengths, inputs.loss_masks
+    )
+    return [r.clone() for r in returns], returns
+
+
+register_advantage_estimator("reinforce_plus_plus", whitens=True)(_reinforce_plus_plus_returns)
+register_advantage_estimator("reinforce_plus_plus_baseline", whitens=True)(
+    _reinforce_plus_plus_baseline_returns
+)
+
+
 def reinforce_plus_plus_advantages(
     inputs: AdvantageInputs,
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -325,13 +387,9 @@ def reinforce_plus_plus_advantages(
     Returns:
         `(advantages, returns)` with the returns before whitening.
     """
-    token_rewards = _token_rewards(inputs, inputs.rewards)
-    returns = _discounted_returns(token_rewards, inputs.gamma, inputs.response_lengths)
-    assert inputs.loss_masks is not None
-    return whiten_advantages(returns, inputs.loss_masks), returns
+    return ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus")(inputs)
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantages(
     inputs: AdvantageInputs,
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -345,11 +403,7 @@ def reinforce_plus_plus_baseline_advantages(
     Returns:
         `(advantages, returns)` with the returns before whitening.
     """
-    centered_B, _ = _group_centered(inputs)
-    token_rewards = _token_rewards(inputs, centered_B)
-    returns = _discounted_returns(token_rewards, inputs.gamma, inputs.response_lengths)
-    assert inputs.loss_masks is not None
-    return whiten_advantages(returns, inputs.loss_masks), returns
+    return ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus_baseline")(inputs)
 
 
 @register_advantage_estimator("ppo", "gae", uses_critic=True)
@@ -357,9 +411,12 @@ def gae_advantages(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]
     """PPO with generalised advantage estimation (arXiv 1506.02438).
 
     Token rewards as in `reinforce_plus_plus` (reward on the last counted token, KL
-    penalty per token). With V_R = 0 after the last response token:
-    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lambd * A_{t+1},
-    returns = A + V. Not whitened unless asked (`compute_advantages(whiten=True)`).
+    penalty per token). Over the counted tokens, t' the next counted one and V = 0 after the
+    last: delta_t = r_t + gamma * V_{t'} - V_t, A_t = delta_t + gamma * lambd * A_{t'},
+    returns = A + V. Tokens with loss mask 0 (a tool's output in a multi-turn sample) are
+    skipped: their values, which no value loss trains, bootstrap nothing, and they carry the
+    next counted token's advantage (no loss reads it). Not whitened unless asked
+    (`compute_advantages(whiten=True)`).
 
     Raises:
         ValueError: `values` is missing.
@@ -367,16 +424,21 @@ def gae_advantages(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]
     if inputs.values is None:
         raise ValueError("values is required by the 'ppo' advantage estimator")
     device = inputs.rewards.device
+    assert inputs.loss_masks is not None
     rewards_BR = _pad(_token_rewards(inputs, inputs.rewards), device)
     values_BR = _pad(inputs.values, device)
+    counted_BR = _pad(inputs.loss_masks, device) > 0
     advantages_BR = torch.zeros_like(rewards_BR)
     next_value_B = rewards_BR.new_zeros(rewards_BR.shape[0])
     running_B = torch.zeros_like(next_value_B)
     for t in reversed(range(rewards_BR.shape[1])):
         delta_B = rewards_BR[:, t] + inputs.gamma * next_value_B - values_BR[:, t]
-        running_B = delta_B + inputs.gamma * inputs.lambd * running_B
+        step_B = delta_B + inputs.gamma * inputs.lambd * running_B
+        # A token the model did not generate is no step: the critic is never trained there,
+        # so its value must not bootstrap the counted token before it (as verl does).
+        running_B = torch.where(counted_BR[:, t], step_B, running_B)
+        next_value_B = torch.where(counted_BR[:, t], values_BR[:, t], next_value_B)
         advantages_BR[:, t] = running_B
-        next_value_B = values_BR[:, t]
     returns_BR = advantages_BR + values_BR
     lengths = inputs.response_lengths
     return _unpad(advantages_BR, lengths), _unpad(returns_BR, lengths)
