@@ -1,11 +1,13 @@
 """`ember train` with the real SGLang server on CPU (`engine.kind=sglang`): the server launches
 from the trainer's export, weights reach it by broadcast over gloo, and the seed scenario (R3
-with the CI checks) holds with SGLang's own routed experts."""
+with the CI checks, on the default overlapped loop) holds with SGLang's own routed experts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
-from test_e2e import ON_POLICY, ember, records
+from test_e2e import ember, records
 
 from ember_rollout import sglang_cpu
 
@@ -17,43 +19,43 @@ pytestmark = [
     ),
 ]
 
-SGLANG = ("--set", "engine.kind=sglang")
-CI_R3 = ("--plugins", "r3_routing,ci_kl_checker", "--set", "ci.test=true")
+SEED_SCENARIO = (
+    "--set", "engine.kind=sglang",
+    "--plugins", "r3_routing,ci_kl_checker",
+    "--set", "ci.test=true",
+    "--set", "algorithm.use_kl_loss=true",  # a reference model, for the reference checks
+    "--set", "ci_kl_checker.audit_interval=2",
+    "--set", "run.num_rollouts=3",
+    "--set", "run.save_interval=0",
+)  # fmt: skip
 
 
 def test_r3_and_the_ci_checks_on_the_real_sglang_engine_then_a_wrong_reference(tmp_path):
-    right = ember(
-        *SGLANG,
-        *CI_R3,
-        *ON_POLICY,
-        "--set", "algorithm.use_kl_loss=true",  # a reference model, for the reference checks
-        "--set", "run.num_rollouts=2",
-        "--set", "run.save_interval=0",
-        run_dir=tmp_path / "right",
-        timeout=900,
-    )  # fmt: skip
+    right = ember(*SEED_SCENARIO, run_dir=tmp_path / "right", timeout=900)
     assert right.returncode == 0, right.stderr[-3000:]
     rollouts = records(tmp_path / "right", "rollout")
-    assert [r["rollout_id"] for r in rollouts] == [0, 1]
-    # The actor replayed exactly the experts SGLang's routers chose, in scoring and training.
-    assert all(r["rollout/replay_agreement"] == 1.0 for r in rollouts)
+    assert [r.get("rollout/audit") for r in rollouts] == [1.0, None, 1.0]
+    assert [r["rollout/staleness"] for r in rollouts] == [0.0, 1.0, 0.0]
+    for audit in rollouts[::2]:
+        # fp32 server and fp32 trainer, same weights: the engine's log-probs are the trainer's
+        # to rounding, per token, and the actor replayed exactly the experts SGLang chose.
+        assert audit["rollout/train_rollout_logprob_max_abs_diff"] <= 1e-4
+        assert audit["rollout/replay_agreement"] == 1.0
     steps = records(tmp_path / "right", "train")
-    assert steps[0]["train/ppo_kl"] == 0.0
-    # fp32 server and fp32 trainer: the engine's log-probs are the trainer's to rounding.
-    assert rollouts[0]["rollout/train_rollout_logprob_abs_diff"] < 1e-5
-    logs = sorted((tmp_path / "right" / "sglang").glob("sglang-0-*.log"))
-    assert logs and "update_weights_from_distributed" in logs[0].read_text()
+    assert all(s["train/replay_agreement"] == 1.0 for s in steps)
+    assert [s["train/ppo_kl"] for s in steps[::2]][0::2] == [0.0, 0.0]  # rollouts 0 and 2
+    output = right.stderr + right.stdout
+    for check in ("train_rollout_mismatch_max", "first_step_ppo_kl", "replay_agreement"):
+        assert re.search(rf"audit rollout 0\b[^\n]*: {check} passed: ", output), check
+    # The server was launched from hf_init, logged to the run directory and took broadcasts.
+    (log,) = (tmp_path / "right" / "sglang").glob("sglang-0-*.log")
+    assert "update_weights_from_distributed" in log.read_text()
 
     # The reference from other weights than the actor's: the checker stops the run at rollout 0.
     wrong = ember(
-        *SGLANG,
-        *CI_R3,
-        *ON_POLICY,
-        "--set", "algorithm.use_kl_loss=true",
+        *SEED_SCENARIO,
         "--set", f"train.ref_load={tmp_path / 'right' / 'hf_init'}",
         "--set", "train.seed=1",
-        "--set", "run.num_rollouts=2",
-        "--set", "run.save_interval=0",
         run_dir=tmp_path / "wrong",
         timeout=900,
     )  # fmt: skip

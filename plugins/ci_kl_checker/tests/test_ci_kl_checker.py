@@ -168,15 +168,26 @@ def test_no_audit_is_asked_for_when_the_checker_is_off(host, ci_test, disable):
     assert not any(host.audit_rollout(i) for i in range(101))
 
 
+SGLANG_FP32 = {"kind": "sglang", "sglang": {"dtype": "float32"}}
+ATTACHED_FP32 = {"kind": "sglang", "sglang": {"dtype": "float32", "urls": ["http://h:1"]}}
+
+
 @pytest.mark.parametrize(
     ("engine", "trainer", "ceiling"),
-    [("float32", "float32", 1e-4), ("bfloat16", "float32", 0.1), (None, "float32", 0.1)],
+    [
+        ({"kind": "hf", "hf": {"dtype": "float32"}}, "float32", 1e-4),
+        ({"kind": "hf", "hf": {"dtype": "bfloat16"}}, "float32", 0.1),
+        ({"kind": "sglang"}, "float32", 0.1),  # SGLang's auto: its own rule picks the dtype
+        (SGLANG_FP32, "float32", 1e-4),  # launched servers in the trainer's dtype
+        (SGLANG_FP32, "bfloat16", 0.1),
+        (ATTACHED_FP32, "float32", 0.1),  # an attached server runs as it was started
+    ],
 )
 def test_the_per_token_ceiling_fits_the_dtypes(host, engine, trainer, ceiling):
     config = {
         "ci": {"test": True},
         "train": {"dtype": trainer},
-        "engine": {"kind": "hf", "hf": {"dtype": engine}} if engine else {"kind": "sglang"},
+        "engine": engine,
         "plugins": host.enabled,
     }
     host.configure(config, {"ci_kl_checker": KLCheckerConfig()})

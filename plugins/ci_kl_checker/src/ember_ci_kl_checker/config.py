@@ -23,8 +23,9 @@ class KLCheckerConfig:
     0.1)."""
     train_rollout_logprob_max_abs_diff_threshold: float | None = None
     """Largest rollout/train_rollout_logprob_max_abs_diff (the per-token maximum of |trainer -
-    engine| log-prob at audits) that passes; null: 1e-4 when the embedded engine and the trainer
-    both compute in float32, 0.1 otherwise (slime's ceiling)."""
+    engine| log-prob at audits) that passes; null: 1e-4 when the engine (the embedded one, or
+    launched SGLang servers) and the trainer both compute in float32, 0.1 otherwise (slime's
+    ceiling)."""
     audit_interval: int = 50
     """Audit rollout 0 and every this many rollouts: the engine samples from the trainer's
     weights (the overlap drains) and the trainer scores the rollout itself, so every check is

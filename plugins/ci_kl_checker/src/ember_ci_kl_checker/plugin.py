@@ -38,7 +38,7 @@ AUDIT = "rollout/audit"
 SLIME_CEILING = 0.1
 """slime's train/rollout log-prob ceiling (`--ci-train-rollout-logprob-abs-diff-threshold`)."""
 FP32_MAX_ABS_DIFF = 1e-4
-"""Per-token ceiling when the embedded engine and the trainer both compute in float32 (see the
+"""Per-token ceiling when the engine and the trainer both compute in float32 (see the
 README's Measured section for the figures behind it)."""
 _PPO_KL_REQUIRED = "every actor update logs it"
 
@@ -381,12 +381,20 @@ class KLChecker:
 
 
 def engine_dtype(config: Any) -> str | None:
-    """The dtype the run's engine computes in, where the config says it (the embedded engine's
-    `engine.hf.dtype`); None otherwise (an SGLang server's is its own)."""
+    """The dtype the run's engine computes in, where the config says it: the embedded engine's
+    `engine.hf.dtype`, or launched SGLang servers' `engine.sglang.dtype` unless auto; None
+    otherwise (an attached server's, or SGLang's own rule, is not the config's to tell)."""
     engine = _get(config, "engine")
-    if engine is None or _get(engine, "kind") not in (None, "hf"):
+    if engine is None:
         return None
-    return _get(_get(engine, "hf"), "dtype")
+    kind = _get(engine, "kind")
+    if kind in (None, "hf"):
+        return _get(_get(engine, "hf"), "dtype")
+    if kind == "sglang":
+        sglang = _get(engine, "sglang")
+        dtype = _get(sglang, "dtype")
+        return None if _get(sglang, "urls") or dtype in (None, "auto") else dtype
+    return None
 
 
 def max_ceiling(config: Any, section: KLCheckerConfig) -> tuple[float, str]:
@@ -398,7 +406,7 @@ def max_ceiling(config: Any, section: KLCheckerConfig) -> tuple[float, str]:
     engine = engine_dtype(config)
     trainer = _get(_get(config, "train"), "dtype")
     if engine == "float32" and trainer in (None, "float32"):
-        return FP32_MAX_ABS_DIFF, "the embedded engine and the trainer both compute in float32"
+        return FP32_MAX_ABS_DIFF, "the engine and the trainer both compute in float32"
     return SLIME_CEILING, (
         f"engine dtype {engine or 'unknown'}, trainer dtype {trainer or 'float32'} (slime's "
         "ceiling)"
