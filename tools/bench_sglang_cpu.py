@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
+import math
 import os
 import platform
-import queue
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -44,19 +41,10 @@ SIZES: dict[str, dict[str, int]] = {
 """Model sizes: `ModelConfig` overrides of the tiny-moe preset (the large one as in
 bench_weights.py, about 10x the parameters)."""
 
-_EXPORT = """
-import json, sys
-from ember_megatron_backend.model import ModelConfig, build_model
-from ember_megatron_backend.parallel import init_distributed
-from ember_megatron_backend.weights import export_hf_checkpoint
-from ember_rollout.tokenizer import save_tokenizer_for_model, toy_tokenizer
-
-init_distributed()
-overrides = json.loads(sys.argv[2])
-cfg = ModelConfig.preset("tiny-moe").replace(vocab_size=len(toy_tokenizer()), **overrides)
-export_hf_checkpoint(build_model(cfg, seed=0), cfg, sys.argv[1])
-save_tokenizer_for_model(None, sys.argv[1])
-"""
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "packages" / "rollout" / "tests"))
+# The real-server tests' support: the export and Ember's gloo weight push, shared with them.
+from sglang_real import broadcast_weights, export_tiny_moe  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,13 +78,11 @@ def machine() -> str:
     return f"{model} ({vector}), {len(os.sched_getaffinity(0))} cores, load {load:.2f}"
 
 
-def export(path: Path, overrides: dict[str, int]) -> Path:
-    subprocess.run(
-        [sys.executable, "-c", _EXPORT, str(path), json.dumps(overrides)],
-        check=True,
-        capture_output=True,
-    )
-    return path
+def parameters(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(model_dir / "model.safetensors", "pt") as file:
+        return sum(math.prod(file.get_slice(key).get_shape()) for key in file.keys())
 
 
 def rollout_requests(args: argparse.Namespace, model_dir: Path) -> list:
@@ -143,58 +129,6 @@ def launch(model_dir: Path, log_dir: Path):
     return SGLangEngine(config)
 
 
-def broadcast(engine, weights, bucket_bytes: int, version: str) -> None:
-    """Ember's weight group as rank 0 (a thread, as the trainer is a process), the server as
-    rank 1, one bucket after another inside one session."""
-    from ember_megatron_backend.weight_sync import WeightGroup, bucket_weights
-    from ember_rollout.sglang_launch import free_port
-
-    async def push():
-        port, name = free_port(), f"bench-{version}"
-        buckets: queue.Queue = queue.Queue()
-        told = threading.Semaphore(0)
-
-        def send():
-            group = WeightGroup.create(
-                master_address="127.0.0.1",
-                master_port=port,
-                world_size=2,
-                group_name=name,
-                backend="gloo",
-                timeout=datetime.timedelta(minutes=5),
-            )
-            for bucket in bucket_weights(weights.items(), bucket_bytes):
-                buckets.put(bucket)
-                told.acquire()
-                group.broadcast(bucket).wait()
-            buckets.put(None)
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        await engine.init_weights_update_group(
-            master_address="127.0.0.1",
-            master_port=port,
-            rank_offset=1,
-            world_size=2,
-            group_name=name,
-            backend="gloo",
-        )
-        await engine.begin_weight_update()
-        while (bucket := await asyncio.to_thread(buckets.get)) is not None:
-            load = asyncio.ensure_future(
-                engine.update_weights_from_distributed(
-                    bucket.names, bucket.dtypes, bucket.shapes, group_name=name
-                )
-            )
-            told.release()
-            await load
-        await engine.end_weight_update()
-        await engine.destroy_weights_update_group(name)
-        sender.join()
-
-    return push()
-
-
 async def timed_pushes(engine, model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     from safetensors.torch import load_file
 
@@ -202,7 +136,9 @@ async def timed_pushes(engine, model_dir: Path, args: argparse.Namespace) -> dic
     pushes = {
         "disk": lambda i: engine.update_weights_from_disk(model_dir, weight_version=f"d{i}"),
         "tensor": lambda i: engine.update_weights_from_tensors(weights.items()),
-        "distributed": lambda i: broadcast(engine, weights, args.bucket_mb * 2**20, f"b{i}"),
+        "distributed": lambda i: broadcast_weights(
+            engine, weights, bucket_bytes=args.bucket_mb * 2**20, version=f"b{i}"
+        ),
     }
     seconds = {}
     for name, push in pushes.items():
@@ -226,7 +162,9 @@ def benchmark(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
         root = Path(tmp)
         for size, overrides in SIZES.items():
-            model_dir = export(root / size, overrides)
+            model_dir = root / size
+            export_tiny_moe(model_dir, overrides=overrides)
+            result["parameters"][size] = parameters(model_dir)
             engine = launch(model_dir, root / "logs")
             loop = asyncio.new_event_loop()
             try:
@@ -245,11 +183,6 @@ def benchmark(args: argparse.Namespace) -> dict:
             finally:
                 loop.run_until_complete(engine.shutdown())
                 loop.close()
-            from safetensors import safe_open
-
-            with safe_open(model_dir / "model.safetensors", "pt") as file:
-                count = sum(file.get_slice(k).get_shape().numel() for k in file.keys())
-            result["parameters"][size] = count
             if size == "tiny-moe":
                 start = time.perf_counter()
                 hf = HFEngine(

@@ -9,9 +9,14 @@ per test session (about 80-150 s on two cores: sglang's imports).
 from __future__ import annotations
 
 import asyncio
+import datetime
+import json
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,36 +24,96 @@ import torch
 
 from ember_rollout.config import SGLangEngineConfig
 from ember_rollout.sglang_engine import SGLangEngine
+from ember_rollout.sglang_launch import free_port
 
 SERVER_ARGS = ["--enable-return-routed-experts", "--log-level", "warning"]
 """Flags beyond the CPU ones Ember adds itself (`ember_rollout.sglang_cpu.SERVER_ARGS`)."""
 
 _EXPORT = textwrap.dedent(
     """
-    import sys
+    import json, sys
     from ember_megatron_backend.model import ModelConfig, build_model
     from ember_megatron_backend.parallel import init_distributed
     from ember_megatron_backend.weights import export_hf_checkpoint
     from ember_rollout.tokenizer import save_tokenizer_for_model, toy_tokenizer
 
     init_distributed()
-    cfg = ModelConfig.preset("tiny-moe").replace(vocab_size=len(toy_tokenizer()))
-    for seed, path in enumerate(sys.argv[1:]):
+    overrides = json.loads(sys.argv[1])
+    cfg = ModelConfig.preset("tiny-moe").replace(vocab_size=len(toy_tokenizer()), **overrides)
+    for seed, path in enumerate(sys.argv[2:]):
         export_hf_checkpoint(build_model(cfg, seed=seed), cfg, path)
         save_tokenizer_for_model(None, path)
     """
 )
 
 
-def export_tiny_moe(*paths: Path) -> None:
-    """Export the `tiny-moe` preset over the toy vocabulary, from seed i into `paths[i]`, as the
-    trainer writes `hf_init` (in a process of its own: the export sets up torch.distributed)."""
+def export_tiny_moe(*paths: Path, overrides: dict | None = None) -> None:
+    """Export the `tiny-moe` preset (with `ModelConfig` `overrides`) over the toy vocabulary,
+    from seed i into `paths[i]`, as the trainer writes `hf_init` (in a process of its own: the
+    export sets up torch.distributed)."""
     subprocess.run(
-        [sys.executable, "-c", _EXPORT, *map(str, paths)],
+        [sys.executable, "-c", _EXPORT, json.dumps(overrides or {}), *map(str, paths)],
         check=True,
         capture_output=True,
         timeout=600,
     )
+
+
+async def broadcast_weights(
+    engine: SGLangEngine, weights: dict, *, bucket_bytes: int, version: str | None = None
+) -> int:
+    """Push `weights` to the engine's servers as the trainer does: Ember's gloo weight group
+    with this process as rank 0 (a thread of it sends), flattened buckets, one session.
+
+    Returns:
+        How many buckets were sent.
+    """
+    from ember_megatron_backend.weight_sync import WeightGroup, bucket_weights
+
+    port, name = free_port(), f"push-{uuid.uuid4().hex[:8]}"
+    buckets: queue.Queue = queue.Queue()
+    described = threading.Semaphore(0)
+
+    def send() -> None:
+        group = WeightGroup.create(
+            master_address="127.0.0.1",
+            master_port=port,
+            world_size=2,
+            group_name=name,
+            backend="gloo",
+            timeout=datetime.timedelta(minutes=5),
+        )
+        for bucket in bucket_weights(weights.items(), bucket_bytes):
+            buckets.put(bucket)
+            described.acquire()  # the server has been told the bucket's layout
+            group.broadcast(bucket).wait()
+        buckets.put(None)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    await engine.init_weights_update_group(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank_offset=1,
+        world_size=2,
+        group_name=name,
+        backend="gloo",
+    )
+    await engine.begin_weight_update()
+    sent = 0
+    while (bucket := await asyncio.to_thread(buckets.get)) is not None:
+        load = asyncio.ensure_future(
+            engine.update_weights_from_distributed(
+                bucket.names, bucket.dtypes, bucket.shapes, group_name=name, weight_version=version
+            )
+        )
+        described.release()
+        await load
+        sent += 1
+    await engine.end_weight_update()
+    await engine.destroy_weights_update_group(name)
+    sender.join()
+    return sent
 
 
 @dataclass

@@ -9,16 +9,13 @@ and timeouts. Where a test changes the served weights it loads the original ones
 from __future__ import annotations
 
 import asyncio
-import datetime
-import threading
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from sglang_real import hf_log_probs
+from sglang_real import broadcast_weights, hf_log_probs
 
 from ember_rollout.engine import EngineError, GenerateRequest, SamplingParams
-from ember_rollout.sglang_launch import free_port
 from ember_rollout.sglang_weights import serialize_named_tensors
 
 pytestmark = pytest.mark.sglang
@@ -170,66 +167,14 @@ def test_tensor_update_from_cpu_tensors_inside_a_session(real_sglang):
     assert_same_outputs(back, before)
 
 
-def _broadcast(weights, port, group_name, bucket_bytes, sent):
-    """Rank 0 of a gloo weight group, as the trainer is: Ember's WeightGroup and buckets."""
-    from ember_megatron_backend.weight_sync import WeightGroup, bucket_weights
-
-    group = WeightGroup.create(
-        master_address="127.0.0.1",
-        master_port=port,
-        world_size=2,
-        group_name=group_name,
-        backend="gloo",
-        timeout=datetime.timedelta(seconds=120),
-    )
-    sent["group"] = group
-    for bucket in bucket_weights(weights.items(), bucket_bytes):
-        sent["buckets"].put(bucket)
-        sent["ready"].acquire()  # the server has been told the bucket's layout
-        group.broadcast(bucket).wait()
-    sent["buckets"].put(None)
-
-
 def test_distributed_update_from_embers_weight_group_over_gloo(real_sglang):
     """The trainer's broadcast path: the server joins Ember's weight group (gloo on CPU) and
     loads flattened buckets; broadcasting the original weights back restores them exactly."""
-    import queue
-
     other = load_file(real_sglang.other / "model.safetensors")
     base = load_file(real_sglang.base / "model.safetensors")
 
     async def push(engine, weights, version):
-        port, name = free_port(), f"test-{free_port()}"
-        sent = {"buckets": queue.Queue(), "ready": threading.Semaphore(0)}
-        sender = threading.Thread(target=_broadcast, args=(weights, port, name, 20_000, sent))
-        sender.start()
-        await engine.init_weights_update_group(
-            master_address="127.0.0.1",
-            master_port=port,
-            rank_offset=1,
-            world_size=2,
-            group_name=name,
-            backend="gloo",
-        )
-        await engine.begin_weight_update()
-        buckets = 0
-        while (bucket := await asyncio.to_thread(sent["buckets"].get)) is not None:
-            load = asyncio.ensure_future(
-                engine.update_weights_from_distributed(
-                    bucket.names,
-                    bucket.dtypes,
-                    bucket.shapes,
-                    group_name=name,
-                    weight_version=version,
-                )
-            )
-            sent["ready"].release()
-            await load
-            buckets += 1
-        await engine.end_weight_update()
-        await engine.destroy_weights_update_group(name)
-        sender.join()
-        return buckets
+        return await broadcast_weights(engine, weights, bucket_bytes=20_000, version=version)
 
     async def body(engine):
         before = await greedy(engine)

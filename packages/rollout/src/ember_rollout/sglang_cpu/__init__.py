@@ -55,9 +55,17 @@ def server_args(args: Sequence[str]) -> list[str]:
 
 def server_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a CPU server: `base` (default: this process's) with sglang's CPU
-    switch on and `SITE_DIR` first on PYTHONPATH."""
+    switch on, `SITE_DIR` first on PYTHONPATH, and one OpenMP thread unless `base` says how
+    many (`OMP_NUM_THREADS`; Ember's engine actors set their share).
+
+    Without sgl_kernel's CPU thread binding (`init_cpu_threads_env`, which needs its C++ ops)
+    the model runs with torch's default of one thread per core, and on a shared 2-core machine
+    its OpenMP threads wait on each other at every small op: 64 default-task requests took
+    7.9-14 s there, and 0.34 s with one thread (AMD EPYC, 2 cores, load 2-3).
+    """
     env = dict(os.environ if base is None else base)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(SITE_DIR) + (os.pathsep + path if path else "")
     return env
