@@ -162,6 +162,7 @@ def sender(tmp_path, flats, group="ember-weights-test"):
         process.kill()
 
 
+@pytest.mark.slow  # a sender subprocess
 def test_broadcast_buckets_over_gloo_switch_the_policy_and_the_version(other_checkpoint, tmp_path):
     expected = sample(HFEngine(HFEngineConfig(dtype="float32", tiny=OTHER)))
     named = list(iter_checkpoint(other_checkpoint))
@@ -189,6 +190,7 @@ def test_broadcast_buckets_over_gloo_switch_the_policy_and_the_version(other_che
     assert got.meta_info["weight_version"] == "3"
 
 
+@pytest.mark.slow  # a sender subprocess
 def test_broadcast_updates_refuse_what_sglang_refuses(other_checkpoint, tmp_path):
     engine = make_engine("float32")
     engine.weight_version = "-1"

@@ -218,6 +218,7 @@ class RouterLog:
 # -- the four combinations ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # about 9 s
 @pytest.mark.parametrize(
     "names",
     [[], ["r3_routing"], ["ci_kl_checker"], ["r3_routing", "ci_kl_checker"]],
@@ -309,6 +310,7 @@ def micro_batches(batch) -> int:
     return sum(len(step) for step in batch.steps)
 
 
+@pytest.mark.slow  # about 9 s
 def test_under_r3_the_reference_replaying_the_rollout_routing_matches_the_actor(dist_env):
     train = backend()
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
