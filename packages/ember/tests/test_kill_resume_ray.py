@@ -83,6 +83,13 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return f"{pid} (gone)"
+
+
 def alive(pids: set[int]) -> set[int]:
     living = set()
     for pid in pids:
@@ -117,10 +124,10 @@ def test_sigkill_of_the_overlapped_driver_resumes_to_the_uninterrupted_runs_metr
     assert complete_checkpoints(run)  # at least rollout 1's
     # The killed driver's Ray goes with it (its head processes share its fate, and the
     # workers and actors theirs).
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while alive(ray_processes) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not alive(ray_processes), sorted(alive(ray_processes))
+    assert not alive(ray_processes), [command(pid) for pid in sorted(alive(ray_processes))]
 
     finish(train("--resume", str(run)))
     assert logged_rollouts(run) == [0, 1, 2, 3, 4]
