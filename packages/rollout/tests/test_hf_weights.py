@@ -66,6 +66,9 @@ def test_update_from_disk_and_from_tensors_switch_the_policy(other_checkpoint):
     asyncio.run(from_disk.update_weights_from_disk(other_checkpoint, weight_version="v1"))
     got = sample(from_disk)
     assert got.output_ids == expected.output_ids
+    # Exact: both engines build the same modules from the same config, and an update copies
+    # into the existing parameters, so the layouts, kernels and their order are the same on any
+    # processor (unlike an engine loaded through from_pretrained: test_moe_families.py).
     assert got.output_log_probs == expected.output_log_probs
     assert torch.equal(got.routed_experts, expected.routed_experts)
     assert got.meta_info["weight_version"] == "v1"
