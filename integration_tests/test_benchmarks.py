@@ -43,6 +43,7 @@ def test_logprob_sides_do_the_same_work_with_the_same_results(pass_, monkeypatch
         torch.testing.assert_close(grad, naive_grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # runs the benchmark: about 9 s
 def test_bench_logprobs_prints_medians_and_ratios(capsys):
     # [T, V] is 1 MiB, the chunked side's scratch 64 KiB: both far above a page.
     argv = ["--rows", "256", "--vocab", "1024", "--samples", "2", "--reps", "3"]

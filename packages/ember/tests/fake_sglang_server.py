@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import json
 import sys
 from pathlib import Path
@@ -31,6 +33,7 @@ from sglang_fake import (  # noqa: E402
     GROUP_EXISTS,
     MEMORY_TAGS,
     NO_GROUP,
+    SafeUnpickler,
     ServerState,
     bucket_layout,
     check_generate,
@@ -38,6 +41,7 @@ from sglang_fake import (  # noqa: E402
     failure,
     read_body,
     success,
+    unflatten_payload,
 )
 from weight_sender import join_group  # noqa: E402
 
@@ -152,16 +156,43 @@ class Server:
         )
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        # Outside a session sglang refuses; inside, CUDA IPC handles are what it opens, and a
-        # CPU machine has none to hand over (CPU tensors' shared-memory fds stay with their
-        # process), so every tensor update is a mistake here.
+        # Outside a session sglang refuses. Inside, TP rank 0 opens payload 0 with sglang's
+        # SafeUnpickler: on GPUs CUDA IPC handles, here CPU tensors by shared-memory file name
+        # (the sender's `file_system` sharing, as the real server on CPU takes them), and cuts
+        # the flattened bucket as sglang 0.5.23's `_update_weights_from_flattened_bucket` does.
         body, invalid = await self.body(request)
         if invalid is not None:
             return invalid
-        self.record({"route": "/update_weights_from_tensor"})
-        return self.state.outside_session(request.path) or failure(
-            "this CPU server cannot open tensor handles from another process"
-        )
+        entry = {
+            "route": "/update_weights_from_tensor",
+            "weight_version": body.get("weight_version"),
+        }
+        outside = self.state.outside_session(request.path)
+        if outside is not None:
+            self.record({**entry, "refused": "outside a session"})
+            return outside
+        if body.get("load_format") != "flattened_bucket":
+            self.record({**entry, "refused": "load_format"})
+            return failure(f"this fake receives flattened buckets only: {body.get('load_format')}")
+        try:
+            raw = base64.b64decode(body["serialized_named_tensors"][0], validate=True)
+            tensors = unflatten_payload(SafeUnpickler(io.BytesIO(raw)).load())
+        except Exception as exc:  # the scheduler's error, in the answer
+            self.record({**entry, "refused": f"{type(exc).__name__}: {exc}"})
+            return failure(f"{type(exc).__name__}: {exc}")
+        for tensor_name, tensor in tensors:
+            have = self.weights.get(tensor_name)
+            if have is not None and have.shape != tensor.shape:
+                self.record({**entry, "refused": tensor_name})
+                return failure(
+                    f"Failed to update parameter online: Attempted to load weight "
+                    f"({tensor.shape}) into parameter ({have.shape})."
+                )
+        for tensor_name, tensor in tensors:
+            if tensor_name in self.weights:
+                self.weights[tensor_name] = tensor.clone()  # the sender's buffer goes next
+        self.record({**entry, "names": [n for n, _ in tensors]})
+        return self.state.loaded("Success", body.get("weight_version"))
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         body, invalid = await self.body(request)

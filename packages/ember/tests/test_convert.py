@@ -38,6 +38,7 @@ def test_hf_to_megatron_to_hf_round_trip(tmp_path):
         assert back[name].equal(tensor), name
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_missing_source_is_named(tmp_path):
     run = convert("hf-to-megatron", str(tmp_path / "nope"), str(tmp_path / "out"))
     assert run.returncode == 2

@@ -125,6 +125,7 @@ def test_bad_plugin_section_fails_before_ray(capsys, no_ray):
     assert "ci_kl_checker.nope: unknown key" in _one_error_line(capsys)
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_bad_prompt_file_from_the_command_line_is_one_line(tmp_path):
     """The real entry point: stderr holds the one error line and nothing else."""
     path = _write(tmp_path / "prompts.jsonl", [json.dumps({"prompt": "a"})])

@@ -309,6 +309,48 @@ def test_attached_sglang_serves_the_trainers_weights_from_rollout_0_and_after_re
     assert log[0]["sums"] == after_rollout_0["sums"]
 
 
+def test_ipc_buckets_go_from_the_training_rank_to_its_engine_inside_one_session(
+    in_process, tmp_path, monkeypatch
+):
+    """The colocated path (`weights.transport: ipc`) on CPU up to the device call: the driver
+    opens the session, `TrainRank.send_weights_ipc` packs flattened buckets and hands them, by
+    shared-memory file name where a GPU would pass a CUDA IPC handle, to the sglang engine of its
+    GPU, which posts them to a launched server that opens and loads them. Only where the tensors
+    live differs from a GPU run (the device check covers that part)."""
+    # The rank waits on its engine with ray.get, here on a call that has already run.
+    monkeypatch.setattr(ember.actors.ray, "get", in_process.ray.get)
+    record = tmp_path / "launched.jsonl"
+    driver = make_driver(
+        in_process,
+        tmp_path / "run",
+        *sglang_overrides(record),
+        f"engine.sglang.python={launcher(tmp_path)}",
+        "weights.bucket_mb=1",
+        # Wide enough experts that the weights fill several 1 MiB buckets.
+        "train.model_overrides.moe_ffn_hidden_size=256",
+    )
+    driver.build()
+    perturb(driver)
+    wanted = trainer_weights(driver)
+    in_process.ray.got.clear()
+    launched = len(records(record))
+    driver._push_in_session("5", "ipc")
+    assert not any(holds_tensor(v) for v in in_process.ray.got)  # the driver holds no weight
+    log = records(record)[launched:]
+    routes = [r["route"] for r in log]
+    updates = [r for r in log if r["route"] == "/update_weights_from_tensor"]
+    assert routes == ["/begin_weight_update", *[u["route"] for u in updates], "/end_weight_update"]
+    assert len(updates) > 1 and not any("refused" in u for u in updates)
+    # Every tensor once, in the trainer's order; the version only with the last bucket.
+    assert [n for u in updates for n in u["names"]] == list(wanted)
+    assert [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + ["5"]
+    # The bytes go over untouched: the server holds the trainer's weights exactly.
+    assert log[-1]["sums"] == sums(wanted)
+    (sent,) = [v[0] for v in in_process.ray.got if isinstance(v, list) and v and "buckets" in v[0]]
+    assert sent["buckets"] == len(updates)
+    assert sent["bytes"] == sum(t.numel() * t.element_size() for t in wanted.values())
+
+
 # --------------------------------------------------------------------------------------------
 # Broadcast under Ray: the sending rank and the engines in one gloo group
 # --------------------------------------------------------------------------------------------

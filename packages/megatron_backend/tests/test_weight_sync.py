@@ -73,6 +73,7 @@ def test_bad_input_is_named():
     assert dtype_name(torch.float8_e4m3fn) == "float8_e4m3fn"
 
 
+@pytest.mark.slow  # a receiver subprocess
 def test_an_sglang_style_receiver_joins_the_senders_group_and_gets_every_bucket(tmp_path):
     """Two receiver processes join as sglang servers do (ranks 1 and 2 of 3); the group, its
     store keys and the bucket layout must all match for them to receive the right bytes."""

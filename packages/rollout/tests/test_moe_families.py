@@ -308,7 +308,17 @@ def test_engine_update_from_checkpoint_names_switches_policy_and_routing(
     got, expected = engine.generate_sync([request])[0], family_engine.generate_sync([request])[0]
     assert before.output_log_probs != expected.output_log_probs
     assert got.output_ids == expected.output_ids
-    assert got.output_log_probs == expected.output_log_probs
+    # Same weights, but not the same computation: the updated engine holds tensors written in
+    # place into a model built another way, and the CPU GEMMs block differently by layout and
+    # processor (AVX2 and AVX-512 machines differed by 2.4e-7 on a log-prob of -3.04). fp32
+    # over a few tiny layers: a few ulps of the log-prob's scale, far below the gap between
+    # the two policies (`before`) that the test tells apart.
+    torch.testing.assert_close(
+        torch.tensor(got.output_log_probs), torch.tensor(expected.output_log_probs),
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    gap = (torch.tensor(before.output_log_probs) - torch.tensor(expected.output_log_probs)).abs()
+    assert gap.max() > 1e-2
     assert torch.equal(got.routed_experts, expected.routed_experts)
     assert got.meta_info["weight_version"] == "7"
 

@@ -18,7 +18,7 @@ from sglang_real import broadcast_weights, hf_log_probs
 from ember_rollout.engine import EngineError, GenerateRequest, SamplingParams
 from ember_rollout.sglang_weights import serialize_named_tensors
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 PROMPTS = [[3, 4, 5, 6, 7], [9, 8, 2], [5, 5, 5, 5, 5, 5, 1]]
 

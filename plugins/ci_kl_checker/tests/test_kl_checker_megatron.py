@@ -13,19 +13,16 @@ import logging
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
 from ember_ci_kl_checker import plugin as checker_plugin
 from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig
 from ember_core.plugins import EmberPlugins
-
-torch = pytest.importorskip("torch", reason="drives the Megatron backend on CPU")
-pytest.importorskip("ember_megatron_backend", reason="drives the Megatron backend on CPU")
-
-from ember_core.types import Sample  # noqa: E402
-from ember_megatron_backend.config import BackendConfig, OptimizerConfig  # noqa: E402
-from ember_megatron_backend.parallel import destroy_distributed, init_distributed  # noqa: E402
-from ember_megatron_backend.worker import MegatronWorker  # noqa: E402
+from ember_core.types import Sample
+from ember_megatron_backend.config import BackendConfig, OptimizerConfig
+from ember_megatron_backend.parallel import destroy_distributed, init_distributed
+from ember_megatron_backend.worker import MegatronWorker
 
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning")
 

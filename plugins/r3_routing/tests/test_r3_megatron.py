@@ -15,32 +15,27 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
+from ember_ci_kl_checker import plugin as checker_plugin
 from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig
 from ember_core.hookspecs import ExemptionScope, KLExemption, Phase, Role, hookimpl
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample, pack_samples
-from ember_r3_routing import R3RoutingConfig
-from ember_r3_routing import plugin as r3_plugin
-
-pytest.importorskip("ember_megatron_backend", reason="drives the Megatron backend on CPU")
-pytest.importorskip("ember_ci_kl_checker", reason="the combinations include the KL checker")
-
-from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
-from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
-
-from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError  # noqa: E402
-from ember_ci_kl_checker import plugin as checker_plugin  # noqa: E402
-from ember_megatron_backend.config import BackendConfig, OptimizerConfig  # noqa: E402
-from ember_megatron_backend.forward import (  # noqa: E402
+from ember_megatron_backend.config import BackendConfig, OptimizerConfig
+from ember_megatron_backend.forward import (
     model_inputs,
     router_rows,
     router_rows_to_stream,
 )
-from ember_megatron_backend.model import build_model  # noqa: E402
-from ember_megatron_backend.parallel import destroy_distributed, init_distributed  # noqa: E402
-from ember_megatron_backend.routing import natural_routing  # noqa: E402
-from ember_megatron_backend.worker import MegatronWorker  # noqa: E402
+from ember_megatron_backend.model import build_model
+from ember_megatron_backend.parallel import destroy_distributed, init_distributed
+from ember_megatron_backend.routing import natural_routing
+from ember_megatron_backend.worker import MegatronWorker
+from ember_r3_routing import R3RoutingConfig
+from ember_r3_routing import plugin as r3_plugin
 
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning")
 
@@ -223,6 +218,7 @@ class RouterLog:
 # -- the four combinations ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # about 9 s
 @pytest.mark.parametrize(
     "names",
     [[], ["r3_routing"], ["ci_kl_checker"], ["r3_routing", "ci_kl_checker"]],
@@ -326,6 +322,7 @@ def micro_batches(batch) -> int:
     return sum(len(step) for step in batch.steps)
 
 
+@pytest.mark.slow  # about 9 s
 def test_under_r3_the_reference_replaying_the_rollout_routing_matches_the_actor(dist_env):
     train = backend()
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)

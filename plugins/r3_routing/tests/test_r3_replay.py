@@ -9,18 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay
+from megatron.core.transformer.transformer_config import TransformerConfig
 from r3_samples import NUM_EXPERTS, make_sample, small_shape
 
 from ember_core.heads import zigzag_split
 from ember_core.hookspecs import Phase, Role
 from ember_core.types import pack_samples
 from ember_r3_routing.replay import configure_model, replay_targets
-
-pytest.importorskip("megatron.core", reason="replay drives megatron-core's TopKRouter")
-
-from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
-from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning")
 

@@ -15,25 +15,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from ember.config import load_config
 from ember_calc_tool import SECTION, calculate
 from ember_calc_tool import plugin as calc_plugin
 from ember_calc_tool.task import CALC
 from ember_core.plugins import EmberPlugins
+from ember_megatron_backend.parallel import destroy_distributed, init_distributed
+from ember_megatron_backend.worker import MegatronWorker
+from ember_r3_routing import plugin as r3_plugin
 from ember_rollout import RolloutGenerator
 from ember_rollout.config import HFEngineConfig
 from ember_rollout.hf_engine import HFEngine
 from ember_rollout.tokenizer import load_tokenizer, save_tokenizer_for_model
-
-pytest.importorskip("ember_megatron_backend", reason="trains on the Megatron backend")
-pytest.importorskip("ember_r3_routing", reason="replays routing with the r3_routing plugin")
-
-from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
-
-from ember_megatron_backend.parallel import destroy_distributed, init_distributed  # noqa: E402
-from ember_megatron_backend.worker import MegatronWorker  # noqa: E402
-from ember_r3_routing import plugin as r3_plugin  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,

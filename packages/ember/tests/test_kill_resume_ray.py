@@ -1,0 +1,134 @@
+"""SIGKILL of a real `ember train` under Ray, in the default overlapped loop, then `--resume`.
+
+`test_async_resume.py` kills at exact points of the loop, with the actors in the killed process
+and each call run when it is made. Here nothing stands in: the driver starts its own local Ray
+with the default config (rollout i + 1 generating while rollout i trains, weights broadcast),
+is SIGKILLed once it has published a checkpoint and gone on, and the resumed run must log what
+an uninterrupted run logs, leaving no process of the killed run's Ray behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ember.driver import complete_checkpoints
+
+pytestmark = pytest.mark.slow
+
+RUN = [
+    "--set", "train.model_overrides.num_layers=2",
+    "--set", "rollout.rollout_batch_size=2",
+    "--set", "rollout.n_samples_per_prompt=2",
+    "--set", "rollout.max_response_len=8",
+    "--set", "train.num_steps_per_rollout=2",
+    "--set", "run.num_rollouts=5",
+    "--set", "run.save_interval=1",
+    "--set", "run.plot=false",
+    "--set", "run.tensorboard=false",
+    "--set", "ray.threads_per_actor=1",
+]  # fmt: skip
+ENV = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def train(*args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "ember.cli", "train", *args]
+    return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish(process: subprocess.Popen, timeout: float = 900) -> None:
+    out, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, out.decode(errors="replace")[-3000:]
+
+
+def comparable(run_dir: Path) -> list[dict]:
+    """The run's records without wall-clock time and `perf/*` timings."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [
+        {k: v for k, v in record.items() if k != "time" and not k.startswith("perf/")}
+        for record in map(json.loads, lines)
+    ]
+
+
+def logged_rollouts(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["rollout_id"] for r in records if r["kind"] == "rollout"]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` now (Ray's head processes, workers and actors)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return f"{pid} (gone)"
+
+
+def alive(pids: set[int]) -> set[int]:
+    living = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            living.add(pid)
+    return living
+
+
+def test_sigkill_of_the_overlapped_driver_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    finish(train(*RUN, "--set", f"run.dir={reference}"))
+    assert logged_rollouts(reference) == [0, 1, 2, 3, 4]
+    staleness = [r["rollout/staleness"] for r in map(json.loads, (reference / "metrics.jsonl")
+                 .read_text().splitlines()) if r["kind"] == "rollout"]  # fmt: skip
+    assert staleness == [0.0, 1.0, 1.0, 1.0, 1.0]  # the default overlaps rollout and training
+
+    driver = train(*RUN, "--set", f"run.dir={run}")
+    deadline = time.monotonic() + 900
+    # Kill once rollout 2 is logged: checkpoint 1 is published, rollout 3 is generating.
+    while 2 not in logged_rollouts(run):
+        assert driver.poll() is None, driver.stdout.read().decode(errors="replace")[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    ray_processes = descendants(driver.pid)
+    assert ray_processes  # its own Ray: GCS, raylet, workers and actors
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.communicate()
+    assert complete_checkpoints(run)  # at least rollout 1's
+    # The killed driver's Ray goes with it (its head processes share its fate, and the
+    # workers and actors theirs).
+    deadline = time.monotonic() + 120
+    while alive(ray_processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(ray_processes), [command(pid) for pid in sorted(alive(ray_processes))]
+
+    finish(train("--resume", str(run)))
+    assert logged_rollouts(run) == [0, 1, 2, 3, 4]
+    assert comparable(run) == comparable(reference)
