@@ -165,18 +165,30 @@ def test_kl_checker_stands_down_for_r3_with_one_line(shape, reset_plugin, caplog
         # R3 excuses routing only: the checker asks for the replayed reference at rollout 0.
         assert plugins.replayed_reference_forward(0)
         assert not plugins.replayed_reference_forward(1)
-        first_step = {"train/ppo_kl": 0.0, "train/pg_clipfrac": 0.0, "train/kl_loss": 0.004}
-        rollout = {"rollout/log_probs": -1.0, "rollout/ref_log_probs": -1.1}
+        first_step = {
+            "train/ppo_kl": 0.0,
+            "train/pg_clipfrac": 0.0,
+            "train/kl_loss": 0.004,
+            "train/replay_agreement": 1.0,  # the training forward replayed every expert
+        }
+        rollout = {
+            "rollout/log_probs": -1.0,
+            "rollout/ref_log_probs": -1.1,
+            "rollout/audit": 1.0,  # rollout 0 is an audit: the trainer scored it itself
+            "rollout/train_rollout_logprob_abs_diff": 0.0,
+            "rollout/train_rollout_logprob_max_abs_diff": 0.0,
+        }
         replayed = "rollout/ref_replayed_log_probs_max_abs_diff"
         with pytest.raises(AssertionError, match=f"{replayed} is not logged"):
             plugins.after_log_rollout_data(0, rollout)
         plugins.after_log_rollout_data(0, {**rollout, replayed: 0.0})
         plugins.after_train_step(0, 0, 0, first_step)
-        [record] = caplog.records
+        reason = f"r3_routing: {r3_plugin.EXEMPTION_REASON}"
+        [record] = [r for r in caplog.records if reason in r.getMessage()]
         assert f"r3_routing: {r3_plugin.EXEMPTION_REASON}" in record.getMessage()
         assert "first_rollout_ref_replayed_log_probs at rollout 0" in record.getMessage()
         with pytest.raises(AssertionError, match="first_step_ppo_kl"):
-            plugins.after_train_step(0, 0, 0, {"train/ppo_kl": 0.01, "train/pg_clipfrac": 0.0})
+            plugins.after_train_step(0, 0, 0, {**first_step, "train/ppo_kl": 0.01})
     finally:
         plugins.unregister("ci_kl_checker")
         plugins.unregister("r3_routing")
