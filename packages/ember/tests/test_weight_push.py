@@ -11,6 +11,7 @@ record what they load.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -609,3 +610,96 @@ def test_a_broadcast_that_fails_midway_frees_every_engine_and_the_next_push_regr
         assert bad == [] and served == "1"
     (name,) = set(sum(ray.get([e.__ray_call__.remote(groups) for e in engines]), []))
     assert name == ray.get(rank.__ray_call__.remote(group_name)), "one new group, all joined"
+
+
+# --------------------------------------------------------------------------------------------
+# The colocated memory hand-off, wired by Driver.build and Driver.restore
+# --------------------------------------------------------------------------------------------
+
+
+def test_colocated_hand_off_through_build_the_loop_and_restore_with_real_offload(
+    in_process, tmp_path, monkeypatch
+):
+    """A colocated GPU layout (`ray.gpus_per_rank` and `gpus_per_engine` > 0) as `Driver.build`
+    wires it, on CPU: the trainer's real `TrainerOffload` moves its CPU storages out and back
+    as it would move GPU ones, and the run trains, checkpoints and resumes through it."""
+    import ember_megatron_backend.offload as offload
+    from ember.placement import Placement
+
+    moved: list[tuple[str, int]] = []
+    real_init, real_offload = offload.TrainerOffload.__init__, offload.TrainerOffload.offload
+    real_reload = offload.TrainerOffload.reload
+
+    def init(self, worker, *, device_type="cuda"):
+        real_init(self, worker, device_type="cpu")  # the storages this machine has
+
+    def offload_part(self, part):
+        moved.append((f"offload {part}", real_offload(self, part)))
+        return moved[-1][1]
+
+    def reload(self):
+        moved.append(("reload", real_reload(self)))
+        return moved[-1][1]
+
+    # The rank waits on the engines with ray.get, here on calls that have already run.
+    monkeypatch.setattr(ember.actors.ray, "get", in_process.ray.get)
+    monkeypatch.setattr(offload.TrainerOffload, "__init__", init)
+    monkeypatch.setattr(offload.TrainerOffload, "offload", offload_part)
+    monkeypatch.setattr(offload.TrainerOffload, "reload", reload)
+    # No GPUs here: the actors go where a CPU layout puts them (placement has its own tests).
+    real_create = Placement.create
+    cpu = load_config("default", overrides=TINY)[0].ray
+    monkeypatch.setattr(
+        ember.driver.Placement,
+        "create",
+        staticmethod(lambda config: real_create(dataclasses.replace(config, ray=cpu))),
+    )
+    run_dir = tmp_path / "run"
+    colocated = ["ray.gpus_per_rank=0.5", "ray.gpus_per_engine=0.5", "run.save_interval=1",
+                 "rollout.async=false",  # colocated engines cannot generate during training
+                 "weights.transport=disk"]  # fmt: skip
+    driver = make_driver(in_process, run_dir, *colocated, "run.num_rollouts=2")
+    driver.run()
+    assert driver.handoff.enabled
+    sizes = dict(moved[:2])
+    assert [m for m, _ in moved[:2]] == ["offload training_state", "offload weights"]
+    assert sizes["offload weights"] > 0  # the parameters really left
+    restored = [b for m, b in moved if m == "reload"]
+    assert restored and all(b >= sizes["offload weights"] for b in restored)
+    rank = [name for name, _ in in_process.train.handles[0].calls]
+    engine = [name for name, _ in in_process.engines.handles[0].calls]
+    first = rank.index("prepare")
+    assert rank[rank.index("save_tokenizer") + 1 : first] == ["offload", "offload", "reload"]
+    assert engine.index("release_memory") < engine.index("resume_memory")
+    assert [r["rollout_id"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "rollout"]\
+        == [0, 1]  # fmt: skip
+    driver.shutdown()
+
+    # Restore: the trainer reloads before it loads the checkpoint, the push sits between the
+    # offloads, and the run goes on.
+    moved.clear()
+    # On a GPU the optimizer's load_state_dict casts the loaded state onto the parameters'
+    # device, into fresh storages; on CPU it keeps torch.load's own, which cannot be resized
+    # (so cannot be offloaded): give the CPU run fresh ones too.
+    import ember_megatron_backend.checkpoint as checkpoint
+
+    def fresh(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, dict):
+            return {k: fresh(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(fresh(v) for v in value)
+        return value
+
+    real_load = torch.load
+    monkeypatch.setattr(checkpoint.torch, "load", lambda *a, **k: fresh(real_load(*a, **k)))
+    resumed = make_driver(in_process, run_dir, *colocated, "run.num_rollouts=3")
+    resumed.run(resume=True)
+    calls = [name for name, _ in in_process.train.handles[-1].calls]
+    load = calls.index("load")
+    assert calls[load - 1] == "reload"
+    assert calls[load + 1 : load + 4] == ["offload", "export_hf", "offload"]
+    assert [m for m, _ in moved][:2] == ["offload training_state", "offload weights"]
+    assert [r["rollout_id"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "rollout"]\
+        == [0, 1, 2]  # fmt: skip
