@@ -28,9 +28,11 @@ def _hide_ungranted_gpus() -> None:
     started it for the others (_private/utils.py `set_visible_accelerator_ids`, 289-291,
     unless RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO is set), so a rank or engine placed with 0 GPUs
     would see every GPU of its node and pick cuda:0, beside whatever Ray put there. Runs
-    before torch initialises CUDA, which reads the variable once.
+    before torch initialises CUDA, which reads the variable once. Outside a Ray worker (actor
+    classes run in the caller's process) it does nothing: `ray.get_gpu_ids()` would start a
+    local Ray there.
     """
-    if not ray.get_gpu_ids():
+    if ray.is_initialized() and not ray.get_gpu_ids():
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
