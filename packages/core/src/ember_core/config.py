@@ -289,7 +289,8 @@ class AlgorithmConfig:
     false) that is the trainer's scoring forward. With use_rollout_log_probs true the engine's
     log-probs are the old policy and lp_anchor is each training forward's own log-probs,
     detached: the weight is then pi_theta / pi_rollout itself, the PPO ratio is 1 and never
-    clipped, and the bound on the weight is the trust region (verl's bypass mode). Null (the
+    clipped, and the bound on the weight is the trust region (verl's bypass mode); GSPO and
+    eps_clip_c are refused there. See docs/learning-stability.md. Null (the
     default) becomes true when `rollout.async` is true and `use_rollout_log_probs` false, and
     false otherwise."""
     tis_mode: str = "truncate"
