@@ -105,8 +105,9 @@ def test_rollout_async_turns_tis_on_unless_use_tis_is_set():
         "default", overrides=["rollout.async=false", TRAINER_OLD, "algorithm.use_tis=true"]
     )
     assert config.algorithm.use_tis is True
-    with pytest.raises(ValueError, match=r"use_tis=true with use_rollout_log_probs=true"):
-        load_config("default", overrides=["algorithm.use_tis=true"])
+    # With the engine's log-probs as the old policy, TIS weighs pi_theta / pi_rollout.
+    config, _ = load_config("default", overrides=["algorithm.use_tis=true"])
+    assert config.algorithm.use_tis is True and config.algorithm.use_rollout_log_probs is True
 
 
 @pytest.mark.parametrize(

@@ -283,18 +283,29 @@ class AlgorithmConfig:
     compares the step's own log-probs with the engine's (at step 0: the mismatch). CI audits
     (ci_kl_checker) score some rollouts anyway."""
     use_tis: bool | None = None
-    """Truncated importance sampling: scale the policy loss by clamp(exp(lp_train - lp_rollout));
-    null (the default) becomes true when `rollout.async` is true (and `use_rollout_log_probs`
-    false) and false otherwise."""
+    """Importance sampling against the engine's log-probs: multiply the policy loss per token
+    by a weight bounded by `tis_mode` from ratio = exp(lp_anchor - lp_rollout), lp_anchor the
+    log-probs that anchor the PPO ratio. With the trainer's old log-probs (use_rollout_log_probs
+    false) that is the trainer's scoring forward. With use_rollout_log_probs true the engine's
+    log-probs are the old policy and lp_anchor is each training forward's own log-probs,
+    detached: the weight is then pi_theta / pi_rollout itself, the PPO ratio is 1 and never
+    clipped, and the bound on the weight is the trust region (verl's bypass mode); GSPO and
+    eps_clip_c are refused there. See docs/learning-stability.md. Null (the
+    default) becomes true when `rollout.async` is true and `use_rollout_log_probs` false, and
+    false otherwise."""
+    tis_mode: str = "truncate"
+    """How the TIS weight is bounded (with use_tis): truncate clamps the ratio to
+    [tis_clip_low, tis_clip] (token TIS); mask keeps the ratio inside that band and zeroes the
+    token's policy loss outside it (masked IS, MIS), its sample's token count unchanged."""
     tis_clip: float = 2.0
-    """Upper clamp of the TIS weight."""
+    """Upper bound of the TIS weight (truncate: clamp; mask: tokens above are masked)."""
     tis_clip_low: float = 0.0
-    """Lower clamp of the TIS weight."""
+    """Lower bound of the TIS weight (truncate: clamp; mask: tokens below are masked)."""
     value_clip: float = 0.2
     """Clip range of value predictions around the old values (PPO critic)."""
 
     def __post_init__(self) -> None:
-        from ember_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+        from ember_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, TIS_MODES
 
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             known = ", ".join(ADVANTAGE_ESTIMATORS.names())
@@ -330,13 +341,23 @@ class AlgorithmConfig:
             f"0 <= tis_clip_low < tis_clip={self.tis_clip}",
         )
         check(self.value_clip > 0, "value_clip", self.value_clip, "> 0")
+        if self.tis_mode not in TIS_MODES:
+            known = ", ".join(TIS_MODES.names())
+            raise ValueError(f"tis_mode={self.tis_mode!r}: expected one of {known}")
         if self.use_rollout_log_probs and self.use_tis:
-            raise ValueError(
-                "use_tis=true with use_rollout_log_probs=true: TIS weighs the trainer's old "
-                "log-probs against the engine's, and use_rollout_log_probs makes them the same "
-                "(the ratio is already taken against the policy that sampled); set one of them "
-                "false"
-            )
+            # The weight pi_theta / pi_rollout replaces the PPO ratio there (see use_tis).
+            if ADVANTAGE_ESTIMATORS.get(self.advantage_estimator).sequence_ratio:
+                raise ValueError(
+                    f"advantage_estimator={self.advantage_estimator!r} with use_tis=true and "
+                    "use_rollout_log_probs=true: the token TIS weight would replace its "
+                    "sequence-level ratio; set use_tis=false or use_rollout_log_probs=false"
+                )
+            if self.eps_clip_c is not None:
+                raise ValueError(
+                    f"eps_clip_c={self.eps_clip_c} with use_tis=true and "
+                    "use_rollout_log_probs=true: the PPO ratio is then 1 and the dual clip "
+                    "never acts (tis_clip bounds the weight); set eps_clip_c=null"
+                )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,11 +8,13 @@ import torch
 from torch import Tensor
 
 from ember_core.algorithms import (
+    TIS_OUT_OF_BOUNDS_METRIC,
     approx_kl,
     compose_loss,
     gspo_policy_loss,
     policy_loss,
     reduce_loss,
+    tis_policy_loss,
     tis_weights,
     value_loss,
 )
@@ -84,7 +86,7 @@ def actor_metric_keys(algorithm: AlgorithmConfig, batch: RolloutBatch) -> list[s
     if batch.rollout_log_probs is not None:
         keys.append(mismatch_key(batch))
         if algorithm.use_tis:
-            keys += ["tis", "tis_clipfrac"]
+            keys += ["tis", TIS_OUT_OF_BOUNDS_METRIC[algorithm.tis_mode], "tis_max"]
     return keys
 
 
@@ -108,8 +110,11 @@ def actor_loss(
     over the micro-batch), with detached metrics named as in `actor_metric_keys`.
 
     Policy loss: PPO's clipped surrogate, or GSPO's sequence-level ratio when the estimator
-    asks for it; scaled per token by TIS weights when `use_tis`; then entropy bonus and KL
-    loss (to the reference, reported whenever a reference exists) by ``compose_loss``.
+    asks for it; scaled per token by TIS weights when `use_tis` (``tis_policy_loss``: with the
+    engine's log-probs as the old policy, the weight is this forward's pi_theta / pi_rollout and
+    replaces the ratio); then entropy bonus and KL loss (to the reference, reported whenever a
+    reference exists) by ``compose_loss``. With TIS, "tis_max" is the largest unbounded ratio
+    over the micro-batch's counted tokens (a maximum, not a mean: see `metrics.STEP_MAXIMA`).
     """
     log_probs = torch.cat(head.log_probs)
     device = log_probs.device
@@ -131,30 +136,54 @@ def actor_loss(
         eps_clip_high=algorithm.eps_clip_high,
         eps_clip_c=algorithm.eps_clip_c,
     )
+    rollout = None if batch.rollout_log_probs is None else given(batch.rollout_log_probs)
+    tis = dict(tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low)
+    if algorithm.use_tis and rollout is None:
+        raise ValueError("algorithm.use_tis needs the engine's log-probs (rollout_log_probs)")
     if sequence_ratio:
         pg, per_token = gspo_policy_loss(log_probs, old, advantages, mask, lengths, **clip)
+        if algorithm.use_tis:
+            # Config refuses GSPO with TIS when the old log-probs are the engine's.
+            assert rollout is not None and not batch.old_from_engine
+            weights, extra = tis_weights(old, rollout, mode=algorithm.tis_mode, **tis)
+            pg, per_token = pg * weights, {**per_token, **extra}
+    elif algorithm.use_tis:
+        # With the engine's log-probs as the old policy (outside audits) the weight's numerator
+        # and the ratio's anchor are this forward's own log-probs (see `tis_policy_loss`).
+        assert rollout is not None
+        anchor = None if batch.old_from_engine else old
+        pg, per_token = tis_policy_loss(
+            log_probs,
+            rollout,
+            advantages,
+            old_log_probs=anchor,
+            mode=algorithm.tis_mode,
+            **tis,
+            **clip,
+        )
     else:
         pg, per_token = policy_loss(log_probs, old, advantages, **clip)
     metrics = {"pg_clipfrac": per_token["pg_clipfrac"], "ppo_kl": per_token["ppo_kl"]}
     if algorithm.eps_clip_c is not None:
         metrics["dual_clipfrac"] = per_token["dual_clipfrac"]
-    if batch.rollout_log_probs is not None:
-        rollout = given(batch.rollout_log_probs)
+    tis_max = None
+    if rollout is not None:
         # The trainer's old log-probs against the engine's; when the old ones are the engine's
         # (use_rollout_log_probs outside audits), this step's own (at step 0 the same weights
         # as the sampler's unless the batch is stale: the mismatch).
         trained = log_probs.detach() if batch.old_from_engine else old
         metrics[mismatch_key(batch)] = (trained - rollout).abs()
         if algorithm.use_tis:
-            weights, tis = tis_weights(
-                old, rollout, tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low
+            out = TIS_OUT_OF_BOUNDS_METRIC[algorithm.tis_mode]
+            metrics["tis"], metrics[out] = per_token["tis"], per_token[out]
+            counted_ratios = per_token["tis"][counted]
+            tis_max = (
+                counted_ratios.max() if counted_ratios.numel() else per_token["tis"].new_zeros(())
             )
-            pg = pg * weights
-            metrics.update(tis)
     kl = None
     if batch.ref_log_probs is not None:
         kl = approx_kl(log_probs, given(batch.ref_log_probs), algorithm.kl_loss_type)
-    return compose_loss(
+    loss, reduced = compose_loss(
         pg,
         mask,
         lengths,
@@ -166,6 +195,9 @@ def actor_loss(
         use_kl_loss=algorithm.use_kl_loss,
         reduction=algorithm.loss_reduction,
     )
+    if tis_max is not None:
+        reduced["tis_max"] = tis_max.detach()
+    return loss, reduced
 
 
 def critic_loss(

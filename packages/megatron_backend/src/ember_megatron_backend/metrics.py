@@ -19,7 +19,9 @@ __all__ = [
     "REF_MAX_ABS_DIFF",
     "REF_REPLAYED_MAX_ABS_DIFF",
     "ROLLOUT_KEYS",
+    "STEP_MAXIMA",
     "SampleMeans",
+    "accumulate",
     "masked_max_abs_diff",
     "reduce_sums",
     "rollout_metrics",
@@ -84,12 +86,39 @@ class SampleMeans:
         }
 
 
+STEP_MAXIMA = frozenset({"tis_max"})
+"""Step metrics that are maxima over the step's counted tokens, not weighted means: a
+micro-batch's value replaces the running one when larger, and ranks take the maximum. Each is
+>= 0, so a pipeline stage that computed nothing (0) does not change it."""
+
+
+def _is_maximum(key: str) -> bool:
+    return key.rsplit("/", 1)[-1] in STEP_MAXIMA
+
+
+def accumulate(sums: dict[str, Tensor], metrics: dict[str, Tensor], weight: float) -> None:
+    """Add one micro-batch's metrics into a step's running values: weighted by the
+    micro-batch's share `weight` of the step's denominator, or by maximum (`STEP_MAXIMA`)."""
+    for key, metric in metrics.items():
+        value = metric.double().cpu()
+        sums[key] = (
+            torch.maximum(sums[key], value) if _is_maximum(key) else sums[key] + value * weight
+        )
+
+
 def reduce_sums(values: dict[str, Tensor | float], group: Any = None) -> dict[str, float]:
-    """Sum each value over the ranks of `group`; every rank passes the same keys in order."""
+    """Sum each value over the ranks of `group` (the maximum for `STEP_MAXIMA` keys); every
+    rank passes the same keys in order."""
     keys = list(values)
     acc = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        maxima = torch.tensor([_is_maximum(k) for k in keys])
+        if maxima.any():
+            top = torch.where(maxima, acc, torch.zeros_like(acc))
+            comm.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         comm.all_reduce(acc, group=group)
+        if maxima.any():
+            acc = torch.where(maxima, top, acc)
     return {k: float(v) for k, v in zip(keys, acc, strict=True)}
 
 

@@ -38,7 +38,12 @@ from ember_megatron_backend.losses import (
     policy_head,
     value_head,
 )
-from ember_megatron_backend.metrics import reduce_sums, rollout_metrics, routing_means
+from ember_megatron_backend.metrics import (
+    accumulate,
+    reduce_sums,
+    rollout_metrics,
+    routing_means,
+)
 from ember_megatron_backend.model import build_model
 from ember_megatron_backend.optimizer import build_optimizer, wrap_ddp
 from ember_megatron_backend.parallel import require_no_context_parallel
@@ -481,8 +486,7 @@ class MegatronWorker:
             else:
                 value, metrics = critic_loss(value_head(rows, mb), mb, batch, self.algorithm)
             weight = local_denominator(batch, mb.indices, self.algorithm.loss_reduction) / total
-            for key, metric in metrics.items():
-                sums[key] += metric.double().cpu() * weight
+            accumulate(sums, metrics, weight)
             return value * (weight * dp_size)
 
         def forward(role: Role, mb: MicroBatch) -> Any:
