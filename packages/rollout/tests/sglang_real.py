@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import json
 import queue
 import subprocess
@@ -166,12 +167,18 @@ def launch(root: Path) -> tuple[SGLangEngine, asyncio.AbstractEventLoop, RealSer
     return engine, loop, RealServer(url=engine.urls[0], base=base, other=other)
 
 
+@functools.lru_cache(maxsize=4)
+def hf_model(path: Path):
+    """The checkpoint at `path` in transformers, fp32, loaded once per test session."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def hf_log_probs(path: Path, tokens: list[int], prompt_len: int, temperature: float = 1.0):
     """transformers' fp32 log-probs of `tokens[prompt_len:]` given what precedes each, at
     `temperature`, and each layer's router top-k per position ([len - 1, layers, k], sorted)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = hf_model(path)
     with torch.no_grad():
         out = model(torch.tensor([tokens]), output_router_logits=True)
     logits = out.logits[0, prompt_len - 1 : len(tokens) - 1] / temperature

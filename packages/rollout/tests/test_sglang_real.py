@@ -25,7 +25,8 @@ PROMPTS = [[3, 4, 5, 6, 7], [9, 8, 2], [5, 5, 5, 5, 5, 5, 1]]
 FP32_LOG_PROB_TOL = 1e-5
 """fp32 server against fp32 transformers on the same checkpoint: the same math with different
 kernels (SGLang's torch-native attention and fused MoE vs transformers'); measured 2.4e-7 on a
-2-core AMD EPYC (AVX2), so 1e-5 leaves room for another processor's summation order."""
+2-core AMD EPYC (AVX2 and AVX-512F), so 1e-5 leaves room for another processor's summation
+order."""
 
 
 def requests(*, temperature=1.0, max_new_tokens=6, routed=False, top_k=-1, ignore_eos=True):
