@@ -226,3 +226,15 @@ def test_config_given_as_an_option_reads_like_the_argument(tmp_path, capsys, no_
     assert "rollout.temperature=-1.0: expected a finite number > 0" in _one_error_line(capsys)
     assert main(["train", str(path), "--config", str(path)]) == USAGE_ERROR
     assert _one_error_line(capsys).startswith("two configs,")
+
+
+def test_sglang_without_its_extra_fails_before_ray_with_the_install_command(
+    capsys, no_ray, monkeypatch
+):
+    from ember_rollout import sglang_cpu
+
+    monkeypatch.setattr(sglang_cpu, "sglang_installed", lambda: False)  # as without the extra
+    assert main(["train", "--set", "engine.kind=sglang"]) == USAGE_ERROR
+    error = _one_error_line(capsys)
+    assert "engine.kind=sglang launches SGLang servers, but sglang is not installed" in error
+    assert "uv sync --extra sglang" in error

@@ -189,9 +189,11 @@ class SGLangEngineConfig:
     tp_size: int = 1
     """Tensor-parallel size of each server (of attached ones too: tensor updates need it)."""
     base_gpu_id: int = 0
-    """First GPU of launched servers: server i gets `--base-gpu-id base_gpu_id + i * tp_size`."""
+    """First GPU of launched servers: server i gets `--base-gpu-id base_gpu_id + i * tp_size`
+    (servers on GPUs; a CPU server has none to place)."""
     mem_fraction_static: float | None = None
-    """SGLang's --mem-fraction-static (GPU memory share for weights and KV cache); None: default."""
+    """SGLang's --mem-fraction-static (the share of GPU memory, or on CPU of the machine's, for
+    weights and KV cache); None: SGLang's default."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where launched servers run: cuda, or cpu (the real SGLang server on a machine without a
     GPU: sglang's CPU engine with Ember's stand-ins for its CUDA-only kernels, see

@@ -178,13 +178,15 @@ class ServerLauncher:
         ]
         if cfg.dtype != "auto":
             command += ["--dtype", cfg.dtype]
+        # On CPU sglang takes the fraction of the machine's memory (its KV cache, unless
+        # --max-total-tokens caps it, as the CPU flags do).
+        if cfg.mem_fraction_static is not None:
+            command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         args = list(cfg.server_args) + self.extra_server_args
-        if resolve_device(cfg.device) == "cpu":
+        if resolve_device(cfg.device) == "cpu":  # no GPUs to place servers on
             return command + sglang_cpu.server_args(args)
         # sglang 0.5.23 entrypoints/engine.py: TP rank r runs on GPU base_gpu_id + r (step 1)
         command += ["--base-gpu-id", str(cfg.base_gpu_id + index * cfg.tp_size)]
-        if cfg.mem_fraction_static is not None:
-            command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         return command + args
 
     def _port(self, index: int) -> int:
