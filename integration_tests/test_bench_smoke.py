@@ -41,18 +41,20 @@ def test_bench_e2e_prints_every_phase_and_the_engines_ratio_of_the_rollout_phase
     out = _run("tools/bench_e2e.py", "--rollouts", "2", "--rows", "phases,engines", *sets,
                timeout=900)  # fmt: skip
     _figure(r"^default: 1 iterations measured \(after 1 warm-up\), 16 samples", out)
-    shares = []
+    shares, seconds = [], []
     for label in ("rollout \\(waited\\)", "ref \\+ old log-probs", "training", "weight push"):
         row = _figure(rf"^{label}\s+(\d+\.\d+)\s+(\d+\.\d+)%\s+(\d+\.\d+)$", out)
+        seconds.append(float(row.group(1)))
         shares.append(float(row.group(2)))
     # The phases run in turn (rollout.async=false), so they make up almost all the iteration.
     assert 50.0 < sum(shares) <= 100.5, shares
     ratio = _figure(r"^rollout phase, 2 engines x 1 thread vs 1 engine x 2 threads: "
                     r"(\d+\.\d+) vs (\d+\.\d+) s/iter -> (\d+\.\d+)x", out)  # fmt: skip
     two, one = float(ratio.group(1)), float(ratio.group(2))
-    # The rollout phase itself, not the wait of an overlapped loop (milliseconds): generating
-    # 16 samples of the tiny model takes a good fraction of a second on either side.
-    assert two > 0.05 and one > 0.05, out
+    # The rollout phase itself, not the wait of an overlapped loop (milliseconds): both sides
+    # generate the same 16 samples as the in-turn run above, whose rollout phase took
+    # `seconds[0]`, so neither can be many times faster than it on the same machine.
+    assert two > seconds[0] / 4 and one > seconds[0] / 4, out
 
 
 def test_bench_weights_reports_both_paths_for_both_sizes():

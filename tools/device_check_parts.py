@@ -206,7 +206,7 @@ def part_ipc(part: Any, sizes: Any) -> None:
     from gpu_support import megatron_worker
 
     from ember_megatron_backend.weight_sync import bucket_weights
-    from ember_rollout.sglang_engine import _serialize_for_ipc, serialize_flattened_bucket
+    from ember_rollout.sglang_weights import _serialize_for_ipc, serialize_flattened_bucket
 
     ensure_distributed()
     worker = megatron_worker(dtype=sizes.dtype, model_overrides=sizes.model_overrides)

@@ -101,11 +101,17 @@ class Member:
         return files
 
     def modules(self) -> set[str]:
-        """Dotted names of every module of the import packages."""
+        """Dotted names of every module of the import packages. A folder without an
+        `__init__.py` is data, not a subpackage (the `sglang_cpu/site/` directory goes on a
+        server's own path as top-level modules), so nothing under it is named."""
+        src = self.path / "src"
         names = set()
         for path in self.source_files():
-            if path.endswith(".py"):
-                parts = path.removesuffix(".py").split("/")
+            if not path.endswith(".py"):
+                continue
+            parts = path.removesuffix(".py").split("/")
+            folders = ["/".join(parts[:i]) for i in range(1, len(parts))]
+            if all((src / folder / "__init__.py").is_file() for folder in folders):
                 names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
         return names
 

@@ -248,3 +248,26 @@ def test_a_math_answer_over_its_time_limit_scores_0_and_is_counted():
 def test_the_math_timeout_must_be_positive_and_finite(bad):
     with pytest.raises(ValueError, match=rf"^math_timeout_s={bad!r}: expected a finite number"):
         RewardConfig(math_timeout_s=bad)
+
+
+def test_the_math_verify_child_leaves_the_time_limit_to_the_parent(monkeypatch):
+    """math-verify's own limit is a fixed 5 s; in the child it would end a long answer before a
+    longer `reward.math_timeout_s` and score it without counting the timeout."""
+    import multiprocessing
+    import threading
+
+    from ember_rollout import rewards
+
+    seen = []
+    monkeypatch.setattr(
+        rewards, "math_answers_equal", lambda r, label, **kw: seen.append(kw) or True
+    )
+    parent, child = multiprocessing.Pipe()
+    worker = threading.Thread(target=rewards._verifier_main, args=(child,))
+    worker.start()
+    assert parent.recv() == "ready"
+    parent.send(("\\boxed{1}", "1"))
+    assert parent.recv() == ("ok", True)
+    parent.close()
+    worker.join(timeout=10)
+    assert seen == [{"timeout_s": None}]

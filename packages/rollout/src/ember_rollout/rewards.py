@@ -247,7 +247,11 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_drop_timeout_notice)
 
 
-def math_answers_equal(response: str, label: Any) -> bool:
+_OWN_TIMEOUT = object()
+"""`math_answers_equal`'s default: math-verify's own timeout where it can set one."""
+
+
+def math_answers_equal(response: str, label: Any, timeout_s: Any = _OWN_TIMEOUT) -> bool:
     """Whether a solution's final answer equals the reference answer, decided by math-verify.
 
     math-verify extracts the final answer of `response` (the last \\boxed{}, else a LaTeX or
@@ -257,15 +261,19 @@ def math_answers_equal(response: str, label: Any) -> bool:
     the two unequal, the earlier comparison still decides: `answers_match` on
     `extract_final_answer(response)` (equal normalised text, or equal numbers), so an answer
     such as `\\text{yes}` against `Yes` still counts. A GSM8K-style label keeps only what
-    follows its last '####'.
+    follows its last '####'. `timeout_s` is math-verify's own limit per call (by default
+    `MATH_VERIFY_TIMEOUT_S` in the main thread, none elsewhere); None sets none, for a caller
+    that enforces its own (`MathVerifier`).
     """
     from math_verify import parse, verify
 
     gold_text = str(label)
     if "####" in gold_text:
         gold_text = gold_text.rsplit("####", 1)[1].strip()
-    main = threading.current_thread() is threading.main_thread()
-    seconds = MATH_VERIFY_TIMEOUT_S if main else None
+    seconds = timeout_s
+    if seconds is _OWN_TIMEOUT:
+        main = threading.current_thread() is threading.main_thread()
+        seconds = MATH_VERIFY_TIMEOUT_S if main else None
     gold = parse(gold_text, parsing_timeout=seconds)
     if not gold and "$" not in gold_text:  # bare LaTeX such as \\frac{\\sqrt{2}}{2}
         gold = parse(f"${gold_text}$", parsing_timeout=seconds)
@@ -282,8 +290,10 @@ REWARD_TIMEOUT = "reward_timeout"
 
 
 def _verifier_main(conn: Any) -> None:
-    """The math-verify child: answer (response, label) pairs until the pipe closes. It runs
-    math-verify in its main thread, where math-verify's own signal timeouts work too."""
+    """The math-verify child: answer (response, label) pairs until the pipe closes. The one
+    time limit is the parent's (`reward.math_timeout_s`, by killing this process): math-verify
+    runs here without its own, which would otherwise end a long answer first, at its fixed
+    5 s, and score it without counting it as timed out."""
     import math_verify  # noqa: F401  (imported before saying ready: the import is slow)
 
     conn.send("ready")
@@ -293,7 +303,7 @@ def _verifier_main(conn: Any) -> None:
         except EOFError:
             return
         try:
-            conn.send(("ok", math_answers_equal(response, label)))
+            conn.send(("ok", math_answers_equal(response, label, timeout_s=None)))
         except Exception as exc:  # sent back and raised in the scoring process
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
