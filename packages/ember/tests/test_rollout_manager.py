@@ -235,6 +235,10 @@ def test_the_summary_line_shows_the_mismatch_from_the_rollout_or_else_the_first_
     line = summary_line(7, engine, steps)
     assert line == "rollout    7 | reward 0.500 | mismatch 3.00e-09 | 1234 tok/s"
     assert summary_line(7, engine, []) == "rollout    7 | reward 0.500 | 1234 tok/s"
+    # Samples from older weights (the overlapped default after rollout 0): the stale metric.
+    stale = [{"train/stale_rollout_logprob_abs_diff": 2e-3}, {}]
+    line = summary_line(7, engine, stale)
+    assert line == "rollout    7 | reward 0.500 | mismatch 2.00e-03 | 1234 tok/s"
 
 
 def test_evaluation_reads_every_eval_key_of_the_run_section():

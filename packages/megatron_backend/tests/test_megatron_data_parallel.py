@@ -176,7 +176,7 @@ def test_every_backend_collective_runs_on_the_device_its_group_accepts(two_ranks
             "worker.MegatronWorker._all_ranks",
             "batches.plan_steps",
             "worker.MegatronWorker.train",
-            "advantages.whiten_across",
+            "reductions.masked_whiten",
             "metrics.SampleMeans.reduce",
             "metrics.masked_max_abs_diff",
             "metrics.reduce_sums",

@@ -17,23 +17,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
+from megatron.core.transformer.moe.router_replay import RouterReplay
 
-torch = pytest.importorskip("torch", reason="drives the Megatron backend on CPU")
-pytest.importorskip("ember_megatron_backend", reason="drives the Megatron backend on CPU")
-pytest.importorskip("ember_r3_routing", reason="the run replays routing")
-
-from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
-
-from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError  # noqa: E402
-from ember_ci_kl_checker import plugin as checker_plugin  # noqa: E402
-from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig  # noqa: E402
-from ember_core.plugins import EmberPlugins  # noqa: E402
-from ember_core.types import Sample  # noqa: E402
-from ember_megatron_backend.config import BackendConfig, OptimizerConfig  # noqa: E402
-from ember_megatron_backend.parallel import destroy_distributed, init_distributed  # noqa: E402
-from ember_megatron_backend.worker import MegatronWorker  # noqa: E402
-from ember_r3_routing import R3RoutingConfig, replay  # noqa: E402
-from ember_r3_routing import plugin as r3_plugin  # noqa: E402
+from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
+from ember_ci_kl_checker import plugin as checker_plugin
+from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig
+from ember_core.plugins import EmberPlugins
+from ember_core.types import Sample
+from ember_megatron_backend.config import BackendConfig, OptimizerConfig
+from ember_megatron_backend.parallel import destroy_distributed, init_distributed
+from ember_megatron_backend.worker import MegatronWorker
+from ember_r3_routing import R3RoutingConfig, replay
+from ember_r3_routing import plugin as r3_plugin
 
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning")
 

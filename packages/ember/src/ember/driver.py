@@ -635,9 +635,14 @@ def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[st
     first = steps[0] if steps else {}
     if "rollout/train_rollout_logprob_abs_diff" in rollout:
         parts.append(f"mismatch {rollout['rollout/train_rollout_logprob_abs_diff']:.2e}")
-    elif "train/train_rollout_logprob_abs_diff" in first:
-        # Old log-probs from the engine: the first step's own log-probs against the engine's.
-        parts.append(f"mismatch {first['train/train_rollout_logprob_abs_diff']:.2e}")
+    else:
+        # Old log-probs from the engine: the first step's own log-probs against the engine's,
+        # under the stale name when the samples came from older weights (the overlapped loop
+        # after rollout 0), where the gap holds the update they lag behind.
+        for key in ("train/train_rollout_logprob_abs_diff", "train/stale_rollout_logprob_abs_diff"):
+            if key in first:
+                parts.append(f"mismatch {first[key]:.2e}")
+                break
     # Scored rollouts measure routing before training; otherwise the first step's forward does.
     source = rollout if "rollout/routing_agreement" in rollout else first
     prefix = "rollout" if source is rollout else "train"

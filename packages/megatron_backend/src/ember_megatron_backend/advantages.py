@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ember_core.algorithms import masked_whiten
 from ember_megatron_backend import comm
 
 __all__ = ["whiten_across"]
@@ -29,16 +31,8 @@ def whiten_across(advantages: list[Tensor], masks: list[Tensor], group: Any = No
     if not advantages:
         return []
     several = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-    flat, mask = torch.cat(advantages).double(), torch.cat(masks).double()
-    stats = torch.stack([(flat * mask).sum(), mask.sum()])
-    if several:
-        comm.all_reduce(stats, group=group)
-    if stats[1] == 0:
-        return advantages
-    mean = stats[0] / stats[1]
-    square = ((flat - mean).square() * mask).sum()
-    if several:
-        comm.all_reduce(square, group=group)
-    var = square / (stats[1] - 1).clamp_min(1)
-    whitened = ((flat - mean) * torch.rsqrt(var + 1e-8)).float()
-    return list(whitened.split([a.numel() for a in advantages]))
+    reduce = functools.partial(comm.all_reduce, group=group) if several else None
+    flat = masked_whiten(
+        torch.cat(advantages).double(), torch.cat(masks).double(), all_reduce=reduce
+    ).float()
+    return list(flat.split([a.numel() for a in advantages]))

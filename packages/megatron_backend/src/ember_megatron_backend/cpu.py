@@ -17,8 +17,8 @@ The spots (megatron-core 0.16.1, torch 2.14 CPU build):
    own reproducible stream.
 4. ``get_default_causal_mask`` (``transformer.utils``, imported by name into
    ``fusions.fused_softmax``) builds its mask with ``device="cuda"``; the softmax calls it when
-   the attention mask is ``None``. The backend always passes an explicit mask on CPU (packed
-   batches need a block-diagonal one anyway); both names are still rebound to a CPU version so
+   the attention mask is ``None``. The backend always passes an explicit mask on CPU (a padded
+   [B, S] batch and one causal mask); both names are still rebound to a CPU version so
    a call without a mask behaves as on GPU instead of failing on the driver.
 5. ``moe.moe_utils.te_general_gemm`` is only bound when Transformer Engine imports, yet
    ``RouterGatingLinearFunction`` reads it on every router forward, so every MoE forward without
@@ -67,7 +67,8 @@ The spots (megatron-core 0.16.1, torch 2.14 CPU build):
 Model options that megatron-core only supports on CUDA are chosen in ``model.py``, not patched:
 ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a ``torch.cuda.Stream``
 in its constructor), ``use_cpu_initialization=True`` and local ``DotProductAttention`` (which
-refuses ``PackedSeqParams``, so packed "thd" batches use a block-diagonal causal mask instead).
+refuses ``PackedSeqParams``, so without TE the samples go in as a right-padded [B, S] batch
+with one causal mask instead of a packed "thd" one).
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ import torch
 from torch import Tensor
 
 from ember_core.algorithms import (
-    TIS_OUT_OF_BOUNDS_METRIC,
     approx_kl,
     compose_loss,
     gspo_policy_loss,
     policy_loss,
     reduce_loss,
+    tis_out_of_bounds_metric,
     tis_policy_loss,
     tis_weights,
     value_loss,
@@ -86,7 +86,7 @@ def actor_metric_keys(algorithm: AlgorithmConfig, batch: RolloutBatch) -> list[s
     if batch.rollout_log_probs is not None:
         keys.append(mismatch_key(batch))
         if algorithm.use_tis:
-            keys += ["tis", TIS_OUT_OF_BOUNDS_METRIC[algorithm.tis_mode], "tis_max"]
+            keys += ["tis", tis_out_of_bounds_metric(algorithm.tis_mode), "tis_max"]
     return keys
 
 
@@ -138,8 +138,7 @@ def actor_loss(
     )
     rollout = None if batch.rollout_log_probs is None else given(batch.rollout_log_probs)
     tis = dict(tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low)
-    if algorithm.use_tis and rollout is None:
-        raise ValueError("algorithm.use_tis needs the engine's log-probs (rollout_log_probs)")
+    # `MegatronWorker.train` refused a batch without the engine's log-probs under use_tis.
     if sequence_ratio:
         pg, per_token = gspo_policy_loss(log_probs, old, advantages, mask, lengths, **clip)
         if algorithm.use_tis:
@@ -174,7 +173,7 @@ def actor_loss(
         trained = log_probs.detach() if batch.old_from_engine else old
         metrics[mismatch_key(batch)] = (trained - rollout).abs()
         if algorithm.use_tis:
-            out = TIS_OUT_OF_BOUNDS_METRIC[algorithm.tis_mode]
+            out = tis_out_of_bounds_metric(algorithm.tis_mode)
             metrics["tis"], metrics[out] = per_token["tis"], per_token[out]
             counted_ratios = per_token["tis"][counted]
             tis_max = (

@@ -492,7 +492,7 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
         # megatron-core 0.16.1 fusions/fused_softmax.py: with the fusion on, bf16/fp16 scores with
         # 16 < sk <= 4096 take the fused path, which imports the compiled scaled_masked_softmax_cuda
         # (no locked package ships it), and for our causal mask type runs the upper-triangular
-        # kernel, which ignores the packed block-diagonal mask. TE attention never reads the flag.
+        # kernel, which ignores the mask passed in. TE attention never reads the flag.
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

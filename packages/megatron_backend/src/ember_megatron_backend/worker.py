@@ -221,10 +221,11 @@ class MegatronWorker:
             pipeline.check_same_samples(samples)
         dp_group = ps.get_data_parallel_group()
         self._check_groups(samples, dp_group)
-        has_rollout_lp, has_experts = self._all_ranks(
+        has_rollout_lp, has_experts, stale = self._all_ranks(
             [
                 all(s.rollout_log_probs is not None for s in samples),
                 any(s.rollout_routed_experts is not None for s in samples),
+                any(self._older_than_trainer(s) for s in samples),
             ],
             dp_group,
         )
@@ -238,7 +239,6 @@ class MegatronWorker:
         # The engine's log-probs stand in for the old policy's: no actor forward here, except
         # at an audit iteration, where the trainer scores the rollout itself to be compared.
         audit = self.plugins.audit_rollout(rollout_id)
-        stale = self._stale(samples, dp_group)
         if audit and stale:
             raise RuntimeError(
                 f"audit of rollout {rollout_id}: samples were generated from weights older than "
@@ -352,17 +352,14 @@ class MegatronWorker:
                     )
                 owner[g] = rank
 
-    def _stale(self, samples: list[Sample], group: Any) -> bool:
-        """Whether any sample of any rank came from weights older than the trainer's (its
-        integer `weight_version` below the last rollout trained on; -1: the initial weights).
-        Samples without an integer version count as current."""
-        versions = []
-        for s in samples:
-            try:
-                versions.append(int(s.weight_version))  # type: ignore[arg-type]
-            except (TypeError, ValueError):
-                continue
-        return self._all_ranks([True, any(v < self.rollout_id for v in versions)], group)[1]
+    def _older_than_trainer(self, sample: Sample) -> bool:
+        """Whether `sample` came from weights older than the trainer's (its integer
+        `weight_version` below the last rollout trained on; -1: the initial weights). A sample
+        without an integer version counts as current."""
+        try:
+            return int(sample.weight_version) < self.rollout_id  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False
 
     @staticmethod
     def _all_ranks(flags: list[bool], group: Any) -> list[bool]:

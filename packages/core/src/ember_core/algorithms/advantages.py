@@ -139,11 +139,19 @@ class AdvantageEstimator:
     whole batch (REINFORCE++). `fn` leaves them unwhitened, and `compute_advantages` whitens
     once, with a whitening function that may reduce over data-parallel ranks."""
 
-    def __call__(self, inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]:
+    def __call__(
+        self,
+        inputs: AdvantageInputs,
+        *,
+        whiten: bool = False,
+        whiten_fn: Callable[[list[Tensor], list[Tensor]], list[Tensor]] | None = None,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """`fn`'s advantages, whitened once when asked (`whiten`) or when the estimator whitens
+        by definition; see `compute_advantages`."""
         advantages, returns = self.fn(inputs)
-        if self.whitens:
+        if whiten or self.whitens:
             assert inputs.loss_masks is not None
-            advantages = whiten_advantages(advantages, inputs.loss_masks)
+            advantages = (whiten_fn or whiten_advantages)(advantages, inputs.loss_masks)
         return advantages, returns
 
 
@@ -209,12 +217,7 @@ def compute_advantages(
         ValueError: Unknown estimator (the message lists the known ones) or inputs the
             estimator needs are missing.
     """
-    found = ADVANTAGE_ESTIMATORS.get(estimator)
-    advantages, returns = found.fn(inputs)
-    if whiten or found.whitens:
-        assert inputs.loss_masks is not None
-        advantages = (whiten_fn or whiten_advantages)(advantages, inputs.loss_masks)
-    return advantages, returns
+    return ADVANTAGE_ESTIMATORS.get(estimator)(inputs, whiten=whiten, whiten_fn=whiten_fn)
 
 
 def whiten_advantages(
@@ -344,28 +347,28 @@ def grpo_advantages(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]
 register_advantage_estimator("gspo", sequence_ratio=True)(grpo_advantages)
 
 
-def _reinforce_plus_plus_returns(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]:
-    """REINFORCE++'s discounted returns, as advantages (unwhitened) and returns."""
+def _discounted_return_advantages(
+    inputs: AdvantageInputs, scores_B: Tensor
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Discounted token-level returns of `scores_B` (plus any KL penalty), as advantages
+    (unwhitened) and returns: the REINFORCE++ variants, which differ only in the scores."""
     assert inputs.loss_masks is not None
     returns = _discounted_returns(
-        _token_rewards(inputs, inputs.rewards),
-        inputs.gamma,
-        inputs.response_lengths,
-        inputs.loss_masks,
+        _token_rewards(inputs, scores_B), inputs.gamma, inputs.response_lengths, inputs.loss_masks
     )
     return [r.clone() for r in returns], returns
+
+
+def _reinforce_plus_plus_returns(inputs: AdvantageInputs) -> tuple[list[Tensor], list[Tensor]]:
+    """REINFORCE++'s discounted returns of the rewards themselves."""
+    return _discounted_return_advantages(inputs, inputs.rewards)
 
 
 def _reinforce_plus_plus_baseline_returns(
     inputs: AdvantageInputs,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """REINFORCE++-baseline's discounted returns, as advantages (unwhitened) and returns."""
-    centered_B, _ = _group_centered(inputs)
-    assert inputs.loss_masks is not None
-    returns = _discounted_returns(
-        _token_rewards(inputs, centered_B), inputs.gamma, inputs.response_lengths, inputs.loss_masks
-    )
-    return [r.clone() for r in returns], returns
+    """REINFORCE++-baseline's discounted returns of the group-centred rewards."""
+    return _discounted_return_advantages(inputs, _group_centered(inputs)[0])
 
 
 register_advantage_estimator("reinforce_plus_plus", whitens=True)(_reinforce_plus_plus_returns)

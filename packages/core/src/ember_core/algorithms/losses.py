@@ -237,7 +237,13 @@ TIS_MODES: Registry[TisBound] = Registry("TIS mode")
 """How `tis_weights` bounds the ratio, by name (`algorithm.tis_mode`)."""
 
 TIS_OUT_OF_BOUNDS_METRIC = {"truncate": "tis_clipfrac", "mask": "tis_maskfrac"}
-"""The name under which each mode reports its share of out-of-bounds tokens."""
+"""The name under which each built-in mode reports its share of out-of-bounds tokens."""
+
+
+def tis_out_of_bounds_metric(mode: str) -> str:
+    """The metric name of a mode's share of out-of-bounds tokens: the built-in name, else
+    "tis_<mode>frac" for a mode a plugin registered."""
+    return TIS_OUT_OF_BOUNDS_METRIC.get(mode, f"tis_{mode}frac")
 
 
 @TIS_MODES.register("truncate")
@@ -295,7 +301,7 @@ def tis_weights(
         raise ValueError(f"tis_clip must be > tis_clip_low={tis_clip_low}, got {tis_clip!r}")
     raw = torch.exp(old_log_probs_train.detach() - rollout_log_probs.detach())
     weights, outside = bound(raw, tis_clip_low, tis_clip)
-    return weights, {"tis": raw, TIS_OUT_OF_BOUNDS_METRIC.get(mode, f"tis_{mode}frac"): outside}
+    return weights, {"tis": raw, tis_out_of_bounds_metric(mode): outside}
 
 
 def tis_policy_loss(

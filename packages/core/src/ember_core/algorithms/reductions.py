@@ -136,7 +136,11 @@ def reduce_loss(
 
 
 def masked_whiten(
-    values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8
+    values: Tensor,
+    mask: Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    all_reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Normalises `values` to zero mean and unit variance over the masked entries.
 
@@ -151,16 +155,22 @@ def masked_whiten(
         mask: Mask of the same shape.
         shift_mean: Whether the result is centred (True) or keeps the original mean.
         eps: Added to the variance before the square root.
+        all_reduce: Sums a tensor over the ranks that hold the rest of the batch and returns
+            the sum (two calls: the count and sum, then the squared deviations); None: this
+            batch alone.
 
     Returns:
         Tensor shaped like `values`.
     """
     counted = _check_mask(values, mask)
-    count = counted.sum().to(values.dtype)
-    mean = masked_mean(values, mask)
+    total = all_reduce or (lambda t: t)
+    kept = torch.where(counted, values, torch.zeros_like(values))
+    sum_and_count = total(torch.stack([kept.sum(), counted.sum().to(values.dtype)]))
+    count = sum_and_count[1]
+    mean = sum_and_count[0] / count.clamp_min(1)
     centered = values - mean
-    sq = torch.where(counted, centered.square(), torch.zeros_like(values))
-    var = sq.sum() / (count - 1).clamp_min(1)
+    sq = total(torch.where(counted, centered.square(), torch.zeros_like(values)).sum())
+    var = sq / (count - 1).clamp_min(1)
     whitened = centered * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
