@@ -79,7 +79,12 @@ def test_ember_train_learns_to_call_the_calculator(tmp_path, plugins, calculator
     rollouts = [r for r in map(json.loads, lines) if r["kind"] == "rollout"]
     rewards = [r["rollout/rewards"] for r in rollouts]
     assert len(rewards) == 150
-    assert sum(rewards[-10:]) / 10 >= 0.9, rewards[::10]
+    # Mean reward of the last 10 rollouts, measured over three seeds (train.seed and
+    # rollout.seed 1234, the config's, then 1 and 2) on a 2-core AMD EPYC (AVX2 and AVX-512):
+    # plain 0.966, 0.976, 0.947; r3 0.930, 0.971, 0.960. Each bar is about 0.05 below its
+    # minimum; an untrained model scores about 0.03.
+    threshold = {"calc_tool": 0.9, "calc_tool,r3_routing": 0.88}[plugins]
+    assert sum(rewards[-10:]) / 10 >= threshold, rewards[::10]
 
     # The calculator's output carries loss mask 0 in every sample, as the tokens say.
     tokenizer = load_tokenizer(TOKENIZER)
