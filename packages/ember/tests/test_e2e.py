@@ -184,7 +184,11 @@ def test_the_default_task_is_learned_with_deepseek_v3(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rewards = [r["rollout/rewards"] for r in records(tmp_path, "rollout")]
     assert len(rewards) == 200
-    assert sum(rewards[-20:]) / 20 >= 0.9, rewards[::20]
+    # Mean reward of the last 20 rollouts, measured over three seeds (train.seed and
+    # rollout.seed 1234, the default, then 1 and 2) on a 2-core AMD EPYC (AVX2 and AVX-512):
+    # 0.990, 0.990, 0.969. The bar is about 0.05 below the minimum; the stop-token fault above
+    # held it at 0.75.
+    assert sum(rewards[-20:]) / 20 >= 0.92, rewards[::20]
 
 
 KILL_RUN = [
