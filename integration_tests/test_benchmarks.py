@@ -3,6 +3,8 @@ run end to end, and each side of each comparison does the work the script says i
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tools_loader import load_tool
@@ -116,3 +118,66 @@ def test_bench_rollout_reports_both_sides_median(capsys):
     assert result["sampling_max_abs_diff"] <= 1e-4
     assert f"Ember / generate() within a repetition: median {result['ratio']:.2f}x" in out
     assert "12 tokens" in out
+
+
+def test_bench_e2e_reports_each_phase_and_the_engines_rollout_phase_from_its_own_runs(
+    monkeypatch, capsys
+):
+    """bench_e2e's report from given runs' records (`measure` is the `ember train` process,
+    which test_bench_smoke.py runs for real): each phase row shows its own metric, the first
+    iteration apart from the mean, and the engines row compares the in-turn runs' rollout
+    phases, 2 engines over 1."""
+    bench_e2e = load_tool("bench_e2e")
+    runs = []
+
+    def measure(config, rollouts, overrides):
+        runs.append(overrides)
+        engines = [o for o in overrides if o.startswith("ray.num_engines=")]
+        # The rollout phase of each run its own: 1.2 s in-turn, 3.0 s / 6.0 s with 2 / 1 engines.
+        rollout = {(): 1.2, ("ray.num_engines=2",): 3.0, ("ray.num_engines=1",): 6.0}
+        records = []
+        for i in range(rollouts):
+            warm = 100.0 if i == 0 else 0.0  # the first iteration, left out of every mean
+            records.append(
+                {
+                    "perf/rollout_time": rollout[tuple(engines)] + warm,
+                    "perf/log_probs_time": 0.4 + warm,
+                    "perf/train_time": 2.0 + warm,
+                    "perf/weight_push_time": 0.2 + warm,
+                    "perf/iteration_time": 4.0 + warm,
+                    "perf/rollout_time_s": 1.0,
+                    "rollout/num_samples": 16,
+                    "rollout/response_len_mean": 5.0,
+                    "rollout/rewards": 0.5,
+                }
+            )
+        return records
+
+    monkeypatch.setattr(bench_e2e, "measure", measure)
+    monkeypatch.setattr("sys.argv", ["bench_e2e.py", "--rollouts", "3", "--rows", "phases,engines"])
+    bench_e2e.main()
+    out = capsys.readouterr().out
+    rows = {
+        "rollout \\(waited\\)": r"1\.200\s+30\.0%\s+101\.200",
+        "ref \\+ old log-probs": r"0\.400\s+10\.0%\s+100\.400",
+        "training": r"2\.000\s+50\.0%\s+102\.000",
+        "weight push": r"0\.200\s+5\.0%\s+100\.200",
+        "iteration": r"4\.000\s+100%\s+104\.000",
+    }
+    for label, figures in rows.items():
+        assert re.search(rf"^{label}\s+{figures}$", out, flags=re.M), (label, out)
+    header = "default: 2 iterations measured (after 1 warm-up), 16 samples and 80 response tokens"
+    assert re.search(rf"^{re.escape(header)} per iteration$", out, flags=re.M), out
+    assert "rollout generation: 80 response tokens/s" in out  # 16 x 5 tokens in 1.0 s
+    assert "end to end: 20 response tokens/s, 0.25 iterations/s" in out  # 80 tokens in 4.0 s
+    assert (
+        "rollout phase, 2 engines x 1 thread vs 1 engine x 2 threads: 3.000 vs 6.000 s/iter "
+        "-> 0.50x (target <= 0.8: met)"
+    ) in out
+    # Every run takes rollout and training in turn; the engines runs differ only in the split.
+    assert all("rollout.async=false" in overrides for overrides in runs), runs
+    assert [sorted(o for o in overrides if o != "rollout.async=false") for overrides in runs] == [
+        [],
+        ["engine.hf.num_threads=2", "ray.num_engines=1"],
+        ["engine.hf.num_threads=1", "ray.num_engines=2"],
+    ]

@@ -10,9 +10,9 @@ engines, on one GPU (`tools/device_check.py` runs them; each has a CPU dry-run f
   /update_weights_from_tensor takes it (`serialize_flattened_bucket`: CUDA IPC handles, the
   device named by UUID), opened in a second, spawned process that maps the UUID back to its own
   device index as sglang 0.5.23 utils/patch_torch.py does; the receiver's per-tensor sums must
-  equal the sender's. The dry run checks that a CPU bucket is refused, then runs the same
-  pickling and cutting with CPU shared memory (torch's "file_system" strategy): the protocol up
-  to the device call.
+  equal the sender's, and a bucket on a device no other process can open (meta) is refused. The
+  dry run sends a CPU bucket through the same serializer, which pickles it as a shared-memory
+  file (torch's "file_system" strategy): the protocol up to the device call.
 - broadcast_hf: the embedded hf engine (bf16, on the check's device) joins a gloo weight group
   with the trainer as rank 0, takes every bucket of changed weights inside a weight-update
   session, and must then serve exactly the trainer's weights (cast to bf16) and the new version.
@@ -206,7 +206,7 @@ def part_ipc(part: Any, sizes: Any) -> None:
     from gpu_support import megatron_worker
 
     from ember_megatron_backend.weight_sync import bucket_weights
-    from ember_rollout.sglang_weights import _serialize_for_ipc, serialize_flattened_bucket
+    from ember_rollout.sglang_weights import serialize_flattened_bucket
 
     ensure_distributed()
     worker = megatron_worker(dtype=sizes.dtype, model_overrides=sizes.model_overrides)
@@ -218,37 +218,23 @@ def part_ipc(part: Any, sizes: Any) -> None:
         view = bucket.flat[start:end].view(getattr(torch, dtype)).reshape(shape)
         wanted[name] = float(view.double().sum())
     started = time.perf_counter()
+    # The serializer the engine client uses: CUDA buckets as IPC handles, CPU buckets as the
+    # name of a shared-memory file (sglang_weights.IPC_DEVICE_TYPES).
+    payload = serialize_flattened_bucket(bucket.flat, bucket.names, bucket.dtypes, bucket.shapes)
     if sizes.device == "cuda":
-        payload = serialize_flattened_bucket(
-            bucket.flat, bucket.names, bucket.dtypes, bucket.shapes
-        )
         sender_uuid = str(torch.cuda.get_device_properties(bucket.flat.device).uuid)
-        refusal = None
     else:
-        try:
-            serialize_flattened_bucket(bucket.flat, bucket.names, bucket.dtypes, bucket.shapes)
-            refusal = None
-        except ValueError as exc:
-            refusal = str(exc)
-        # The same pickle over CPU shared memory: everything but opening a CUDA handle.
-        torch.multiprocessing.set_sharing_strategy("file_system")
-        from types import SimpleNamespace
-
-        metadata = [
-            SimpleNamespace(
-                name=n,
-                dtype=getattr(torch, d),
-                shape=torch.Size(s),
-                start_idx=a,
-                end_idx=b,
-                numel=b - a,
-            )
-            for n, d, s, (a, b) in zip(
-                bucket.names, bucket.dtypes, bucket.shapes, _spans(bucket), strict=True
-            )
-        ]
-        payload = _serialize_for_ipc({"flattened_tensor": bucket.flat, "metadata": metadata})
         sender_uuid = None
+    try:  # a device no other process can open is refused before anything is pickled
+        serialize_flattened_bucket(
+            torch.empty(bucket.nbytes, dtype=torch.uint8, device="meta"),
+            bucket.names,
+            bucket.dtypes,
+            bucket.shapes,
+        )
+        refusal = None
+    except ValueError as exc:
+        refusal = str(exc)
     serialize_s = time.perf_counter() - started
     context = torch.multiprocessing.get_context("spawn")
     started = time.perf_counter()
@@ -266,7 +252,7 @@ def part_ipc(part: Any, sizes: Any) -> None:
         receiver_uuid=got["uuid"],
         max_abs_sum_diff=max(gaps),
         names_received=sorted(got["sums"]) == sorted(wanted),
-        cpu_bucket_refusal=refusal,
+        meta_bucket_refusal=refusal,
         serialize_seconds=serialize_s,
         receive_seconds=receive_s,
     )
@@ -274,8 +260,7 @@ def part_ipc(part: Any, sizes: Any) -> None:
     part.expect(max(gaps) == 0.0, f"per-tensor sums differ by up to {max(gaps)}")
     if sizes.device == "cuda":
         part.expect(got["uuid"] == sender_uuid, f"receiver on {got['uuid']}, sender {sender_uuid}")
-    else:
-        part.expect(refusal is not None, "a CPU bucket was not refused for CUDA IPC")
+    part.expect(refusal is not None, "a bucket on the meta device was not refused")
 
 
 def _spans(bucket: Any) -> list[tuple[int, int]]:

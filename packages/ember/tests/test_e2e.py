@@ -100,7 +100,8 @@ def test_the_readme_r3_and_ci_command_audits_the_default_loop(tmp_path):
         assert r["rollout/routing_agreement"] > 0.9 and r["rollout/replay_agreement"] == 1.0
     steps = records(tmp_path, "train")
     assert all(s["train/replay_agreement"] == 1.0 for s in steps)
-    assert [s["train/ppo_kl"] for s in steps[::2]][0::2] == [0.0, 0.0]  # rollouts 0 and 2
+    # Two steps a rollout: steps 0 and 4 are the first steps of the audited rollouts 0 and 2.
+    assert [s["train/ppo_kl"] for s in steps[0::4]] == [0.0, 0.0]
     assert "train/stale_rollout_logprob_abs_diff" in steps[2]  # rollout 1, one update behind
     output = run.stderr + run.stdout
     for rollout_id in (0, 2):
@@ -135,11 +136,18 @@ def test_two_data_parallel_ranks(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     steps = records(tmp_path, "train")
     assert len(steps) == 2 * 2  # two rollouts of num_steps_per_rollout=2
-    # The old log-probs are the fp32 engine's: the first step starts on-policy up to the
-    # engine/trainer mismatch (rounding: 4.5e-8 per token measured, README).
+    # The old log-probs are the engine's (transformers, fp32), taken on the weights the actor
+    # (Megatron, fp32) holds at each rollout's first step: the policy has not moved, so ppo_kl
+    # and the mean |trainer - engine| log-prob gap are only the float32 rounding of two
+    # implementations of the same model, which depends on the kernels and so on the processor.
+    # 1e-6 is a ceiling on that rounding (about 10 float32 epsilons, 1.2e-7, per token), not a
+    # measured value. Measured here on a 2-core AMD EPYC (AVX2 and AVX-512): gaps 3.4e-8 and
+    # 4.4e-8 at the first steps, 0.047 and 0.077 at the second (one optimizer step on), which
+    # the last assertion keeps apart from the ceiling.
     first = steps[::2]
     assert all(abs(s["train/ppo_kl"]) < 1e-6 for s in first)
     assert all(s["train/train_rollout_logprob_abs_diff"] < 1e-6 for s in first)
+    assert all(s["train/train_rollout_logprob_abs_diff"] > 1e-3 for s in steps[1::2])
 
 
 def test_two_pipeline_stages(tmp_path):
@@ -176,7 +184,11 @@ def test_the_default_task_is_learned_with_deepseek_v3(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rewards = [r["rollout/rewards"] for r in records(tmp_path, "rollout")]
     assert len(rewards) == 200
-    assert sum(rewards[-20:]) / 20 >= 0.9, rewards[::20]
+    # Mean reward of the last 20 rollouts, measured over three seeds (train.seed and
+    # rollout.seed 1234, the default, then 1 and 2) on a 2-core AMD EPYC (AVX2 and AVX-512):
+    # 0.990, 0.990, 0.969. The bar is about 0.05 below the minimum; the stop-token fault above
+    # held it at 0.75.
+    assert sum(rewards[-20:]) / 20 >= 0.92, rewards[::20]
 
 
 KILL_RUN = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,20 @@ def _two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(previous)
+
+
+def hand_calculator_output(call: list[str]) -> str:
+    """What the calculator must print for a call (its tokens, `calc` last), worked out here from
+    the task's rules rather than by the plugin's `calculate`: the tokens before `calc` joined
+    must read as non-negative integers separated by single `+` signs (adjacent digit tokens form
+    one number); the output is their sum, and `?` for anything else."""
+    assert call[-1] == "calc"
+    text = "".join(call[:-1])
+    if re.fullmatch(r"[0-9]+(\+[0-9]+)*", text) is None:
+        return "?"
+    return str(sum(int(number) for number in re.findall(r"[0-9]+", text)))
+
+
+@pytest.fixture
+def calculator_output() -> Callable[[list[str]], str]:
+    return hand_calculator_output

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from ember.config import load_config
 from ember_calc_tool import SECTION, CalcToolConfig, calc_reward, calculate
 from ember_calc_tool import plugin as calc_plugin
-from ember_calc_tool.task import CALC, make_prompts, write_task_files
+from ember_calc_tool.task import CALC, write_task_files
 from ember_core.config import CoreConfig, SamplingConfig
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample, SampleStatus
@@ -76,8 +78,18 @@ def test_checked_in_task_files_are_what_the_task_writes(tmp_path, data_dir):
     fresh = write_task_files(tmp_path)
     assert (data_dir / "prompts.jsonl").read_text() == (fresh / "prompts.jsonl").read_text()
     records = [json.loads(line) for line in (data_dir / "prompts.jsonl").read_text().splitlines()]
-    assert records == make_prompts() and len(records) == 25
-    assert all(int(r["label"]) < 10 for r in records)  # every answer is one token
+    assert len(records) == 25
+    # What the task promises, read off the records: every sum `a + b =` of digits 0..4, once,
+    # in order, labelled with its value, which is one digit (so one token).
+    assert records[0] == {"prompt": "0 + 0 =", "label": "0"}
+    assert records[7] == {"prompt": "1 + 2 =", "label": "3"}
+    assert records[-1] == {"prompt": "4 + 4 =", "label": "8"}
+    pairs = []
+    for r in records:
+        a, b = re.fullmatch(r"([0-4]) \+ ([0-4]) =", r["prompt"]).groups()
+        assert r["label"] == str(int(a) + int(b)) and len(r["label"]) == 1, r
+        pairs.append((a, b))
+    assert pairs == sorted(set(pairs)) and len(pairs) == 25
     ours = load_tokenizer(data_dir / "tokenizer")
     assert ours.get_vocab() == load_tokenizer(fresh / "tokenizer").get_vocab()
     assert len(ours) == 19 and toy_tokenizer().get_vocab().items() <= ours.get_vocab().items()
@@ -147,27 +159,57 @@ def rollout(engine, host, data_dir, *, tokenizer=None):
     return asyncio.run(generator.generate(0)), generator.tokenizer
 
 
-def test_the_calculators_output_is_inserted_with_loss_mask_zero(engine, host, data_dir):
+def hand_reward(prompt: str, call: list[str], answer: list[str]) -> Fraction:
+    """calc_reward's documented score, worked out here: the call's tokens that match the right
+    call `a + b calc` position by position, plus one for the right answer after the right call,
+    over one more than the longer of the two calls."""
+    a, b = re.fullmatch(r"([0-9]) \+ ([0-9]) =", prompt).groups()
+    right_call = [a, "+", b, "calc"]
+    matches = sum(1 for i in range(min(len(call), 4)) if call[i] == right_call[i])
+    answered = call == right_call and answer == [str(int(a) + int(b))]
+    return Fraction(matches + answered, max(len(call), 4) + 1)
+
+
+def test_hand_reward_agrees_with_the_worked_examples():
+    assert hand_reward("3 + 4 =", ["3", "+", "4", CALC], ["7"]) == 1
+    assert hand_reward("3 + 4 =", ["3", "+", "5", CALC], ["7"]) == Fraction(3, 5)
+    assert hand_reward("3 + 4 =", ["3", "+", "4", "4", CALC], ["7"]) == Fraction(3, 6)
+
+
+def test_the_calculators_output_is_inserted_with_loss_mask_zero(
+    engine, host, data_dir, calculator_output
+):
     batch, tokenizer = rollout(engine, host, data_dir)
-    calc = tokenizer.convert_tokens_to_ids(CALC)
+    vocab = tokenizer.get_vocab()
     called = 0
     for s in batch.samples:
         record = s.metadata[SECTION]
-        prompt = tokenizer(str(s.prompt))["input_ids"]
-        call = tokenizer.convert_tokens_to_ids(record["call"])
-        assert s.tokens[: len(prompt) + len(call)] == prompt + call
-        if "output" not in record:  # never called: every response token is the model's
-            assert s.loss_mask == [1] * s.response_length and call[-1:] != [calc]
+        # The toy tokenizer has one token per character: "3 + 4 =" is 3, +, 4, =.
+        prompt = [vocab[c] for c in str(s.prompt).replace(" ", "")]
+        response = s.tokens[s.prompt_length :]
+        assert s.tokens[: s.prompt_length] == prompt
+        assert response[: len(record["call"])] == [vocab[t] for t in record["call"]]
+        words = tokenizer.convert_ids_to_tokens(response)
+        if CALC not in words:  # never called: every response token is the model's
+            assert s.loss_mask == [1] * s.response_length and "output" not in record
+            assert record["call"] == words and record["answer"] == []
+            assert s.reward == float(hand_reward(str(s.prompt), words, [])), words
             continue
         called += 1
-        output = tokenizer(record["output"])["input_ids"]
-        answer = tokenizer.convert_tokens_to_ids(record["answer"])
-        assert s.tokens[s.prompt_length :] == call + output + answer and len(answer) == 1
+        call = words[: words.index(CALC) + 1]
+        assert record["call"] == call
+        # The calculator's answer to this call, as characters, then one token of the model's.
+        output = [vocab[c] for c in calculator_output(call)]
+        answer = response[len(call) + len(output) :]
+        assert response == [vocab[t] for t in call] + output + answer, (words, s.loss_mask)
+        assert len(answer) == 1
         assert s.loss_mask == [1] * len(call) + [0] * len(output) + [1]
         assert s.rollout_log_probs[len(call) : len(call) + len(output)] == [0.0] * len(output)
         assert all(lp < 0 for lp, m in zip(s.rollout_log_probs, s.loss_mask, strict=True) if m)
         assert s.status == SampleStatus.COMPLETED and s.metadata["engine_calls"] == 2
-        assert s.reward == calc_reward(s)["score"]
+        # Both sides divide two small integers, which IEEE 754 rounds correctly: exact.
+        expected = hand_reward(str(s.prompt), call, tokenizer.convert_ids_to_tokens(answer))
+        assert s.reward == float(expected), (words, s.reward, expected)
     # An untrained model ends its first turn with `calc` often enough to call.
     assert called >= 10, called
     assert batch.metrics["rollout/loss_tokens_mean"] < batch.metrics["rollout/response_len_mean"]

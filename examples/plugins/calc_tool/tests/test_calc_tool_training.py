@@ -18,7 +18,7 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from ember.config import load_config
-from ember_calc_tool import SECTION, calculate
+from ember_calc_tool import SECTION
 from ember_calc_tool import plugin as calc_plugin
 from ember_calc_tool.task import CALC
 from ember_core.plugins import EmberPlugins
@@ -40,15 +40,16 @@ CONFIG = "examples/calc_tool.yaml"
 TOKENIZER = ROOT / "examples/plugins/calc_tool/data/tokenizer"
 
 
-def expected_mask(response: list[int], tokenizer) -> list[int]:
+def expected_mask(response: list[int], tokenizer, calculator_output) -> list[int]:
     """The loss mask a response must carry, worked out from its tokens alone: 1 on the model's
-    call and answer, 0 on the calculator's output between them."""
-    calc = tokenizer.convert_tokens_to_ids(CALC)
-    if calc not in response or response.index(calc) == len(response) - 1:
+    call and answer, 0 on the calculator's output between them (`calculator_output`: the
+    conftest's hand-worked calculator, not the plugin's)."""
+    words = tokenizer.convert_ids_to_tokens(response)
+    if CALC not in words or words.index(CALC) == len(words) - 1:
         return [1] * len(response)  # no call, or a call with no room left for its output
-    end = response.index(calc) + 1
-    output = calculate(tokenizer.decode(response[: end - 1], skip_special_tokens=True))
-    output_ids = tokenizer(output)["input_ids"]
+    end = words.index(CALC) + 1
+    output = list(calculator_output(words[:end]))  # one token per character
+    output_ids = tokenizer.convert_tokens_to_ids(output)
     assert response[end : end + len(output_ids)] == output_ids
     assert len(response) == end + len(output_ids) + 1  # then the one-token answer
     return [1] * end + [0] * len(output_ids) + [1]
@@ -58,7 +59,7 @@ def expected_mask(response: list[int], tokenizer) -> list[int]:
 
 
 @pytest.mark.parametrize("plugins", ["calc_tool", "calc_tool,r3_routing"], ids=["plain", "r3"])
-def test_ember_train_learns_to_call_the_calculator(tmp_path, plugins):
+def test_ember_train_learns_to_call_the_calculator(tmp_path, plugins, calculator_output):
     run = subprocess.run(
         [
             sys.executable, "-m", "ember.cli", "train", "--config", CONFIG,
@@ -78,7 +79,12 @@ def test_ember_train_learns_to_call_the_calculator(tmp_path, plugins):
     rollouts = [r for r in map(json.loads, lines) if r["kind"] == "rollout"]
     rewards = [r["rollout/rewards"] for r in rollouts]
     assert len(rewards) == 150
-    assert sum(rewards[-10:]) / 10 >= 0.9, rewards[::10]
+    # Mean reward of the last 10 rollouts, measured over three seeds (train.seed and
+    # rollout.seed 1234, the config's, then 1 and 2) on a 2-core AMD EPYC (AVX2 and AVX-512):
+    # plain 0.966, 0.976, 0.947; r3 0.930, 0.971, 0.960. Each bar is about 0.05 below its
+    # minimum; an untrained model scores about 0.03.
+    threshold = {"calc_tool": 0.9, "calc_tool,r3_routing": 0.88}[plugins]
+    assert sum(rewards[-10:]) / 10 >= threshold, rewards[::10]
 
     # The calculator's output carries loss mask 0 in every sample, as the tokens say.
     tokenizer = load_tokenizer(TOKENIZER)
@@ -87,7 +93,7 @@ def test_ember_train_learns_to_call_the_calculator(tmp_path, plugins):
     called = 0
     for s in samples:
         response = s["tokens"][-s["response_length"] :]
-        assert s["loss_mask"] == expected_mask(response, tokenizer), s
+        assert s["loss_mask"] == expected_mask(response, tokenizer, calculator_output), s
         called += 0 in s["loss_mask"]
     assert called >= 0.9 * len(samples)  # the trained model calls
     # Most samples are the whole solution: the right call, then its output copied.
