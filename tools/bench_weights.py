@@ -5,7 +5,8 @@ local Ray, the default config's training rank and embedded `hf` engine (one each
 each), the trainer's weights pushed `--pushes` times, one path per process:
 
 - broadcast: Ember's transfer (`weights.transport: broadcast`): the training rank packs the
-  weights into flattened buckets (in the engine's dtype, bf16) and broadcasts them over gloo
+  weights into flattened buckets (in the engine's dtype, `engine.hf.dtype`: float32 in the
+  default config) and broadcasts them over gloo
   to the engine; the driver opens and closes the engine's session;
 - object store: the path Ember used before, kept here for the comparison only: the training
   rank returns CPU copies of every tensor (the parameters' dtype, fp32) as a Ray object, the
@@ -94,6 +95,23 @@ def _ready(actor: Any) -> None:
     """Nothing: answered once the actor has finished starting."""
 
 
+def _sums(named: Any) -> tuple[float, float]:
+    """Sum and sum of magnitudes of every weight of `(name, tensor)` pairs, in float64."""
+    tensors = [t.detach().double() for _, t in named]
+    return float(sum(t.sum() for t in tensors)), float(sum(t.abs().sum() for t in tensors))
+
+
+def _trainer_sums(rank: Any) -> tuple[float, float]:
+    """`_sums` of the trainer's weights under HF names: what the engine should serve."""
+    return _sums(rank.worker.hf_weights())
+
+
+def _served(actor: Any) -> tuple[str | None, float]:
+    """The engine's weight version and the sum of the weights it serves."""
+    engine = actor.engine
+    return engine.weight_version, _sums(engine.model.named_parameters())[0]
+
+
 def _count(rank: Any) -> tuple[int, int]:
     """Parameters and fp32 bytes of the trainer's weights (under HF names)."""
     numel = sum(t.numel() for _, t in rank.worker.hf_weights())
@@ -135,6 +153,19 @@ def measure(preset: str, path: str, pushes: int, bucket_mb: int) -> dict[str, An
                     loads = [e.__ray_call__.remote(_load_tensors, refs[0], str(i)) for e in engines]
                     ray.get(refs[1:] + loads)
                 times.append(time.perf_counter() - start)
+            # A push that did not land would time nothing: every engine must serve the last
+            # push's version and the trainer's weights. An engine in bf16 would round them (2^-9
+            # relative at most), so the sums must agree within 2^-8 of the weights' magnitudes;
+            # one missed push is off by 1e-3 per weight (`_perturb`), over ten times that bound
+            # for either model.
+            wanted, magnitude = ray.get(train[0].__ray_call__.remote(_trainer_sums))
+            for version, served in ray.get([e.__ray_call__.remote(_served) for e in engines]):
+                if version != str(pushes - 1) or abs(served - wanted) > magnitude * 2**-8:
+                    raise RuntimeError(
+                        f"{preset} / {path}: the engine serves version {version!r} with weights "
+                        f"summing to {served!r}, not push {pushes - 1}'s from the trainer "
+                        f"({wanted!r} within {magnitude * 2**-8:.3g})"
+                    )
         finally:
             driver.shutdown()
             ray.shutdown()
@@ -142,6 +173,7 @@ def measure(preset: str, path: str, pushes: int, bucket_mb: int) -> dict[str, An
         "preset": preset,
         "path": path,
         "params": numel,
+        "engine_dtype": config.engine.hf.dtype,
         "fp32_bytes": nbytes,
         "first_s": times[0],
         "median_s": statistics.median(times[1:]),
@@ -178,9 +210,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(preset, path, args.pushes, args.bucket_mb)))
         return
     rows = {(p, q): run_child(p, q, args) for p in PRESETS for q in PATHS}
+    engine_dtype = rows[("tiny-moe", "broadcast")]["engine_dtype"]
     print(
-        f"weight transfer: 1 training rank -> 1 hf engine (bf16), CPU, {args.pushes} pushes "
-        f"each (first apart), weights.bucket_mb={args.bucket_mb}"
+        f"weight transfer: 1 training rank -> 1 hf engine ({engine_dtype}), CPU, "
+        f"{args.pushes} pushes each (first apart), weights.bucket_mb={args.bucket_mb}"
     )
     print(
         f"{'model':<10}{'params':>10}{'fp32 MB':>9}  {'path':<14}{'first s':>9}"
