@@ -252,22 +252,42 @@ def test_the_math_timeout_must_be_positive_and_finite(bad):
 
 def test_the_math_verify_child_leaves_the_time_limit_to_the_parent(monkeypatch):
     """math-verify's own limit is a fixed 5 s; in the child it would end a long answer before a
-    longer `reward.math_timeout_s` and score it without counting the timeout."""
-    import multiprocessing
-    import threading
+    longer `reward.math_timeout_s` and score it without counting the timeout. The child's loop
+    runs here in the main thread (where math-verify can set its limit) against the real
+    math-verify, whose calls record the limits they were given."""
+    import math_verify
 
     from ember_rollout import rewards
 
-    seen = []
-    monkeypatch.setattr(
-        rewards, "math_answers_equal", lambda r, label, **kw: seen.append(kw) or True
-    )
-    parent, child = multiprocessing.Pipe()
-    worker = threading.Thread(target=rewards._verifier_main, args=(child,))
-    worker.start()
-    assert parent.recv() == "ready"
-    parent.send(("\\boxed{1}", "1"))
-    assert parent.recv() == ("ok", True)
-    parent.close()
-    worker.join(timeout=10)
-    assert seen == [{"timeout_s": None}]
+    limits = []
+
+    def recording(fn, key):
+        def call(*args, **kwargs):
+            limits.append(kwargs[key])
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(math_verify, "parse", recording(math_verify.parse, "parsing_timeout"))
+    monkeypatch.setattr(math_verify, "verify", recording(math_verify.verify, "timeout_seconds"))
+
+    class Pipe:  # the child's end: one request, then the parent closes it
+        def __init__(self):
+            self.requests, self.sent = [("\\boxed{\\frac{1}{2}}", "0.5")], []
+
+        def send(self, message):
+            self.sent.append(message)
+
+        def recv(self):
+            if not self.requests:
+                raise EOFError
+            return self.requests.pop()
+
+    pipe = Pipe()
+    rewards._verifier_main(pipe)
+    assert pipe.sent == ["ready", ("ok", True)]
+    assert limits and all(limit is None for limit in limits), limits
+    # In-process scoring, in the main thread, keeps math-verify's own limit.
+    limits.clear()
+    assert rewards.math_answers_equal("\\boxed{\\frac{1}{2}}", "0.5")
+    assert limits and all(limit == rewards.MATH_VERIFY_TIMEOUT_S for limit in limits), limits

@@ -247,11 +247,7 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_drop_timeout_notice)
 
 
-_OWN_TIMEOUT = object()
-"""`math_answers_equal`'s default: math-verify's own timeout where it can set one."""
-
-
-def math_answers_equal(response: str, label: Any, timeout_s: Any = _OWN_TIMEOUT) -> bool:
+def math_answers_equal(response: str, label: Any, *, own_timeout: bool = True) -> bool:
     """Whether a solution's final answer equals the reference answer, decided by math-verify.
 
     math-verify extracts the final answer of `response` (the last \\boxed{}, else a LaTeX or
@@ -261,19 +257,17 @@ def math_answers_equal(response: str, label: Any, timeout_s: Any = _OWN_TIMEOUT)
     the two unequal, the earlier comparison still decides: `answers_match` on
     `extract_final_answer(response)` (equal normalised text, or equal numbers), so an answer
     such as `\\text{yes}` against `Yes` still counts. A GSM8K-style label keeps only what
-    follows its last '####'. `timeout_s` is math-verify's own limit per call (by default
-    `MATH_VERIFY_TIMEOUT_S` in the main thread, none elsewhere); None sets none, for a caller
-    that enforces its own (`MathVerifier`).
+    follows its last '####'. `own_timeout`: math-verify's own limit per call,
+    `MATH_VERIFY_TIMEOUT_S`, where it can set one (the main thread); False for a caller that
+    enforces its own (`MathVerifier`'s child).
     """
     from math_verify import parse, verify
 
     gold_text = str(label)
     if "####" in gold_text:
         gold_text = gold_text.rsplit("####", 1)[1].strip()
-    seconds = timeout_s
-    if seconds is _OWN_TIMEOUT:
-        main = threading.current_thread() is threading.main_thread()
-        seconds = MATH_VERIFY_TIMEOUT_S if main else None
+    main = threading.current_thread() is threading.main_thread()
+    seconds = MATH_VERIFY_TIMEOUT_S if own_timeout and main else None
     gold = parse(gold_text, parsing_timeout=seconds)
     if not gold and "$" not in gold_text:  # bare LaTeX such as \\frac{\\sqrt{2}}{2}
         gold = parse(f"${gold_text}$", parsing_timeout=seconds)
@@ -303,7 +297,7 @@ def _verifier_main(conn: Any) -> None:
         except EOFError:
             return
         try:
-            conn.send(("ok", math_answers_equal(response, label, timeout_s=None)))
+            conn.send(("ok", math_answers_equal(response, label, own_timeout=False)))
         except Exception as exc:  # sent back and raised in the scoring process
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
