@@ -27,7 +27,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,9 @@ bench_weights.py, about 10x the parameters)."""
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "rollout" / "tests"))
+sys.path.insert(0, str(ROOT / "tools"))
+from machine import describe_machine  # noqa: E402
+
 # The real-server tests' support: the export and Ember's gloo weight push, shared with them.
 from sglang_real import broadcast_weights, export_tiny_moe  # noqa: E402
 
@@ -61,21 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)}: expected >= 1")
     return args
-
-
-def machine() -> str:
-    """Processor model, its vector extensions, cores and load: figures depend on all four."""
-    model, flags = platform.processor() or "unknown", set()
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    wanted = ("avx2", "avx512f", "amx_tile")
-    vector = ", ".join(flag for flag in wanted if flag in flags) or "no AVX2"
-    load = os.getloadavg()[0]
-    return f"{model} ({vector}), {len(os.sched_getaffinity(0))} cores, load {load:.2f}"
 
 
 def parameters(model_dir: Path) -> int:
@@ -158,7 +145,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     from ember_rollout.hf_engine import HFEngine
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    result: dict = {"machine": machine(), "pushes": {}, "parameters": {}}
+    result: dict = {"machine": describe_machine(), "pushes": {}, "parameters": {}}
     with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
         root = Path(tmp)
         for size, overrides in SIZES.items():

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from ember.quiet import VERBOSE_ENV, quiet_libraries
+from ember.startup import mark, process_start_time
 
 USAGE_ERROR = 2
 RUN_ERROR = 1
@@ -47,6 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config, plugins = load_config(config_source, overrides=args.set, plugins=args.plugins)
     check_inputs(config)  # bad prompt files, reward names, paths: fail before Ray starts
     logging.getLogger("ember").info("%s", describe_loop(config))
+    mark("driver", "config loaded and checked")
     from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
 
     driver = Driver(config, run_dir, plugins)
@@ -181,6 +183,7 @@ def _task_name(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    mark("driver", "process started", process_start_time())
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from ember.config import RunConfig, default_run_dir, write_resolved
 from ember.metrics import METRICS_FILE, MetricsLogger, metrics_lines
 from ember.placement import MemoryHandoff, Placement
 from ember.quiet import VERBOSE_ENV, verbose
+from ember.startup import mark
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
 from ember_rollout.rollout import RolloutBatch
@@ -207,6 +209,11 @@ class Driver:
         replica per rank)."""
         self.handoff = MemoryHandoff((), (), enabled=False)
         """Who holds the shared GPUs of a colocated run; disabled until `build` knows."""
+        self._started_ray = False
+        """Whether `start_ray` started Ray (rather than finding it running): `shutdown` stops
+        only a Ray of its own."""
+        self._plotting: threading.Thread | None = None
+        """The end-of-run plots, drawn while `shutdown` stops the actors and Ray."""
 
     @property
     def init_dir(self) -> Path:
@@ -219,6 +226,13 @@ class Driver:
         if ray.is_initialized():
             return
         ray_cfg = self.config.ray
+        env = {**RAY_ENV, VERBOSE_ENV: "1" if verbose() else "0"}
+        if ray_cfg.address is None:
+            # The Ray started here inherits this environment, and its workers with it. A
+            # runtime_env instead would cost every actor a fresh worker process set up by the
+            # runtime-env agent (about 3 s each on a 2-core machine) rather than a prestarted one.
+            os.environ.update(env)
+        mark("driver", "ray.init starts")
         ray.init(
             # "local" starts a Ray of our own: with no address, ray.init joins whatever Ray
             # another process on this machine started last (ray 2.60 worker.py).
@@ -231,9 +245,11 @@ class Driver:
             ),
             include_dashboard=False,
             log_to_driver=True,
-            runtime_env={"env_vars": {**RAY_ENV, VERBOSE_ENV: "1" if verbose() else "0"}},
+            runtime_env=None if ray_cfg.address is None else {"env_vars": env},
             logging_level=logging.WARNING,
         )
+        self._started_ray = True
+        mark("driver", "ray.init done")
 
     def build(self, *, reuse_init: bool = False) -> None:
         """Create the actors: training ranks, the initial-weights export, the engines, and the
@@ -275,18 +291,24 @@ class Driver:
             resolved, engines=engines, model_path=str(model_dir)
         )
         self.actors = Actors(train=train, engines=engines, manager=manager)
+        mark("driver", "actors created")
         # The rendezvous lives on rank 0's node, which need not be this one: ask rank 0 for
         # its address before any rank initialises torch.distributed.
         init_method = ray.get(train[0].rendezvous.remote())
+        mark("driver", "rank 0 answered (rendezvous)")
         self.data_ranks = ray.get([t.setup.remote(init_method) for t in train])
+        mark("driver", "trainer built")
         if not (reuse_init and _init_complete(model_dir)):
             ray.get([t.export_hf.remote(str(model_dir)) for t in train])
             ray.get(train[0].save_tokenizer.remote(str(model_dir)))
+            mark("driver", "initial weights exported")
         # Colocated on GPUs, the trainer steps aside before the engines take the shared GPUs.
         self.handoff = handoff = MemoryHandoff.for_run(cfg, engines, train)
         handoff.to_rollout()
         ray.get([e.start.remote() for e in engines])
+        mark("driver", "engines started")
         ray.get(manager.start.remote())
+        mark("driver", "rollout manager started")
 
     # -- one iteration -----------------------------------------------------------------------
 
@@ -577,6 +599,7 @@ class Driver:
             logger.info("resumed from %s at rollout %d", checkpoint, start)
         else:
             self.load_initial_weights()
+        mark("driver", "initial weights loaded")
         sink = MetricsLogger(
             self.run_dir,
             tensorboard=cfg.run.tensorboard,
@@ -594,6 +617,7 @@ class Driver:
                     accumulated += 1
                 bar.update(1)
                 bar.write(summary_line(rollout_id, rollout_metrics, steps))
+                mark("driver", f"rollout {rollout_id} trained")
                 if self._eval_due(rollout_id):
                     evaluation = self.evaluate(rollout_id)
                     sink.log("eval", rollout_id, rollout_id, evaluation)
@@ -602,16 +626,29 @@ class Driver:
                 interval = cfg.run.save_interval
                 if interval and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == total):
                     self.save(rollout_id, accumulated)
+                    mark("driver", f"checkpoint {rollout_id} saved")
         finally:
             bar.close()
             sink.close()
         if cfg.run.plot:
-            from ember.plot import plot_run
-
-            plot_run(self.run_dir)
+            # Drawn on a thread: matplotlib's import and the drawing (about 2.5 s on a 2-core
+            # machine) overlap `shutdown`, which mostly waits for processes to exit.
+            self._plotting = threading.Thread(target=self._plot, name="ember-plots", daemon=True)
+            self._plotting.start()
         return self.run_dir
 
+    def _plot(self) -> None:
+        from ember.plot import plot_run
+
+        try:
+            plot_run(self.run_dir)
+        except Exception:  # the run's results are saved; a plot is not worth failing it
+            logger.exception("plotting failed; `ember plot %s` draws the plots again", self.run_dir)
+        mark("driver", "plots written")
+
     def shutdown(self) -> None:
+        """Stop the engines and remove the placement groups; stop Ray if `start_ray` started
+        it; wait for the end-of-run plots."""
         self._pending.clear()
         try:
             if self.actors is not None:
@@ -621,6 +658,14 @@ class Driver:
             if self.placement is not None:
                 self.placement.remove()
                 self.placement = None
+            mark("driver", "actors shut down")
+            if self._started_ray:
+                ray.shutdown()
+                self._started_ray = False
+                mark("driver", "ray shut down")
+            if self._plotting is not None:
+                self._plotting.join()
+                self._plotting = None
 
 
 def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[str, float]]) -> str:

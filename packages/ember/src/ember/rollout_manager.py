@@ -131,7 +131,10 @@ class RolloutManager:
         """Read the config and import the rollout libraries; ``start`` (once the engines have
         started) builds the generator."""
         from ember.actors import _import_rollout_libraries, _prepare_process
+        from ember.startup import mark, process_start_time
 
+        mark("manager", "process started", process_start_time())
+        mark("manager", "actor created")
         _prepare_process(threads)
         from ember.config import load_config
 
@@ -143,6 +146,7 @@ class RolloutManager:
         self.generator: Any = None
         self.eval_sets: dict[str, Any] | None = None
         _import_rollout_libraries(embedded_engine=False)
+        mark("manager", "libraries imported")
 
     def start(self) -> None:
         """Build the rollout generator: the prompts, the tokenizer (from the export), the served

@@ -112,6 +112,9 @@ def init_distributed(
             parallelism is asked for without Transformer Engine attention, or if this process is
             already initialised with another layout (both are named).
     """
+    from ember_megatron_backend import import_megatron_core
+
+    import_megatron_core()
     from megatron.core import parallel_state, tensor_parallel
 
     from ember_megatron_backend import cpu
