@@ -281,6 +281,18 @@ def test_peer_table_prints_spread_over_seeds_and_ratios():
     assert lines["whole command, wall (s)"] == ["305.0", "+-", "7.1", "100.0", "3.05"]
     assert lines["first rollout with reward >= 0.9"] == ["11.0", "+-", "1.4", "20.0", "0.55"]
     assert lines["median seconds per rollout"] == ["1.500", "+-", "0.000", "0.500", "3.00"]
+    in_turn = bench_peer.peer_table(
+        {
+            "ember": [run(300.0, 1.5, 10)],
+            bench_peer.IN_TURN: [run(360.0, 2.0, 10)],
+            "trl": [run(100.0, 0.5, 20)],
+        }
+    )
+    assert in_turn.splitlines()[0].split() == [
+        "Ember", "Ember", "in", "turn", "TRL", "Ember/TRL", "in", "turn/TRL"
+    ]  # fmt: skip
+    walls = {line[:34].strip(): line[34:].split() for line in in_turn.splitlines()[1:]}
+    assert walls["whole command, wall (s)"] == ["300.0", "360.0", "100.0", "3.00", "3.60"]
     assert bench_peer.fmt([1.0, None], 1) == "1.0 +- 0.0 (1/2)"
     assert bench_peer.fmt([None], 1) == "- (0/1)" and bench_peer.ratio(1.0, None) == "-"
 
@@ -295,12 +307,13 @@ def test_kept_results_are_reused_only_for_the_same_overrides(tmp_path, monkeypat
     bench_peer.save_result(where / "ember", "ember", ["a=1"], ["cmd"], 40.0, records)
     ran = []
 
-    def fake_ember(where_, sets):
+    def fake_ember(where_, sets, side="ember"):
         ran.append(sets)
         return {"records": records, "wall_s": 50.0}
 
     monkeypatch.setattr(bench_peer, "run_ember", fake_ember)
     kept = bench_peer.run_pair(where, ["a=1"], 1, "ember", reuse=True)
+    assert set(kept) == {"ember"}  # the in-turn loop only when asked
     assert ran == [] and kept["ember"]["wall_s"] == 40.0
     again = bench_peer.run_pair(where, ["a=2"], 1, "ember", reuse=True)
     assert ran == [["a=2"]] and again["ember"]["wall_s"] == 50.0

@@ -17,12 +17,15 @@ bench prints every setting's mapping before it runs, and says where a setting ca
 or where the two differ in detail. TRL gets its own CPU setup: no vLLM, `use_cpu`, fp32 (no
 bf16 autocast), no gradient checkpointing (it only trades time for memory).
 
-Per side it prints the whole command's wall time, the first rollout whose mean reward reaches
-0.9 (its index, and the seconds from the command's start to the end of that rollout's
-training), the median seconds per rollout (from one rollout's end to the next), when rollout 0
-was done (start-up included) and the mean reward over the last 20 rollouts, then Ember/TRL
-ratios. With several `--seeds` (each sets rollout.seed, train.seed and data.seed, so the
-initial weights change with it) it prints mean +- standard deviation over seeds. The bench sets
+Ember runs twice: its default overlapped loop, and its in-turn loop (`rollout.async=false`,
+which generates and then trains as TRL does; `--no-in-turn` skips it). The bench prints the
+machine it ran on (processor, vector extensions, cores, load) before and after. Per side it
+prints the whole command's wall time, the first rollout whose mean reward reaches 0.9 (its
+index, and the seconds from the command's start to the end of that rollout's training), the
+median seconds per rollout (from one rollout's end to the next), when rollout 0 was done
+(start-up included) and the mean reward over the last 20 rollouts, then each Ember loop's ratio
+to TRL. With several `--seeds` (each sets rollout.seed, train.seed and data.seed, so the initial
+weights change with it) it prints mean +- standard deviation over seeds. The bench sets
 `train.optimizer.lr_decay_steps` to rollouts x optimizer steps per rollout (800 for the default
 200 x 4), so both schedules decay over the run, unless `--set` gives it. `ray.threads_per_actor`
 also sets the TRL process's torch threads (unset: torch's default, one per core, as each Ember
@@ -55,7 +58,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from machine import describe_machine  # noqa: E402
+
 SIDES = ("ember", "trl")
+"""The two sides every comparison runs (`tools/bench_learning.py` too)."""
+IN_TURN = "ember_inturn"
+"""Ember's in-turn loop (`rollout.async=false`: generate, then train, as TRL does), which
+bench_peer runs beside its overlapped default unless `--no-in-turn`."""
+IN_TURN_SETS = ("rollout.async=false",)
+NAMES = {"ember": "Ember", IN_TURN: "Ember in turn", "trl": "TRL"}
 THRESHOLDS = (0.5, 0.9)
 """Mean rewards whose first crossing is reported."""
 LAST = 20
@@ -78,6 +90,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     parser.add_argument("--rollouts", type=int, default=None, help="default: the config's")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S")
     parser.add_argument("--only", choices=SIDES, default=None, help="run one side only")
+    parser.add_argument(
+        "--no-in-turn",
+        dest="in_turn",
+        action="store_false",
+        help="skip Ember's in-turn loop (rollout.async=false), run beside the default otherwise",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output directory")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="Ember config override"
@@ -458,19 +476,21 @@ PEER_ROWS = (
 
 
 def peer_table(summaries: dict[str, list[dict[str, Any]]]) -> str:
-    """Both sides' figures (mean +- std over seeds) and Ember/TRL ratios of the means."""
-    sides = [s for s in SIDES if summaries.get(s)]
-    names = {"ember": "Ember", "trl": "TRL"}
+    """Each side's figures (mean +- std over seeds) and, with TRL there, each Ember loop's
+    ratio to TRL of the means."""
+    sides = [s for s in ("ember", IN_TURN, "trl") if summaries.get(s)]
+    against = [s for s in sides if s != "trl"] if "trl" in sides else []
+    ratio_names = {"ember": "Ember/TRL", IN_TURN: "in turn/TRL"}
     lines = [
         f"{'':<34}"
-        + "".join(f"{names[s]:>22}" for s in sides)
-        + (f"{'Ember/TRL':>11}" if len(sides) == 2 else "")
+        + "".join(f"{NAMES[s]:>22}" for s in sides)
+        + "".join(f"{ratio_names[s]:>13}" for s in against)
     ]
     for label, get, digits in PEER_ROWS:
         values = {s: [get(x) for x in summaries[s]] for s in sides}
         line = f"{label:<34}" + "".join(f"{fmt(values[s], digits):>22}" for s in sides)
-        if len(sides) == 2:
-            line += f"{ratio(spread(values['ember'])[0], spread(values['trl'])[0]):>11}"
+        trl = spread(values["trl"])[0] if against else None
+        line += "".join(f"{ratio(spread(values[s])[0], trl):>13}" for s in against)
         lines.append(line)
     return "\n".join(lines)
 
@@ -508,12 +528,15 @@ def _run(cmd: list[str], log: Path) -> tuple[float, float]:
     return start, wall
 
 
-def run_ember(where: Path, sets: list[str]) -> dict[str, Any]:
-    run_dir = where / "ember"
-    cmd = ["uv", "run", "ember", "train", *set_args([*sets, f"run.dir={run_dir}"])]
-    start, wall = _run(cmd, where / "ember.log")
+def run_ember(where: Path, sets: list[str], side: str = "ember") -> dict[str, Any]:
+    """One Ember run in `where/<side>`: the default loop, or with `side` IN_TURN the in-turn
+    loop (`IN_TURN_SETS` on top of `sets`)."""
+    run_dir = where / side
+    extra = list(IN_TURN_SETS) if side == IN_TURN else []
+    cmd = ["uv", "run", "ember", "train", *set_args([*sets, *extra, f"run.dir={run_dir}"])]
+    start, wall = _run(cmd, where / f"{side}.log")
     records = rollout_records(read_metrics_file(run_dir), start)
-    return save_result(run_dir, "ember", sets, cmd, wall, records)
+    return save_result(run_dir, side, sets, cmd, wall, records)
 
 
 def run_trl(where: Path, sets: list[str], seed: int | None) -> dict[str, Any]:
@@ -581,20 +604,30 @@ def require_trl() -> None:
 
 
 def run_pair(
-    where: Path, sets: list[str], seed: int | None, only: str | None, *, reuse: bool = False
+    where: Path,
+    sets: list[str],
+    seed: int | None,
+    only: str | None,
+    *,
+    reuse: bool = False,
+    in_turn: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Ember, then TRL, on the same work in `where` (results already there are kept when
-    `reuse`); returns each side's summary."""
+    """Ember (and with `in_turn` its in-turn loop), then TRL, on the same work in `where`
+    (results already there are kept when `reuse`); returns each side's summary."""
     out = {}
-    for side in SIDES:
-        if only not in (None, side):
+    sides = ("ember", IN_TURN, "trl") if in_turn else SIDES
+    for side in sides:
+        if only not in (None, "ember" if side == IN_TURN else side):
             continue
-        directory = where / ("ember" if side == "ember" else "trl")
+        directory = where / side
         result = load_result(directory, sets) if reuse else None
         if result is None:
-            print(f"  {side}: running ({where})", flush=True)
+            print(f"  {NAMES[side]}: running ({where})", flush=True)
             shutil.rmtree(directory, ignore_errors=True)  # Ember appends to a metrics file
-            result = run_ember(where, sets) if side == "ember" else run_trl(where, sets, seed)
+            if side == "trl":
+                result = run_trl(where, sets, seed)
+            else:
+                result = run_ember(where, sets, side)
         else:
             print(f"  {side}: kept ({directory / RESULT})", flush=True)
         out[side] = summarize(result["records"], result["wall_s"])
@@ -709,6 +742,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     first = ember_overrides(
         args.task, args.min_digits, args.max_digits, args.rollouts, seeds[0], args.set
     )
+    print(f"machine: {describe_machine()}")
     print(
         f"task {args.task}, {args.min_digits}-{args.max_digits} digits, {args.rollouts} "
         f"rollouts, seeds {args.seeds or 'of the config'}; output in {out}"
@@ -721,14 +755,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
             args.task, args.min_digits, args.max_digits, args.rollouts, seed, args.set
         )
         where = task_dir(out, args.task, args.min_digits, args.max_digits, seed)
-        for side, summary in run_pair(where, sets, seed, args.only).items():
-            summaries[side].append(summary)
+        for side, summary in run_pair(where, sets, seed, args.only, in_turn=args.in_turn).items():
+            summaries.setdefault(side, []).append(summary)
     print()
     print(
         f"{args.task} {args.min_digits}-{args.max_digits} digits, {args.rollouts} rollouts, "
         f"{len(seeds)} seed(s) ({' '.join(map(str, args.seeds)) if args.seeds else 'config'}):"
     )
     print(peer_table(summaries))
+    print(f"machine at the end: {describe_machine()}")
     return summaries
 
 
