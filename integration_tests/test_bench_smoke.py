@@ -76,7 +76,7 @@ def test_bench_weights_reports_both_paths_for_both_sizes():
     assert "warning" not in out
 
 
-def test_bench_peer_runs_both_sides_and_writes_both_results(tmp_path):
+def test_bench_peer_runs_every_side_and_writes_their_results(tmp_path):
     pytest.importorskip("trl", reason="TRL is in the `peer` dependency group (CI installs it)")
     bench_peer = load_tool("bench_peer")
     rollouts = 2
@@ -88,9 +88,12 @@ def test_bench_peer_runs_both_sides_and_writes_both_results(tmp_path):
     mapping = bench_peer.trl_mapping(bench_peer.load_run_config(overrides))
     assert bench_peer.format_mapping(mapping) in out
     where = tmp_path / "copy-3-3" / "seed-config"
-    for side in ("ember", "trl"):
+    for side in ("ember", bench_peer.IN_TURN, "trl"):
         result = json.loads((where / side / bench_peer.RESULT).read_text())
         assert result["side"] == side and result["sets"] == overrides
+        # Ember's in-turn loop is the same run with rollout.async off.
+        in_turn = "rollout.async=false" in result["command"]
+        assert in_turn == (side == bench_peer.IN_TURN)
         # (rollout id, seconds since the command started, mean reward) per rollout
         assert [r[0] for r in result["records"]] == list(range(rollouts))
         for _, seconds, reward in result["records"]:
@@ -100,4 +103,6 @@ def test_bench_peer_runs_both_sides_and_writes_both_results(tmp_path):
     assert {k: v for k, v in spec["grpo"].items() if k != "output_dir"} == {
         k: v for k, v in mapping.kwargs.items() if k != "output_dir"
     }
-    assert re.search(r"^\s+Ember\s+TRL\s+Ember/TRL$", out, flags=re.M), out  # the table
+    header = r"^\s+Ember\s+Ember in turn\s+TRL\s+Ember/TRL\s+in turn/TRL$"
+    assert re.search(header, out, flags=re.M), out  # the table
+    assert re.search(r"^machine: .+, \d+ cores, load \d", out, flags=re.M), out

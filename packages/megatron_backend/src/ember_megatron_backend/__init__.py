@@ -65,8 +65,8 @@ def _eager_compile() -> Iterator[None]:
 def import_megatron_core() -> None:
     """Import megatron-core without the parts training never runs; a no-op once imported.
 
-    On a CPU-only machine its import took 15-20 s, against 4-5 s this way
-    (tools/README.md, start-up profile). Two things made up the difference:
+    On a 2-core CPU-only machine `import megatron.core` with torch took 18.5-20.3 s, against
+    8.0-9.7 s this way (tools/README.md, start-up). Two things made up the difference:
 
     - megatron-core 0.16.1 binds `jit_fuser = torch.compile` (core/jit.py) and decorates its
       fusions with it at import. Each decoration imports torch._dynamo and torch._inductor,
