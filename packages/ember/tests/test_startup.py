@@ -122,7 +122,8 @@ def test_profile_startup_times_every_process_and_the_run_leaves_none_behind(tmp_
     order = {name: [s for _, s in seen] for name, seen in steps.items()}
     # Each actor records its process start, its __init__, and its own steps, in that order;
     # they reach the trace through the environment the local Ray's workers inherit.
-    assert order["rank 0"] == ["process started", "actor created", "megatron-core imported",
+    assert order["rank 0"] == ["process started", "actor created",
+                               "megatron-core imported, process group joined",
                                "model built"]  # fmt: skip
     assert order["engine"] == ["process started", "actor created", "libraries imported",
                                "model loaded"]  # fmt: skip
@@ -141,3 +142,23 @@ def test_profile_startup_times_every_process_and_the_run_leaves_none_behind(tmp_
     exported = dict((s, w) for w, s in steps["driver"])["initial weights exported"]
     # The engine loads the model only once the trainer's export is there.
     assert dict((s, w) for w, s in steps["engine"])["model loaded"] >= exported
+
+
+@pytest.mark.slow  # spawns processes
+def test_reap_finds_a_process_tree_waits_for_it_and_kills_what_stays():
+    from ember import processes
+
+    tree = subprocess.Popen(["bash", "-c", "sleep 60 & wait"])
+    deadline = time.monotonic() + 10
+    while not processes.descendants([tree.pid]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (sleeper,) = processes.descendants([tree.pid])  # the background sleep, below bash
+    assert processes.children(os.getpid()) >= {tree.pid}
+    quick = subprocess.Popen(["sleep", "0.1"])
+    started = time.monotonic()
+    assert processes.reap([quick.pid], timeout=5.0) == []  # exited by itself: not killed
+    quick.wait()
+    assert time.monotonic() - started < 5.0
+    assert processes.reap([tree.pid, sleeper], timeout=0.2) == sorted([tree.pid, sleeper])
+    tree.wait(timeout=5)
+    assert not processes.alive(sleeper) and not processes.alive(tree.pid)

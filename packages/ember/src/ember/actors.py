@@ -204,13 +204,13 @@ class TrainRank:
         from ember_megatron_backend.parallel import init_distributed
         from ember_megatron_backend.worker import MegatronWorker
 
-        mark(f"rank {self.rank}", "megatron-core imported")
         init_distributed(
             self.config.train.parallel,
             rank=self.rank,
             world_size=self.world_size,
             init_method=init_method,
         )
+        mark(f"rank {self.rank}", "megatron-core imported, process group joined")
         self.worker = MegatronWorker(
             self.config.train,
             self.config.algorithm,

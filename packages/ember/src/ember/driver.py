@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from tqdm import tqdm
 
-from ember import RAY_ENV
+from ember import RAY_ENV, processes
 from ember.config import RunConfig, default_run_dir, write_resolved
 from ember.metrics import METRICS_FILE, MetricsLogger, metrics_lines
 from ember.placement import MemoryHandoff, Placement
@@ -212,6 +212,9 @@ class Driver:
         self._started_ray = False
         """Whether `start_ray` started Ray (rather than finding it running): `shutdown` stops
         only a Ray of its own."""
+        self._ray_processes: set[int] = set()
+        """The processes `ray.init` started on this machine (GCS, raylet, ...): `shutdown`
+        waits for everything below them too."""
         self._plotting: threading.Thread | None = None
         """The end-of-run plots, drawn while `shutdown` stops the actors and Ray."""
 
@@ -233,6 +236,7 @@ class Driver:
             # runtime-env agent (about 3 s each on a 2-core machine) rather than a prestarted one.
             os.environ.update(env)
         mark("driver", "ray.init starts")
+        before = processes.children(os.getpid())
         ray.init(
             # "local" starts a Ray of our own: with no address, ray.init joins whatever Ray
             # another process on this machine started last (ray 2.60 worker.py).
@@ -249,6 +253,7 @@ class Driver:
             logging_level=logging.WARNING,
         )
         self._started_ray = True
+        self._ray_processes = processes.children(os.getpid()) - before
         mark("driver", "ray.init done")
 
     def build(self, *, reuse_init: bool = False) -> None:
@@ -660,8 +665,14 @@ class Driver:
                 self.placement = None
             mark("driver", "actors shut down")
             if self._started_ray:
+                # Workers (and servers an engine launched) sit below Ray's own processes and
+                # exit after them, on their own: wait for them.
+                tree = self._ray_processes | processes.descendants(self._ray_processes)
                 ray.shutdown()
-                self._started_ray = False
+                killed = processes.reap(tree)
+                if killed:
+                    logger.warning("killed %d process(es) Ray left running", len(killed))
+                self._started_ray, self._ray_processes = False, set()
                 mark("driver", "ray shut down")
             if self._plotting is not None:
                 self._plotting.join()
