@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import describe_machine  # noqa: E402
 
+from ember.startup import TRACE_ENV  # noqa: E402
+
 
 def read_trace(path: Path) -> list[tuple[float, str, str]]:
     rows = []
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             "--set", f"run.num_rollouts={args.rollouts}", "--set", f"run.dir={run_dir}",
             *args.extra,
         ]  # fmt: skip
-        env = {**os.environ, "EMBER_STARTUP_TRACE": str(trace)}
+        env = {**os.environ, TRACE_ENV: str(trace)}
         start = time.time()
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         wall = time.time() - start

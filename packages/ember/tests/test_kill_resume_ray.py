@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ember import processes
 from ember.driver import complete_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -65,24 +66,6 @@ def logged_rollouts(run_dir: Path) -> list[int]:
     return [r["rollout_id"] for r in records if r["kind"] == "rollout"]
 
 
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid` now (Ray's head processes, workers and actors)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 def command(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
@@ -91,15 +74,7 @@ def command(pid: int) -> str:
 
 
 def alive(pids: set[int]) -> set[int]:
-    living = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            living.add(pid)
-    return living
+    return {pid for pid in pids if processes.alive(pid)}
 
 
 def test_sigkill_of_the_overlapped_driver_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
@@ -117,7 +92,7 @@ def test_sigkill_of_the_overlapped_driver_resumes_to_the_uninterrupted_runs_metr
         assert driver.poll() is None, driver.stdout.read().decode(errors="replace")[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    ray_processes = descendants(driver.pid)
+    ray_processes = processes.descendants([driver.pid])
     assert ray_processes  # its own Ray: GCS, raylet, workers and actors
     os.kill(driver.pid, signal.SIGKILL)
     driver.communicate()

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 PROBE = """
-import importlib.util, json, sys
+import json, sys
 import torch
 compile_ = torch.compile
 from ember_megatron_backend.parallel import init_distributed
@@ -24,7 +24,6 @@ print(json.dumps({
     "swiglu_is_plain": type(fused_bias_swiglu.swiglu).__name__ == "function"
         and fused_bias_swiglu.swiglu.__code__.co_filename.endswith("fused_bias_swiglu.py"),
     "compile_restored": torch.compile is compile_,
-    "flashinfer_installed": importlib.util.find_spec("flashinfer") is not None,
     "flashinfer_blocked_after": "flashinfer" in sys.modules and sys.modules["flashinfer"] is None,
 }))
 """

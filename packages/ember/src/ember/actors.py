@@ -16,7 +16,7 @@ import ray
 import torch
 
 from ember.quiet import quiet_libraries, verbose
-from ember.startup import mark, process_start_time
+from ember.startup import mark, mark_process_start
 from ember_core.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def _import_rollout_libraries(*, embedded_engine: bool, model_type: str | None =
         import ember_rollout.hf_engine  # noqa: F401
 
         # The auto class imports a family's modeling module only when it loads a model: about
-        # 2.6 s on a 2-core machine, which here overlaps the trainer's build.
+        # 2.6 s on a 2-core AMD EPYC, which here overlaps the trainer's build.
         name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type or "")
         if name is not None:
             getattr(transformers, name)
@@ -162,8 +162,7 @@ class TrainRank:
         world_size: int,
         threads: int | None,
     ) -> None:
-        mark(f"rank {rank}", "process started", process_start_time())
-        mark(f"rank {rank}", "actor created")
+        mark_process_start(f"rank {rank}", "actor created")
         _prepare_process(threads)
         # The training hooks' INFO lines (the CI checker's audit results) reach the driver's
         # console, which shows what each actor process writes.
@@ -420,8 +419,7 @@ class RolloutEngine:
         The driver creates engines before the trainer has exported `model_path`, so that their
         imports overlap with the trainer's start-up, and calls ``start`` once it is written.
         """
-        mark("engine", "process started", process_start_time())
-        mark("engine", "actor created")
+        mark_process_start("engine", "actor created")
         _prepare_process(threads)
         from ember.config import load_config
         from ember.driver import INITIAL_WEIGHT_VERSION

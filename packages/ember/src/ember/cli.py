@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from ember.quiet import VERBOSE_ENV, quiet_libraries
-from ember.startup import mark, process_start_time
+from ember.startup import mark, mark_process_start
 
 USAGE_ERROR = 2
 RUN_ERROR = 1
@@ -183,7 +183,7 @@ def _task_name(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    mark("driver", "process started", process_start_time())
+    mark_process_start("driver")
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -233,7 +233,7 @@ class Driver:
         if ray_cfg.address is None:
             # The Ray started here inherits this environment, and its workers with it. A
             # runtime_env instead would cost every actor a fresh worker process set up by the
-            # runtime-env agent (about 3 s each on a 2-core machine) rather than a prestarted one.
+            # runtime-env agent (about 3 s each on a 2-core AMD EPYC) rather than a prestarted one.
             os.environ.update(env)
         mark("driver", "ray.init starts")
         before = processes.children(os.getpid())
@@ -636,8 +636,8 @@ class Driver:
             bar.close()
             sink.close()
         if cfg.run.plot:
-            # Drawn on a thread: matplotlib's import and the drawing (about 2.5 s on a 2-core
-            # machine) overlap `shutdown`, which mostly waits for processes to exit.
+            # Drawn on a thread: matplotlib's import and the drawing (2.3-2.9 s on a 2-core AMD
+            # EPYC) overlap `shutdown`, which mostly waits for processes to exit.
             self._plotting = threading.Thread(target=self._plot, name="ember-plots", daemon=True)
             self._plotting.start()
         return self.run_dir

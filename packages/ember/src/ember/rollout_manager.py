@@ -131,10 +131,9 @@ class RolloutManager:
         """Read the config and import the rollout libraries; ``start`` (once the engines have
         started) builds the generator."""
         from ember.actors import _import_rollout_libraries, _prepare_process
-        from ember.startup import mark, process_start_time
+        from ember.startup import mark, mark_process_start
 
-        mark("manager", "process started", process_start_time())
-        mark("manager", "actor created")
+        mark_process_start("manager", "actor created")
         _prepare_process(threads)
         from ember.config import load_config
 

@@ -26,6 +26,16 @@ def process_start_time() -> float:
         return time.time()
 
 
+def mark_process_start(process: str, step: str | None = None) -> None:
+    """Record when this process started (from /proc) and, given `step`, that it reached it
+    now: the first lines of an actor's (or the driver's) trace."""
+    if not os.environ.get(TRACE_ENV):
+        return
+    mark(process, "process started", process_start_time())
+    if step is not None:
+        mark(process, step)
+
+
 def mark(process: str, step: str, when: float | None = None) -> None:
     """Record that `process` reached `step` (now, or at `when`)."""
     path = os.environ.get(TRACE_ENV)

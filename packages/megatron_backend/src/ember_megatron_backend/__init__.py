@@ -65,7 +65,7 @@ def _eager_compile() -> Iterator[None]:
 def import_megatron_core() -> None:
     """Import megatron-core without the parts training never runs; a no-op once imported.
 
-    On a 2-core CPU-only machine `import megatron.core` with torch took 18.5-20.3 s, against
+    On a 2-core AMD EPYC without CUDA, `import megatron.core` with torch took 18.5-20.3 s, against
     8.0-9.7 s this way (tools/README.md, start-up). Two things made up the difference:
 
     - megatron-core 0.16.1 binds `jit_fuser = torch.compile` (core/jit.py) and decorates its
