@@ -138,15 +138,15 @@ def test_the_run_says_which_loop_and_old_log_probs_it_uses(tmp_path):
 
     config, _ = load_config("default")
     assert describe_loop(config) == (
-        "loop: overlapped (rollout.async=true: rollout i+1 generates from weights one update "
-        "old); old log-probs: the engine's (algorithm.use_rollout_log_probs=true); TIS off "
+        "loop: overlapped (rollout.max_staleness=1: rollout i+1 generates from weights one "
+        "update old); old log-probs: the engine's (algorithm.use_rollout_log_probs=true); TIS off "
         "(algorithm.use_tis)"
     )
     path = tmp_path / "mine.yaml"
     path.write_text("run:\n  num_rollouts: 3\n")
     config, _ = load_config(path)
     assert describe_loop(config) == (
-        "loop: rollout, then training (rollout.async=false); old log-probs: the trainer's "
+        "loop: rollout, then training (rollout.max_staleness=0); old log-probs: the trainer's "
         "scoring forward (algorithm.use_rollout_log_probs=false); TIS off (algorithm.use_tis)"
     )
     config, _ = load_config(path, overrides=["rollout.async=true"])
@@ -280,3 +280,47 @@ def test_eval_interval_evaluates_during_and_after_the_run(tmp_path):
         assert 0.0 <= record["eval/toy/reward"] <= 1.0 and 0.0 <= record["eval/toy/pass@2"] <= 1.0
     assert "eval       4 | toy/reward" in run.stdout + run.stderr
     assert (tmp_path / "plots" / "reward.png").is_file()
+
+
+def test_max_staleness_decides_the_loop_and_async_is_its_shorthand(tmp_path):
+    """`rollout.async` true/false is max_staleness 1/0; a given max_staleness wins, and the
+    resolved config holds both, consistent."""
+    from ember.config import describe_loop
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("rollout:\n  async: true\n")
+    config, _ = load_config(path)
+    assert (config.rollout.max_staleness, config.rollout.async_) == (1, True)
+    config, _ = load_config(path, overrides=["rollout.max_staleness=0"])
+    assert (config.rollout.max_staleness, config.rollout.async_) == (0, False)
+    config, _ = load_config(path, overrides=["rollout.async=false", "rollout.max_staleness=3"])
+    assert (config.rollout.max_staleness, config.rollout.async_) == (3, True)
+    assert describe_loop(config).startswith(
+        "loop: 3 rollouts ahead (rollout.max_staleness=3: rollout i+3 generates from weights 3 "
+        "updates old);"
+    )
+    again, _ = load_config(config.to_dict())
+    assert (again.rollout.max_staleness, again.rollout.async_) == (3, True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "start"),
+    [
+        (["rollout.max_staleness=-1"], "rollout.max_staleness=-1: expected an integer >= 0"),
+        (
+            ["rollout.max_staleness=0", "rollout.partial_rollouts=true"],
+            "rollout.partial_rollouts=True: expected false with max_staleness=0",
+        ),
+        (
+            ["rollout.max_staleness=2", "rollout.partial_rollouts=true", "engine.kind=sglang"],
+            "rollout.partial_rollouts=true with engine.kind=sglang: that engine takes new weights "
+            "only between requests",
+        ),
+    ],
+)
+def test_bad_staleness_settings_get_one_line_naming_them(overrides, start):
+    with pytest.raises(ValueError) as info:
+        load_config("default", overrides=overrides)
+    message = str(info.value)
+    assert message.startswith(start), message
+    assert "\n" not in message

@@ -219,7 +219,21 @@ class SamplingConfig:
     """One-step-off-policy training: rollout i+1 generates while the trainer trains on rollout i,
     from weights one version old (`rollout/staleness` 1), and `algorithm.use_tis` turns on
     unless set (or unless `algorithm.use_rollout_log_probs` already takes the ratio against the
-    sampling policy). The Python field is `async_` (`async` is a keyword)."""
+    sampling policy). The Python field is `async_` (`async` is a keyword). The shorthand of
+    `max_staleness` 0 (false) and 1 (true); when `max_staleness` is given, it decides."""
+    max_staleness: int | None = None
+    """How many weight versions generation may run ahead of training (k). Rollout j is
+    generated from the weights trained on rollout j - 1 - k (the initial weights while
+    j <= k), so its samples are exactly min(j, k) versions old when trained: 0 generates and
+    trains in turn, 1 is the overlapped loop (`async: true`), k > 1 keeps k rollouts
+    generating ahead of the trainer. Null: 1 with `async: true`, else 0. A rollout restored
+    from a checkpoint that is staler than the bound is generated again (`rollout/regenerated`)."""
+    partial_rollouts: bool = False
+    """With max_staleness >= 1: new weights reach the engines between decode steps, while the
+    rollouts ahead are still generating, instead of after they finish; each sample records
+    the weight version of every span of its response (`Sample.weight_versions`), and the
+    bound holds for its oldest span. Needs an engine that takes weights mid-generation: the
+    embedded one (`engine.kind: hf`)."""
 
     def __post_init__(self) -> None:
         check(self.rollout_batch_size >= 1, "rollout_batch_size", self.rollout_batch_size, ">= 1")
@@ -238,6 +252,25 @@ class SamplingConfig:
         check(0 < self.top_p <= 1, "top_p", self.top_p, "0 < top_p <= 1")
         check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1")
         check(self.max_response_len >= 1, "max_response_len", self.max_response_len, ">= 1")
+        if self.max_staleness is not None:
+            check(
+                isinstance(self.max_staleness, int)
+                and not isinstance(self.max_staleness, bool)
+                and self.max_staleness >= 0,
+                "max_staleness",
+                self.max_staleness,
+                "an integer >= 0 (0: rollout and training in turn; 1: overlapped; k: k ahead)",
+            )
+            self.async_ = self.max_staleness >= 1
+        else:
+            self.max_staleness = 1 if self.async_ else 0
+        check(
+            not self.partial_rollouts or self.max_staleness >= 1,
+            "partial_rollouts",
+            self.partial_rollouts,
+            f"false with max_staleness={self.max_staleness} (nothing generates while the "
+            "trainer trains, so no weights arrive mid-generation)",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -61,6 +61,10 @@ class Sample:
     """Version of the weights that generated the sample, as the engine reported it
     (`meta_info.weight_version`); Ember's versions are str(rollout id) of the training that
     produced them, "-1" for the initial weights. None: the engine reported none."""
+    weight_versions: list[tuple[int, str]] | None = None
+    """Partial rollouts: the response's spans by the weight version that generated them, as
+    (index of the span's first response token, version) pairs, ascending from index 0, with
+    `weight_version` the first (oldest) one. None: every token came from `weight_version`."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form data: engine meta info, reward details, plugin annotations."""
 
@@ -106,6 +110,26 @@ class Sample:
             )
         if self.reward is not None and not math.isfinite(self.reward):
             raise ValueError(f"{where}: reward={self.reward!r} is not a finite number")
+        if self.weight_versions is not None:
+            starts = [start for start, _ in self.weight_versions]
+            if (
+                not starts
+                or starts[0] != 0
+                or any(b <= a for a, b in zip(starts, starts[1:], strict=False))
+                or starts[-1] >= self.response_length
+            ):
+                raise ValueError(
+                    f"{where}: weight_versions={self.weight_versions!r}: expected (start, "
+                    "version) spans with starts ascending from 0 and below "
+                    f"response_length={self.response_length}"
+                )
+            if self.weight_version is not None and self.weight_versions[0][1] != (
+                self.weight_version
+            ):
+                raise ValueError(
+                    f"{where}: weight_version={self.weight_version!r} is not the first span's "
+                    f"version in weight_versions={self.weight_versions!r}"
+                )
         experts = self.rollout_routed_experts
         if experts is not None:
             if experts.dim() != 3 or experts.shape[0] != n - 1:

@@ -405,6 +405,7 @@ def load_config(
     run_config = from_dict(RunConfig, core)
     resolve_tis(run_config.algorithm, run_config.rollout)
     check_old_log_probs(run_config.algorithm, run_config.rollout)
+    check_partial_rollouts(run_config)
     weight_transport(run_config)
     from ember.placement import plan_layout
 
@@ -412,6 +413,28 @@ def load_config(
     run_config.plugin_sections = sections
     host.configure(run_config, sections)
     return run_config, host
+
+
+PARTIAL_ROLLOUT_ENGINES = ("hf",)
+"""Engine kinds that take new weights mid-generation (`rollout.partial_rollouts`): the
+embedded engine, between decode steps. SGLang servers take them between requests only."""
+
+
+def check_partial_rollouts(config: RunConfig) -> None:
+    """Refuse `rollout.partial_rollouts` with an engine that cannot take weights while it
+    generates.
+
+    Raises:
+        ValueError: One line naming the settings.
+    """
+    kind = config.engine.kind
+    if config.rollout.partial_rollouts and kind not in PARTIAL_ROLLOUT_ENGINES:
+        raise ValueError(
+            f"rollout.partial_rollouts=true with engine.kind={kind}: that engine takes new "
+            "weights only between requests, not mid-generation; set "
+            "rollout.partial_rollouts=false (rollouts ahead then finish before each push) or "
+            f"engine.kind={PARTIAL_ROLLOUT_ENGINES[0]}"
+        )
 
 
 def weight_transport(config: RunConfig) -> str:
@@ -520,10 +543,18 @@ def describe_loop(config: RunConfig) -> str:
     the two are never confused.
     """
     algorithm, rollout = config.algorithm, config.rollout
-    if rollout.async_:
-        loop = "overlapped (rollout.async=true: rollout i+1 generates from weights one update old)"
+    k = rollout.max_staleness
+    if k == 1:
+        loop = "overlapped (rollout.max_staleness=1: rollout i+1 generates from weights one update old)"
+    elif k:
+        loop = (
+            f"{k} rollouts ahead (rollout.max_staleness={k}: rollout i+{k} generates from "
+            f"weights {k} updates old)"
+        )
     else:
-        loop = "rollout, then training (rollout.async=false)"
+        loop = "rollout, then training (rollout.max_staleness=0)"
+    if rollout.partial_rollouts:
+        loop += ", partial rollouts"
     if algorithm.use_rollout_log_probs:
         old = "the engine's (algorithm.use_rollout_log_probs=true)"
     else:
