@@ -15,6 +15,11 @@ left out of every mean. Rows:
   waited for a rollout generated during training, not the rollout phase. Target <= 0.8.
 - async: seconds per iteration (`perf/iteration_time`) with `rollout.async=true` vs without.
   Target <= 0.7.
+- staleness: seconds per iteration for each `rollout.max_staleness` k of `--staleness` (default
+  0, 1, 2, 4) with `--engines` embedded engines (default 2), and with partial rollouts
+  (`rollout.partial_rollouts=true`) for every k >= 1, each as a ratio to k = 0. Iterations up
+  to k, which train on rollouts generated ahead during the first one, are left out along with
+  it: the mean is over the steady state, where every iteration waits for its own share.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 PHASES = {
     "rollout (waited)": "perf/rollout_time",
@@ -33,7 +39,7 @@ PHASES = {
     "training": "perf/train_time",
     "weight push": "perf/weight_push_time",
 }
-ROWS = ("phases", "engines", "async")
+ROWS = ("phases", "engines", "async", "staleness")
 ENGINES_TARGET = 0.8
 ASYNC_TARGET = 0.7
 
@@ -59,9 +65,38 @@ def measure(config: str | None, rollouts: int, overrides: list[str]) -> list[dic
     return [r for r in map(json.loads, lines) if r["kind"] == "rollout"]
 
 
-def mean(records: list[dict], key: str) -> float:
-    """Mean of `key` over the iterations after the first (warm-up)."""
-    return statistics.mean(r[key] for r in (records[1:] or records))
+def mean(records: list[dict], key: str, *, skip: int = 1) -> float:
+    """Mean of `key` over the iterations after the first `skip` (warm-up)."""
+    return statistics.mean(r[key] for r in (records[skip:] or records))
+
+
+def staleness_table(run: Any, ks: list[int], engines: int, rollouts: int) -> None:
+    """Seconds per iteration for each k, in turn and with partial rollouts, against k = 0."""
+    print(
+        f"rollout.max_staleness with {engines} engines, {rollouts} rollouts each; s/iter over "
+        "iterations k + 1 .. (steady state), ratio to k = 0"
+    )
+    print(
+        f"{'k':>3}{'partial':>9}{'s/iter':>9}{'ratio':>8}{'waited':>9}{'staleness':>11}{'reward':>8}"
+    )
+    base = None
+    for k in ks:
+        for partial in (False, True) if k else (False,):
+            records = run(
+                f"rollout.max_staleness={k}",
+                f"rollout.partial_rollouts={str(partial).lower()}",
+                f"ray.num_engines={engines}",
+            )
+            if len(records) <= k + 1:
+                sys.exit(f"bench_e2e: --rollouts {rollouts} leaves no steady state for k = {k}")
+            per_iter = mean(records, "perf/iteration_time", skip=k + 1)
+            base = per_iter if base is None else base
+            waited = mean(records, "perf/rollout_time", skip=k + 1)
+            stale = mean(records, "rollout/staleness", skip=k + 1)
+            print(
+                f"{k:>3}{'yes' if partial else 'no':>9}{per_iter:>9.3f}{per_iter / base:>8.2f}"
+                f"{waited:>9.3f}{stale:>11.2f}{records[-1]['rollout/rewards']:>8.3f}"
+            )
 
 
 def phases(name: str, records: list[dict]) -> None:
@@ -96,6 +131,10 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
+    parser.add_argument(
+        "--staleness", default="0,1,2,4", help="staleness row: the max_staleness values"
+    )
+    parser.add_argument("--engines", type=int, default=2, help="staleness row: engines")
     args = parser.parse_args()
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = sorted(set(rows) - set(ROWS))
@@ -141,6 +180,9 @@ def main() -> None:
             f"reward after {len(overlapped)} rollouts {overlapped[-1]['rollout/rewards']:.3f} "
             f"(sync {sync[-1]['rollout/rewards']:.3f})"
         )
+    if "staleness" in rows:
+        ks = [int(k) for k in args.staleness.split(",") if k.strip()]
+        staleness_table(run, ks, args.engines, args.rollouts)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ killed process, each call run when it is made)."""
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from ember.driver import PENDING_ROLLOUT, complete_checkpoints
+from ember.driver import PENDING_ROLLOUTS, complete_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,9 @@ RUN = [
 ]  # fmt: skip
 ASYNC = [*RUN, "--set", "rollout.async=true", "--set", "run.save_interval=1"]
 """A checkpoint after every rollout, the newest two kept."""
+AHEAD = [*RUN, "--set", "rollout.max_staleness=2", "--set", "run.save_interval=1",
+         "--set", "run.num_rollouts=5"]  # fmt: skip
+"""Two rollouts generating ahead of the trainer, a checkpoint after every rollout."""
 SYNC = [*RUN, "--set", "rollout.async=false", "--set", "run.save_interval=2"]
 """Checkpoints after rollouts 1 and 3."""
 
@@ -89,7 +93,8 @@ def test_async_sigkill_in_generation_and_checkpoint_write_then_resume(launcher, 
     # Rollout 3 generates before rollout 2 trains: rollout 2 was never logged.
     assert ids(run) == [0, 1] and complete(run) == ["rollout_000000", "rollout_000001"]
     newest = complete_checkpoints(run)[-1]
-    assert (newest / PENDING_ROLLOUT).is_file()  # rollout 2, generated before the kill
+    with (newest / PENDING_ROLLOUTS).open("rb") as handle:  # generated before the kill
+        assert sorted(pickle.load(handle)) == [2]
 
     train("--resume", str(run), kill="checkpoint:2")
     assert ids(run) == [0, 1, 2] and complete(run) == ["rollout_000000", "rollout_000001"]
@@ -101,7 +106,7 @@ def test_async_sigkill_in_generation_and_checkpoint_write_then_resume(launcher, 
     for rollout_id in range(4):
         assert dumped(run, rollout_id) == dumped(reference, rollout_id)
     assert complete(run) == ["rollout_000002", "rollout_000003"]
-    assert not (complete_checkpoints(run)[-1] / PENDING_ROLLOUT).exists()  # nothing ahead of 3
+    assert not (complete_checkpoints(run)[-1] / PENDING_ROLLOUTS).exists()  # nothing ahead of 3
 
 
 def test_a_run_resumes_with_another_number_of_engines(launcher, tmp_path):
@@ -122,3 +127,52 @@ def test_a_run_resumes_with_another_number_of_engines(launcher, tmp_path):
     for rollout_id in (2, 3):
         prompts = [(s["prompt"], s["label"]) for s in dumped(run, rollout_id)]
         assert prompts == [(s["prompt"], s["label"]) for s in dumped(reference, rollout_id)]
+
+
+def test_two_ahead_sigkill_in_generation_then_resume_exactly(launcher, tmp_path):
+    """With rollout.max_staleness=2 rollout j comes from the weights of rollout j - 3: the
+    staleness is 0, 1, 2, 2, 2 and each rollout's histogram says so. Killed while rollout 3
+    generates (iteration 1), the run resumes from checkpoint 0, which holds rollouts 1 and 2
+    generated ahead, and its records and samples (versions included) equal the uninterrupted
+    run's."""
+    train = launcher.trainer(tmp_path)
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    train(*AHEAD, "--set", f"run.dir={reference}")
+    rollouts = records(reference, "rollout")
+    assert [r["rollout/staleness"] for r in rollouts] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    for r in rollouts:
+        gap = r["rollout/staleness"]
+        histogram = [r[f"rollout/staleness_{g}"] for g in range(3)]
+        assert histogram == [1.0 if g == gap else 0.0 for g in range(3)]
+        assert r["rollout/staleness_max"] == gap and r["rollout/regenerated"] == 0.0
+    for rollout_id in range(5):
+        versions = {s["weight_version"] for s in dumped(reference, rollout_id)}
+        assert versions == {str(max(rollout_id - 3, -1))}
+
+    train(*AHEAD, "--set", f"run.dir={run}", kill="rollout:3")
+    assert ids(run) == [0] and complete(run) == ["rollout_000000"]
+    with (complete_checkpoints(run)[-1] / PENDING_ROLLOUTS).open("rb") as handle:
+        assert sorted(pickle.load(handle)) == [1, 2]
+    train("--resume", str(run))
+    assert ids(run) == [0, 1, 2, 3, 4]
+    assert comparable(run) == comparable(reference)
+    for rollout_id in range(5):
+        assert dumped(run, rollout_id) == dumped(reference, rollout_id)
+
+
+def test_a_lower_bound_on_resume_generates_stale_rollouts_again(launcher, tmp_path):
+    """Checkpoint 1 of a max_staleness=2 run holds rollouts 2 and 3 from versions -1 and 0;
+    resumed with max_staleness=1 they would be 2 versions old, so each is dropped and generated
+    again from the current weights, and `rollout/regenerated` counts its samples."""
+    train = launcher.trainer(tmp_path)
+    run = tmp_path / "run"
+    train(*AHEAD, "--set", f"run.dir={run}", kill="rollout:4")
+    assert ids(run) == [0, 1] and complete(run)[-1] == "rollout_000001"
+    train("--resume", str(run), "--set", "rollout.max_staleness=1")
+    rollouts = records(run, "rollout")
+    assert [r["rollout_id"] for r in rollouts] == [0, 1, 2, 3, 4]
+    per_rollout = 2 * 2  # rollout_batch_size x n_samples_per_prompt
+    assert [r["rollout/regenerated"] for r in rollouts] == [0.0, 0.0, per_rollout, per_rollout, 0]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rollouts[2:])
+    for rollout_id in (2, 3):  # from the weights the trainer held when it took them
+        assert {s["weight_version"] for s in dumped(run, rollout_id)} == {str(rollout_id - 1)}

@@ -12,7 +12,13 @@ import pytest
 import yaml
 
 from ember.config import RaySection, load_config
-from ember.driver import actor_threads, staleness, summary_line
+from ember.driver import (
+    actor_threads,
+    beyond_bound,
+    staleness,
+    staleness_metrics,
+    summary_line,
+)
 from ember.rollout_manager import assign_groups
 from ember_core.types import Sample
 
@@ -57,6 +63,42 @@ def test_staleness_is_the_trainer_version_minus_each_samples():
     # Rollout 5 of an async run: generated from version 3 while the trainer holds 4.
     assert staleness([sample("3"), sample("3")], 4) == 1.0
     assert staleness([sample("3"), sample("4")], 4) == 0.5
+
+
+def test_the_staleness_histogram_counts_samples_by_their_oldest_span():
+    """Trainer at version 6, bound 2: samples from 6, 5, 4, 4 and one whose response began
+    under version 4 and ended under 6 (partial rollout): it counts as 4, its oldest."""
+    partial = Sample(
+        tokens=[1, 2, 3, 4],
+        response_length=3,
+        weight_version="4",
+        weight_versions=[(0, "4"), (2, "6")],
+    )
+    samples = [sample("6"), sample("5"), sample("4"), sample("4"), partial]
+    metrics = staleness_metrics(samples, 6, 2)
+    assert metrics == {
+        "rollout/staleness": (0 + 1 + 2 + 2 + 2) / 5,
+        "rollout/staleness_max": 2.0,
+        "rollout/staleness_0": 1 / 5,
+        "rollout/staleness_1": 1 / 5,
+        "rollout/staleness_2": 3 / 5,
+        "rollout/multi_version_samples": 1 / 5,
+    }
+    # Rollout 7 is trained by version 6: with a bound of 1 the three from version 4 are
+    # beyond it; with 2, none is.
+    assert beyond_bound(samples, 7, 1) == 3
+    assert beyond_bound(samples, 7, 2) == 0
+
+
+def test_spans_of_weight_versions_are_checked():
+    with pytest.raises(ValueError, match=r"weight_versions=\[\(1, '4'\)\]: expected"):
+        Sample(tokens=[1, 2, 3], response_length=2, weight_versions=[(1, "4")])
+    with pytest.raises(ValueError, match="ascending from 0"):
+        Sample(tokens=[1, 2, 3], response_length=2, weight_versions=[(0, "4"), (2, "5")])
+    with pytest.raises(ValueError, match="is not the first span's version"):
+        Sample(
+            tokens=[1, 2, 3], response_length=2, weight_version="5", weight_versions=[(0, "4")]
+        )
 
 
 @pytest.mark.parametrize("bad", [None, "default"])

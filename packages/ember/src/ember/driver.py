@@ -33,9 +33,12 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 DRIVER_STATE = "driver.json"
+PENDING_ROLLOUTS = "pending_rollouts.pkl"
+"""Checkpoint file of a run with `rollout.max_staleness` >= 1: the rollouts generated ahead
+before the checkpoint was written ({rollout id: RolloutBatch}), which a resumed run trains on
+instead of generating them again."""
 PENDING_ROLLOUT = "pending_rollout.pkl"
-"""Checkpoint file of an async run: the next rollout, generated before the checkpoint was
-written, which a resumed run trains on instead of generating it again."""
+"""The same for checkpoints of earlier versions: rollout id + 1 alone (read, never written)."""
 HF_INIT = "hf_init"
 """Run subdirectory with the trainer's initial weights as an HF checkpoint (and the tokenizer)."""
 PUSHED_WEIGHTS = "pushed_weights"
@@ -152,26 +155,59 @@ def actor_threads(ray_cfg: Any, *, overlap: bool, cores: int) -> tuple[int, int]
     return max(1, cores // ranks), max(1, cores // engines)
 
 
+def sample_version(sample: Sample) -> int:
+    """The oldest weight version a sample's tokens came from (`Sample.weight_version`, the
+    first span's under partial rollouts).
+
+    Raises:
+        ValueError: A weight version that is not an integer, naming the sample.
+    """
+    try:
+        return int(sample.weight_version)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"sample {sample.index} (group {sample.group_index}): weight_version="
+            f"{sample.weight_version!r}; every engine must report the version it serves "
+            f"(meta_info.weight_version: {INITIAL_WEIGHT_VERSION} for the initial weights, "
+            "then the rollout id of each push)"
+        ) from None
+
+
 def staleness(samples: Sequence[Sample], trainer_version: int) -> float:
-    """Mean over samples of the trainer's weight version minus the sample's
+    """Mean over samples of the trainer's weight version minus the sample's oldest
     (`rollout/staleness`): 0 when every sample came from the weights being trained.
 
     Raises:
         ValueError: A sample whose weight version is not an integer, naming it.
     """
-    gaps = []
-    for s in samples:
-        try:
-            version = int(s.weight_version)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"sample {s.index} (group {s.group_index}): weight_version="
-                f"{s.weight_version!r}; every engine must report the version it serves "
-                f"(meta_info.weight_version: {INITIAL_WEIGHT_VERSION} for the initial weights, "
-                "then the rollout id of each push)"
-            ) from None
-        gaps.append(trainer_version - version)
+    gaps = [trainer_version - sample_version(s) for s in samples]
     return float(statistics.fmean(gaps)) if gaps else 0.0
+
+
+def staleness_metrics(
+    samples: Sequence[Sample], trainer_version: int, max_staleness: int
+) -> dict[str, float]:
+    """The rollout's staleness: its mean (`rollout/staleness`), its largest value, a
+    histogram (`rollout/staleness_<g>`: the fraction of samples g versions old, for every g
+    from 0 to `max_staleness`) and, under partial rollouts, the fraction of samples whose
+    response spans several versions (`rollout/multi_version_samples`)."""
+    gaps = [trainer_version - sample_version(s) for s in samples]
+    n = max(len(gaps), 1)
+    metrics = {
+        "rollout/staleness": float(statistics.fmean(gaps)) if gaps else 0.0,
+        "rollout/staleness_max": float(max(gaps, default=0)),
+    }
+    for g in range(max_staleness + 1):
+        metrics[f"rollout/staleness_{g}"] = sum(gap == g for gap in gaps) / n
+    spans = [len(s.weight_versions or ()) > 1 for s in samples]
+    metrics["rollout/multi_version_samples"] = sum(spans) / n
+    return metrics
+
+
+def beyond_bound(samples: Sequence[Sample], rollout_id: int, max_staleness: int) -> int:
+    """How many samples of rollout `rollout_id` are staler than `max_staleness` would be when
+    the rollout is trained (by the trainer holding version `rollout_id - 1`)."""
+    return sum(rollout_id - 1 - sample_version(s) > max_staleness for s in samples)
 
 
 def split_by_rank(samples: list[Sample], n_per_prompt: int, ranks: int) -> list[list[Sample]]:
@@ -217,6 +253,9 @@ class Driver:
         waits for everything below them too."""
         self._plotting: threading.Thread | None = None
         """The end-of-run plots, drawn while `shutdown` stops the actors and Ray."""
+        self._regenerated: dict[int, int] = {}
+        """Samples of a rollout dropped as staler than `rollout.max_staleness` (a restored
+        rollout, with a lower bound than the checkpoint's run had), by rollout id."""
 
     @property
     def init_dir(self) -> Path:
@@ -415,31 +454,57 @@ class Driver:
         if rollout_id < self.config.run.num_rollouts and rollout_id not in self._pending:
             self._pending[rollout_id] = self.actors.manager.generate.remote(rollout_id)
 
+    def _start_ahead(self, rollout_id: int) -> None:
+        """Start the rollouts after `rollout_id` that may generate now: up to
+        `rollout.max_staleness` ahead, stopping before one a plugin audits (it generates at
+        the start of its own iteration, from the weights the trainer holds then)."""
+        for ahead in range(rollout_id + 1, rollout_id + 1 + self.config.rollout.max_staleness):
+            if self.plugins.audit_rollout(ahead):
+                return
+            self._start(ahead)
+
     def _take(self, rollout_id: int) -> RolloutBatch:
+        """Rollout `rollout_id`, generated now if it was not started ahead; generated again,
+        from the current weights, if it is staler than `rollout.max_staleness` allows (a
+        rollout restored from a run with a higher bound), the dropped samples counted in
+        `rollout/regenerated`."""
         self._start(rollout_id)
         pending = self._pending.pop(rollout_id)
-        return pending if isinstance(pending, RolloutBatch) else ray.get(pending)
+        batch = pending if isinstance(pending, RolloutBatch) else ray.get(pending)
+        stale = beyond_bound(batch.samples, rollout_id, self.config.rollout.max_staleness)
+        if stale:
+            logger.warning(
+                "rollout %d: %d of its %d samples are staler than rollout.max_staleness=%d; "
+                "generating it again",
+                rollout_id,
+                stale,
+                len(batch.samples),
+                self.config.rollout.max_staleness,
+            )
+            self._regenerated[rollout_id] = len(batch.samples)
+            assert self.actors is not None
+            batch = ray.get(self.actors.manager.generate.remote(rollout_id))
+        return batch
 
     def iteration(self, rollout_id: int) -> tuple[dict[str, float], list[dict[str, float]], dict]:
         """One RL iteration: generate (or collect) rollout `rollout_id`, score, train, push.
 
-        Synchronous: the rollout is generated now, from the weights trained on rollout i - 1.
-        With `rollout.async`, it was started during the previous iteration, from the weights one
-        version older, and rollout i + 1 starts before training: it generates while the trainer
-        trains, and the push waits for it, so the engines never change weights mid-rollout. A
-        rollout a plugin audits (`EmberPlugins.audit_rollout`) is not started ahead: it
-        generates at the start of its own iteration, from the trainer's current weights.
+        With `rollout.max_staleness` k = 0 the rollout is generated now, from the weights
+        trained on rollout i - 1. With k >= 1 it was started up to k iterations earlier, and
+        rollouts up to i + k start before training: they generate while the trainer trains.
+        The push waits for them, so the engines never change weights mid-rollout and rollout
+        j comes from exactly the weights trained on rollout j - 1 - k; under
+        `rollout.partial_rollouts` it does not wait, and the engines take the new weights
+        between decode steps. A rollout a plugin audits (`EmberPlugins.audit_rollout`) is not
+        started ahead: it generates at the start of its own iteration, from the trainer's
+        current weights.
         """
         assert self.actors is not None
         timings: dict[str, float] = {}
         started = t0 = time.perf_counter()
         batch = self._take(rollout_id)
         waited = time.perf_counter() - t0
-        # An audit iteration needs a rollout sampled from the weights the trainer holds then:
-        # the overlap drains before it (the next rollout starts after this push).
-        if self.config.rollout.async_ and not self.plugins.audit_rollout(rollout_id + 1):
-            self._start(rollout_id + 1)
-        ahead = self._pending.get(rollout_id + 1)
+        self._start_ahead(rollout_id)
 
         t0 = time.perf_counter()
         self.handoff.to_training()
@@ -460,9 +525,10 @@ class Driver:
         step_metrics = ray.get([t.train.remote(rollout_id) for t in self.actors.train])[0]
         timings["perf/train_time"] = time.perf_counter() - t0
 
-        if ahead is not None and not isinstance(ahead, RolloutBatch):
+        generating = [ref for ref in self._pending.values() if not isinstance(ref, RolloutBatch)]
+        if generating and not self.config.rollout.partial_rollouts:
             t0 = time.perf_counter()
-            ray.wait([ahead], num_returns=1, fetch_local=False)
+            ray.wait(generating, num_returns=len(generating), fetch_local=False)
             waited += time.perf_counter() - t0
         timings["perf/rollout_time"] = waited
 
@@ -475,7 +541,8 @@ class Driver:
         rollout_metrics = {
             **batch.metrics,
             **rollout_metrics,
-            "rollout/staleness": staleness(batch.samples, rollout_id - 1),
+            **staleness_metrics(batch.samples, rollout_id - 1, self.config.rollout.max_staleness),
+            "rollout/regenerated": float(self._regenerated.pop(rollout_id, 0)),
             **timings,
         }
         if self.config.run.dump_rollouts:
@@ -490,7 +557,8 @@ class Driver:
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Every eval set through the engines, on the weights trained on rollout `rollout_id`
-        (pushed at the end of its iteration; in async runs nothing is generating then)."""
+        (pushed at the end of its iteration; the manager answers after the rollouts it is
+        generating ahead)."""
         assert self.actors is not None
         return ray.get(self.actors.manager.evaluate.remote(rollout_id))
 
@@ -525,8 +593,9 @@ class Driver:
         """Write a checkpoint atomically: everything into a hidden directory, then one rename.
 
         It holds the training state, the rollout manager's prompt stream and, with
-        `rollout.async`, the next rollout, already generated (`PENDING_ROLLOUT`): the prompt
-        stream has moved past it, and the weights it came from are gone.
+        `rollout.max_staleness` >= 1, the rollouts generating ahead, once they finish
+        (`PENDING_ROLLOUTS`): the prompt stream has moved past them, and the weights they came
+        from are gone.
         """
         from ember_megatron_backend.checkpoint import fsync_path, replace_dir
 
@@ -543,11 +612,15 @@ class Driver:
             "accumulated_step": accumulated_step,
             "rollout": ray.get(self.actors.manager.state_dict.remote()),
         }
-        ahead = self._pending.get(rollout_id + 1)
-        if ahead is not None:
-            batch = ahead if isinstance(ahead, RolloutBatch) else ray.get(ahead)
-            with (tmp / PENDING_ROLLOUT).open("wb") as handle:
-                pickle.dump(batch, handle)
+        # The rollouts generating ahead finish first: their samples and versions are part of
+        # the run's state (the prompt stream has moved past them).
+        ahead = {
+            j: pending if isinstance(pending, RolloutBatch) else ray.get(pending)
+            for j, pending in sorted(self._pending.items())
+        }
+        if ahead:
+            with (tmp / PENDING_ROLLOUTS).open("wb") as handle:
+                pickle.dump(ahead, handle)
         (tmp / DRIVER_STATE).write_text(json.dumps(state))
         replace_dir(tmp, final)
         fsync_path(root)
@@ -558,8 +631,9 @@ class Driver:
     def restore(self, checkpoint: Path) -> tuple[int, int]:
         """Load a checkpoint into the actors; returns (next rollout id, accumulated step).
 
-        Any number of engines can continue it: the prompt stream lives in the manager. A
-        rollout the checkpoint holds already generated (async runs) is trained on next.
+        Any number of engines can continue it: the prompt stream lives in the manager. The
+        rollouts the checkpoint holds already generated are trained on next (each generated
+        again if it is staler than this run's `rollout.max_staleness`).
         """
         assert self.actors is not None
         state = _driver_state(checkpoint)
@@ -568,10 +642,7 @@ class Driver:
         ray.get([t.load.remote(str(checkpoint / "train")) for t in self.actors.train])
         ray.get(self.actors.manager.load_state_dict.remote(rollout_state))
         self._pending.clear()
-        pending = checkpoint / PENDING_ROLLOUT
-        if pending.is_file():
-            with pending.open("rb") as handle:  # written by this run's own save()
-                self._pending[state["rollout_id"] + 1] = pickle.load(handle)
+        self._pending.update(_pending_rollouts(checkpoint, state["rollout_id"]))
         self.handoff.after_training(lambda: self.push_weights(state["rollout_id"]))
         _truncate_metrics(self.run_dir, state["rollout_id"])
         return state["rollout_id"] + 1, state["accumulated_step"]
@@ -744,6 +815,21 @@ def _end_sessions(engines: list[Any], *, quiet: bool = False) -> None:
             errors.append(exc)
     if errors and not quiet:
         raise errors[0]
+
+
+def _pending_rollouts(checkpoint: Path, rollout_id: int) -> dict[int, RolloutBatch]:
+    """The rollouts a checkpoint holds generated ahead of rollout `rollout_id`, by id
+    (`PENDING_ROLLOUTS`, or an earlier version's `PENDING_ROLLOUT`)."""
+    # Both files are written by the run's own `save`, in the run's own directory.
+    path = checkpoint / PENDING_ROLLOUTS
+    if path.is_file():
+        with path.open("rb") as handle:
+            return dict(pickle.load(handle))
+    path = checkpoint / PENDING_ROLLOUT
+    if path.is_file():
+        with path.open("rb") as handle:
+            return {rollout_id + 1: pickle.load(handle)}
+    return {}
 
 
 def _init_complete(model_dir: Path) -> bool:
