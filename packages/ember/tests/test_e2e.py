@@ -266,3 +266,28 @@ def test_sigkill_during_rollout_training_and_checkpoint_write_then_resume(tmp_pa
         state = json.loads((checkpoint / "driver.json").read_text())
         assert state["rollout_id"] == int(checkpoint.name.split("_")[1])
         assert list((checkpoint / "train").rglob("*.pt"))
+
+
+def test_r3_with_two_rollouts_ahead_replays_every_rollouts_own_experts(tmp_path):
+    """rollout.max_staleness=2 under R3 on real Ray: rollouts 1 and 2 generate from the initial
+    weights while rollout 0 trains, the staleness reaches the bound and stays there, and every
+    training step replays exactly the experts its rollout's engine chose, whichever version
+    generated them."""
+    run = ember(
+        "--plugins", "r3_routing",
+        "--set", "rollout.max_staleness=2",
+        "--set", "run.num_rollouts=4",
+        "--set", "run.save_interval=0",
+        "--set", "run.dump_rollouts=true",
+        run_dir=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rollouts = records(tmp_path, "rollout")
+    assert [r["rollout/staleness"] for r in rollouts] == [0.0, 1.0, 2.0, 2.0]
+    assert [r["rollout/staleness_2"] for r in rollouts] == [0.0, 0.0, 1.0, 1.0]
+    for rollout_id, expected in enumerate(["-1", "-1", "-1", "0"]):
+        dump = tmp_path / "rollouts" / f"{rollout_id:06d}.jsonl"
+        versions = {json.loads(line)["weight_version"] for line in dump.read_text().splitlines()}
+        assert versions == {expected}
+    steps = records(tmp_path, "train")
+    assert len(steps) == 8 and all(s["train/replay_agreement"] == 1.0 for s in steps)
