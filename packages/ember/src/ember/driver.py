@@ -582,6 +582,7 @@ class Driver:
                             "loss_mask": s.effective_loss_mask(),
                             "rollout_log_probs": s.rollout_log_probs,
                             "weight_version": s.weight_version,
+                            "weight_versions": s.weight_versions,
                         }
                     )
                     + "\n"
