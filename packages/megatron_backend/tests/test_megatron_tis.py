@@ -1,5 +1,6 @@
-"""TIS and masked IS through the real megatron loss path (megatron-core on CPU), against a
-hand computation of each token's weight from the engine's log-probs."""
+"""TIS and masked IS, per token and per sequence, through the real megatron loss path
+(megatron-core on CPU), against a hand computation of each token's weight from the engine's
+log-probs."""
 
 from __future__ import annotations
 
@@ -40,17 +41,30 @@ def _engine_samples():
     return samples, trainer
 
 
+def _ratios(mask: list[int], level: str) -> list[float]:
+    """The unbounded ratio of each response token at the first step: exp(shift) per token, or
+    at the sequence level the sample's exp(sum of shift over its counted tokens)."""
+    if level == "token":
+        return [math.exp(_shift(j)) for j in range(len(mask))]
+    total = sum(_shift(j) for j, m in enumerate(mask) if m)
+    return [math.exp(total)] * len(mask)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 @pytest.mark.parametrize("engine_old", [True, False], ids=["engine-old", "trainer-old"])
-def test_one_step_equals_ppo_with_advantages_times_the_hand_weight(dist_env, mode, engine_old):
+def test_one_step_equals_ppo_with_advantages_times_the_hand_weight(
+    dist_env, mode, engine_old, level
+):
     """At the first step the trainer's weights are the sampler's, so with the engine's
     log-probs as the old policy (weight pi_theta / pi_rollout) and with the trainer's
-    (weight pi_old / pi_rollout) the weight is bound(exp(shift)) per token. The step must then
+    (weight pi_old / pi_rollout) the weight is bound(exp(shift)) per token, or at the sequence
+    level bound(exp(sum of the sample's shifts)) on each of its tokens. The step must then
     equal a plain on-policy PPO step whose advantages were multiplied by that weight: the same
     metrics, the same update of every parameter."""
     samples, _ = _engine_samples()
     settings = backend(num_steps_per_rollout=1)
-    tis = dict(use_tis=True, tis_mode=mode, tis_clip=HIGH, tis_clip_low=LOW)
+    tis = dict(use_tis=True, tis_mode=mode, tis_level=level, tis_clip=HIGH, tis_clip_low=LOW)
     worker = MegatronWorker(
         settings, algorithm(use_rollout_log_probs=engine_old, **tis), sampling()
     )
@@ -60,9 +74,11 @@ def test_one_step_equals_ppo_with_advantages_times_the_hand_weight(dist_env, mod
 
     plain = MegatronWorker(settings, algorithm(), sampling())
     ref = plain.prepare(0, samples)
+    masks = [s.loss_mask for s in samples]
+    ratios = [_ratios(m, level) for m in masks]
     ref.advantages = [
-        a * torch.tensor([_bound(math.exp(_shift(j)), mode) for j in range(len(a))])
-        for a in ref.advantages
+        a * torch.tensor([_bound(r, mode) for r in rs])
+        for a, rs in zip(ref.advantages, ratios, strict=True)
     ]
     want = plain.train(0, ref)[0]
 
@@ -77,8 +93,6 @@ def test_one_step_equals_ppo_with_advantages_times_the_hand_weight(dist_env, mod
 
     # The metrics: the unbounded ratio's mean (per sample, then over samples) and maximum,
     # and the share of tokens outside [LOW, HIGH], over counted tokens.
-    masks = [s.loss_mask for s in samples]
-    ratios = [[math.exp(_shift(j)) for j in range(len(m))] for m in masks]
 
     def sample_mean(per_token):
         means = [

@@ -182,6 +182,13 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _yaml(value: Any) -> str:
+    """A value as a config file or `--set` writes it: true/false, null, strings bare."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
 def check(condition: bool, key: str, value: Any, expected: str) -> None:
     """Raise the one-line config error `key=value: expected ...` unless `condition` holds.
 
@@ -305,6 +312,14 @@ class AlgorithmConfig:
     """Weight of the entropy bonus (subtracted from the loss)."""
     loss_reduction: Literal["sample", "token"] = "sample"
     """sample: mean over each sample's tokens, then over samples; token: mean over all tokens."""
+    off_policy_correction: str | None = None
+    """A named off-policy correction that sets use_rollout_log_probs, use_tis, tis_mode and
+    tis_level together: behaviour_clip (the PPO clip anchored at the engine's log-probs),
+    decoupled (the clip anchored at the trainer's scoring forward, each token weighted by
+    pi_prox / pi_rollout truncated), tis (token TIS), seq_tis (sequence TIS) or mis (masked
+    IS); formulas in docs/learning-stability.md. One of those keys set to a value the
+    correction contradicts is refused (false and the defaults cannot be told from unset, so
+    they give way). Null (the default): the keys as given."""
     use_rollout_log_probs: bool = False
     """Take the old policy's log-probs of the PPO ratio from the engine (each sample's
     `rollout_log_probs`) instead of a scoring forward of the trainer: one actor forward over the
@@ -325,21 +340,35 @@ class AlgorithmConfig:
     clipped, and the bound on the weight is the trust region (verl's bypass mode); GSPO and
     eps_clip_c are refused there. See docs/learning-stability.md. Null (the
     default) becomes true when `rollout.async` is true and `use_rollout_log_probs` false, and
-    false otherwise."""
+    false otherwise; `off_policy_correction` sets it."""
     tis_mode: str = "truncate"
     """How the TIS weight is bounded (with use_tis): truncate clamps the ratio to
     [tis_clip_low, tis_clip] (token TIS); mask keeps the ratio inside that band and zeroes the
     token's policy loss outside it (masked IS, MIS), its sample's token count unchanged."""
+    tis_level: str = "token"
+    """Where the TIS ratio is taken (with use_tis): token weighs each token by its own ratio;
+    sequence weighs every token of a sample by the sample's ratio exp(sum over its counted
+    tokens of lp_anchor - lp_rollout), bounded by tis_mode as a whole (truncate: clamped;
+    mask: the sample's policy loss zeroed outside the band)."""
     tis_clip: float = 2.0
-    """Upper bound of the TIS weight (truncate: clamp; mask: tokens above are masked)."""
+    """Upper bound of the TIS weight (truncate: clamp; mask: tokens above are masked, whole
+    samples at the sequence level)."""
     tis_clip_low: float = 0.0
-    """Lower bound of the TIS weight (truncate: clamp; mask: tokens below are masked)."""
+    """Lower bound of the TIS weight (truncate: clamp; mask: tokens below are masked, whole
+    samples at the sequence level)."""
     value_clip: float = 0.2
     """Clip range of value predictions around the old values (PPO critic)."""
 
     def __post_init__(self) -> None:
-        from ember_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, TIS_MODES
+        from ember_core.algorithms import (
+            ADVANTAGE_ESTIMATORS,
+            KL_ESTIMATORS,
+            TIS_LEVELS,
+            TIS_MODES,
+        )
 
+        # First, so that every check below sees the flags the named correction means.
+        self._apply_off_policy_correction()
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             known = ", ".join(ADVANTAGE_ESTIMATORS.names())
             raise ValueError(
@@ -377,20 +406,52 @@ class AlgorithmConfig:
         if self.tis_mode not in TIS_MODES:
             known = ", ".join(TIS_MODES.names())
             raise ValueError(f"tis_mode={self.tis_mode!r}: expected one of {known}")
+        if self.tis_level not in TIS_LEVELS:
+            known = ", ".join(TIS_LEVELS.names())
+            raise ValueError(f"tis_level={self.tis_level!r}: expected one of {known}")
         if self.use_rollout_log_probs and self.use_tis:
             # The weight pi_theta / pi_rollout replaces the PPO ratio there (see use_tis).
+            flags = "use_tis=true and use_rollout_log_probs=true"
+            fix = "set use_tis=false or use_rollout_log_probs=false"
+            if self.off_policy_correction is not None:
+                flags = f"off_policy_correction={self.off_policy_correction!r} ({flags})"
+                fix = "choose off_policy_correction=decoupled or behaviour_clip"
             if ADVANTAGE_ESTIMATORS.get(self.advantage_estimator).sequence_ratio:
                 raise ValueError(
-                    f"advantage_estimator={self.advantage_estimator!r} with use_tis=true and "
-                    "use_rollout_log_probs=true: the token TIS weight would replace its "
-                    "sequence-level ratio; set use_tis=false or use_rollout_log_probs=false"
+                    f"advantage_estimator={self.advantage_estimator!r} with {flags}: the "
+                    f"{self.tis_level} TIS weight would replace its sequence-level ratio; {fix}"
                 )
             if self.eps_clip_c is not None:
                 raise ValueError(
-                    f"eps_clip_c={self.eps_clip_c} with use_tis=true and "
-                    "use_rollout_log_probs=true: the PPO ratio is then 1 and the dual clip "
-                    "never acts (tis_clip bounds the weight); set eps_clip_c=null"
+                    f"eps_clip_c={self.eps_clip_c} with {flags}: the PPO ratio is then 1 and "
+                    "the dual clip never acts (tis_clip bounds the weight); set eps_clip_c=null"
                 )
+
+    def _apply_off_policy_correction(self) -> None:
+        """Set the flags `off_policy_correction` names, refusing one given otherwise.
+
+        A flag counts as given when it differs from the field's default (use_tis: when not
+        None), so the resolved config, which holds the correction's own values, reads back
+        unchanged.
+        """
+        from ember_core.algorithms import OFF_POLICY_CORRECTIONS
+
+        name = self.off_policy_correction
+        if name is None:
+            return
+        if name not in OFF_POLICY_CORRECTIONS:
+            known = ", ".join(OFF_POLICY_CORRECTIONS.names())
+            raise ValueError(f"off_policy_correction={name!r}: expected one of {known}, or null")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key, value in OFF_POLICY_CORRECTIONS.get(name).flags().items():
+            given = getattr(self, key)
+            if given != defaults[key] and given != value:
+                raise ValueError(
+                    f"off_policy_correction={name!r} sets {key}={_yaml(value)}, but "
+                    f"{key}={_yaml(given)} was given; drop {key} (or set it to "
+                    f"{_yaml(value)}), or set off_policy_correction=null"
+                )
+            setattr(self, key, value)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -423,7 +484,8 @@ def resolve_tis(algorithm: AlgorithmConfig, rollout: SamplingConfig) -> None:
     """Settle `algorithm.use_tis` when it was left unset (None): on exactly in `rollout.async`
     mode, whose samples come from weights one version older than the trainer's, unless the old
     log-probs are already the engine's (`use_rollout_log_probs`). Reading a run
-    config (`ember.config.load_config`) does this, so the resolved config holds a boolean."""
+    config (`ember.config.load_config`) does this, so the resolved config holds a boolean.
+    A named `off_policy_correction` has already set it (`AlgorithmConfig.__post_init__`)."""
     if algorithm.use_tis is None:
         algorithm.use_tis = rollout.async_ and not algorithm.use_rollout_log_probs
 
@@ -445,9 +507,15 @@ def check_old_log_probs(algorithm: AlgorithmConfig, rollout: SamplingConfig) -> 
     if rollout.top_k > 0:
         filters.append(f"rollout.top_k={rollout.top_k}")
     if filters:
+        which, fix = "algorithm.use_rollout_log_probs=true", "algorithm.use_rollout_log_probs=false"
+        if algorithm.off_policy_correction is not None:
+            which = (
+                f"algorithm.off_policy_correction={algorithm.off_policy_correction} "
+                "(use_rollout_log_probs=true)"
+            )
+            fix = "algorithm.off_policy_correction=decoupled"
         raise ValueError(
-            f"algorithm.use_rollout_log_probs=true with {' and '.join(filters)}: the engine's "
-            "log-probs are of the filtered, renormalised distribution and the trainer scores "
-            "the unfiltered one, so the PPO ratio would be biased; set rollout.top_p=1 and "
-            "rollout.top_k=-1, or algorithm.use_rollout_log_probs=false"
+            f"{which} with {' and '.join(filters)}: the engine's log-probs are of the filtered, "
+            "renormalised distribution and the trainer scores the unfiltered one, so the "
+            f"ratio would be biased; set rollout.top_p=1 and rollout.top_k=-1, or {fix}"
         )

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from ember_core.algorithms import OFF_POLICY_CORRECTIONS
 from ember_core.config import (
     AlgorithmConfig,
     CIConfig,
@@ -535,7 +536,9 @@ def check_inputs(config: RunConfig) -> None:
 
 
 def describe_loop(config: RunConfig) -> str:
-    """One line saying which loop a run config runs and where its old log-probs come from.
+    """One line saying which loop a run config runs and how it corrects for off-policy samples:
+    the named `algorithm.off_policy_correction`, or else where the old log-probs come from and
+    whether TIS is on.
 
     `ember train` without a config runs examples/default.yaml (overlapped, the engine's
     log-probs); a config file of one's own starts from the dataclass defaults (rollout, then
@@ -545,7 +548,10 @@ def describe_loop(config: RunConfig) -> str:
     algorithm, rollout = config.algorithm, config.rollout
     k = rollout.max_staleness
     if k == 1:
-        loop = "overlapped (rollout.max_staleness=1: rollout i+1 generates from weights one update old)"
+        loop = (
+            "overlapped (rollout.max_staleness=1: rollout i+1 generates from weights one "
+            "update old)"
+        )
     elif k:
         loop = (
             f"{k} rollouts ahead (rollout.max_staleness={k}: rollout i+{k} generates from "
@@ -555,6 +561,14 @@ def describe_loop(config: RunConfig) -> str:
         loop = "rollout, then training (rollout.max_staleness=0)"
     if rollout.partial_rollouts:
         loop += ", partial rollouts"
+    name = algorithm.off_policy_correction
+    if name is not None:
+        band = f"[{algorithm.tis_clip_low:g}, {algorithm.tis_clip:g}]"
+        correction = OFF_POLICY_CORRECTIONS.get(name).summary.format(band=band)
+        return (
+            f"loop: {loop}; off-policy correction: {name} "
+            f"(algorithm.off_policy_correction): {correction}"
+        )
     if algorithm.use_rollout_log_probs:
         old = "the engine's (algorithm.use_rollout_log_probs=true)"
     else:

@@ -25,6 +25,7 @@ from ember_megatron_backend.forward import run_model
 
 __all__ = [
     "actor_loss",
+    "actor_policy_loss",
     "actor_metric_keys",
     "critic_loss",
     "local_denominator",
@@ -98,6 +99,73 @@ def mismatch_key(batch: RolloutBatch) -> str:
     return "stale_rollout_logprob_abs_diff" if batch.stale else "train_rollout_logprob_abs_diff"
 
 
+def actor_policy_loss(
+    log_probs: Tensor,
+    old: Tensor,
+    rollout: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    lengths: list[int],
+    algorithm: AlgorithmConfig,
+    *,
+    sequence_ratio: bool,
+    old_from_engine: bool,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor's policy loss per token, before reduction, as `algorithm` configures it.
+
+    PPO's clipped surrogate against `old`, or GSPO's sequence-level ratio when the estimator
+    asks for it (`sequence_ratio`); scaled per token by TIS weights against the engine's
+    log-probs when `use_tis`, taken per token or per sample (`tis_level`) and bounded by
+    `tis_mode` (``tis_policy_loss``: with the engine's log-probs as the old policy,
+    `old_from_engine`, the weight is this forward's pi_theta / pi_rollout and replaces the
+    ratio). A named `algorithm.off_policy_correction` has already set those flags.
+
+    Args:
+        log_probs: This forward's log-probs [T], differentiable.
+        old: The old policy's log-probs [T] (the engine's when `old_from_engine`).
+        rollout: The engine's log-probs [T], or None when the batch has none.
+        advantages: Advantages [T].
+        mask: Loss mask [T].
+        lengths: The samples' response lengths, adding up to T.
+        algorithm: The objective's settings.
+        sequence_ratio: The estimator's GSPO sequence-level ratio.
+        old_from_engine: `old` is the engine's log-probs (`RolloutBatch.old_from_engine`).
+
+    Returns:
+        `(loss [T], metrics)`: per-token metrics of ``policy_loss`` and, with TIS, of
+        ``tis_weights``.
+    """
+    clip = dict(
+        eps_clip=algorithm.eps_clip,
+        eps_clip_high=algorithm.eps_clip_high,
+        eps_clip_c=algorithm.eps_clip_c,
+    )
+    tis = dict(
+        tis_clip=algorithm.tis_clip,
+        tis_clip_low=algorithm.tis_clip_low,
+        mode=algorithm.tis_mode,
+        level=algorithm.tis_level,
+        loss_mask=mask,
+        lengths=lengths,
+    )
+    # `MegatronWorker.train` refused a batch without the engine's log-probs under use_tis.
+    if sequence_ratio:
+        pg, per_token = gspo_policy_loss(log_probs, old, advantages, mask, lengths, **clip)
+        if algorithm.use_tis:
+            # Config refuses GSPO with TIS when the old log-probs are the engine's.
+            assert rollout is not None and not old_from_engine
+            weights, extra = tis_weights(old, rollout, **tis)
+            return pg * weights, {**per_token, **extra}
+        return pg, per_token
+    if algorithm.use_tis:
+        # With the engine's log-probs as the old policy (outside audits) the weight's numerator
+        # and the ratio's anchor are this forward's own log-probs (see `tis_policy_loss`).
+        assert rollout is not None
+        anchor = None if old_from_engine else old
+        return tis_policy_loss(log_probs, rollout, advantages, old_log_probs=anchor, **tis, **clip)
+    return policy_loss(log_probs, old, advantages, **clip)
+
+
 def actor_loss(
     head: HeadOutput,
     mb: MicroBatch,
@@ -109,12 +177,11 @@ def actor_loss(
     """The actor's loss on one micro-batch, reduced as `algorithm.loss_reduction` says (mean
     over the micro-batch), with detached metrics named as in `actor_metric_keys`.
 
-    Policy loss: PPO's clipped surrogate, or GSPO's sequence-level ratio when the estimator
-    asks for it; scaled per token by TIS weights when `use_tis` (``tis_policy_loss``: with the
-    engine's log-probs as the old policy, the weight is this forward's pi_theta / pi_rollout and
-    replaces the ratio); then entropy bonus and KL loss (to the reference, reported whenever a
-    reference exists) by ``compose_loss``. With TIS, "tis_max" is the largest unbounded ratio
-    over the micro-batch's counted tokens (a maximum, not a mean: see `metrics.STEP_MAXIMA`).
+    Policy loss per token from `actor_policy_loss`; then entropy bonus and KL loss (to the
+    reference, reported whenever a reference exists) by ``compose_loss``. With TIS, "tis_max"
+    is the largest unbounded ratio over the micro-batch's counted tokens (at the sequence
+    level: over its samples with a counted token; a maximum, not a mean: see
+    `metrics.STEP_MAXIMA`).
     """
     log_probs = torch.cat(head.log_probs)
     device = log_probs.device
@@ -129,39 +196,19 @@ def actor_loss(
         return torch.where(counted, values, torch.zeros_like(values))
 
     old = given(batch.log_probs)
-    advantages = given(batch.advantages)
     lengths = [batch.samples[i].response_length for i in idx]
-    clip = dict(
-        eps_clip=algorithm.eps_clip,
-        eps_clip_high=algorithm.eps_clip_high,
-        eps_clip_c=algorithm.eps_clip_c,
-    )
     rollout = None if batch.rollout_log_probs is None else given(batch.rollout_log_probs)
-    tis = dict(tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low)
-    # `MegatronWorker.train` refused a batch without the engine's log-probs under use_tis.
-    if sequence_ratio:
-        pg, per_token = gspo_policy_loss(log_probs, old, advantages, mask, lengths, **clip)
-        if algorithm.use_tis:
-            # Config refuses GSPO with TIS when the old log-probs are the engine's.
-            assert rollout is not None and not batch.old_from_engine
-            weights, extra = tis_weights(old, rollout, mode=algorithm.tis_mode, **tis)
-            pg, per_token = pg * weights, {**per_token, **extra}
-    elif algorithm.use_tis:
-        # With the engine's log-probs as the old policy (outside audits) the weight's numerator
-        # and the ratio's anchor are this forward's own log-probs (see `tis_policy_loss`).
-        assert rollout is not None
-        anchor = None if batch.old_from_engine else old
-        pg, per_token = tis_policy_loss(
-            log_probs,
-            rollout,
-            advantages,
-            old_log_probs=anchor,
-            mode=algorithm.tis_mode,
-            **tis,
-            **clip,
-        )
-    else:
-        pg, per_token = policy_loss(log_probs, old, advantages, **clip)
+    pg, per_token = actor_policy_loss(
+        log_probs,
+        old,
+        rollout,
+        given(batch.advantages),
+        mask,
+        lengths,
+        algorithm,
+        sequence_ratio=sequence_ratio,
+        old_from_engine=batch.old_from_engine,
+    )
     metrics = {"pg_clipfrac": per_token["pg_clipfrac"], "ppo_kl": per_token["ppo_kl"]}
     if algorithm.eps_clip_c is not None:
         metrics["dual_clipfrac"] = per_token["dual_clipfrac"]

@@ -1,4 +1,5 @@
-"""RL algorithms: KL estimators, policy/value losses, reductions and advantage estimators."""
+"""RL algorithms: KL estimators, policy/value losses, off-policy corrections, reductions and
+advantage estimators."""
 
 from ember_core.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -14,19 +15,25 @@ from ember_core.algorithms.advantages import (
     reinforce_plus_plus_baseline_advantages,
     whiten_advantages,
 )
+from ember_core.algorithms.corrections import (
+    OFF_POLICY_CORRECTIONS,
+    SEQUENCE_LOG_RATIO_BOUND,
+    TIS_LEVELS,
+    TIS_MODES,
+    TIS_OUT_OF_BOUNDS_METRIC,
+    OffPolicyCorrection,
+    tis_out_of_bounds_metric,
+    tis_policy_loss,
+    tis_weights,
+)
 from ember_core.algorithms.losses import (
     KL_ESTIMATORS,
     LOW_VAR_KL_CLAMP,
-    TIS_MODES,
-    TIS_OUT_OF_BOUNDS_METRIC,
     approx_kl,
     compose_loss,
     gspo_log_ratio,
     gspo_policy_loss,
     policy_loss,
-    tis_out_of_bounds_metric,
-    tis_policy_loss,
-    tis_weights,
     value_loss,
 )
 from ember_core.algorithms.reductions import (
@@ -45,13 +52,17 @@ __all__ = [
     "GROUP_STD_EPS",
     "KL_ESTIMATORS",
     "LOW_VAR_KL_CLAMP",
+    "OFF_POLICY_CORRECTIONS",
     "REDUCTIONS",
+    "SEQUENCE_LOG_RATIO_BOUND",
+    "TIS_LEVELS",
     "TIS_MODES",
     "TIS_OUT_OF_BOUNDS_METRIC",
     "AdvantageEstimator",
     "AdvantageFn",
     "AdvantageInputs",
     "Lengths",
+    "OffPolicyCorrection",
     "Registry",
     "approx_kl",
     "compose_loss",

@@ -1,4 +1,6 @@
-"""Per-token RL losses: KL estimators, clipped policy (PPO, GSPO), TIS weights, value loss."""
+"""Per-token RL losses: KL estimators, clipped policy (PPO, GSPO), value loss, their total.
+
+Importance weights against the engine's log-probs (TIS) live in `corrections`."""
 
 from __future__ import annotations
 
@@ -226,138 +228,6 @@ def gspo_policy_loss(
     return _clipped_surrogate(log_ratio, advantages, eps_clip, eps_clip_high, eps_clip_c)
 
 
-# ----------------------------------------------------------------------------- TIS
-
-
-TisBound = Callable[[Tensor, float, float], tuple[Tensor, Tensor]]
-"""Bounds a per-token IS ratio: `(ratio, low, high) -> (weights, out_of_bounds)`, the second
-1.0 where the ratio lay outside [low, high] (and the bound changed the weight)."""
-
-TIS_MODES: Registry[TisBound] = Registry("TIS mode")
-"""How `tis_weights` bounds the ratio, by name (`algorithm.tis_mode`)."""
-
-TIS_OUT_OF_BOUNDS_METRIC = {"truncate": "tis_clipfrac", "mask": "tis_maskfrac"}
-"""The name under which each built-in mode reports its share of out-of-bounds tokens."""
-
-
-def tis_out_of_bounds_metric(mode: str) -> str:
-    """The metric name of a mode's share of out-of-bounds tokens: the built-in name, else
-    "tis_<mode>frac" for a mode a plugin registered."""
-    return TIS_OUT_OF_BOUNDS_METRIC.get(mode, f"tis_{mode}frac")
-
-
-@TIS_MODES.register("truncate")
-def _tis_truncate(ratio: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
-    """Truncated IS (TIS): the ratio clamped to [low, high]."""
-    return ratio.clamp(low, high), ((ratio < low) | (ratio > high)).to(ratio.dtype)
-
-
-@TIS_MODES.register("mask")
-def _tis_mask(ratio: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
-    """Masked IS (MIS): the ratio itself inside [low, high] (bounds included), 0 outside, so a
-    token whose ratio left the band adds nothing to the loss; the reduction's denominators do
-    not change (the token still counts as one of its sample's tokens)."""
-    inside = (ratio >= low) & (ratio <= high)
-    return torch.where(inside, ratio, torch.zeros_like(ratio)), (~inside).to(ratio.dtype)
-
-
-def tis_weights(
-    old_log_probs_train: Tensor,
-    rollout_log_probs: Tensor,
-    *,
-    tis_clip: float,
-    tis_clip_low: float = 0.0,
-    mode: str = "truncate",
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Importance-sampling weights correcting the rollout/trainer mismatch, per token.
-
-    ratio = exp(lp_old_train - lp_rollout), detached; mode "truncate":
-    weight = clamp(ratio, tis_clip_low, tis_clip); mode "mask": weight = ratio where
-    tis_clip_low <= ratio <= tis_clip, else 0. The caller multiplies the per-token policy
-    loss by it before reducing. `lp_old_train` is whatever anchors the policy ratio (see
-    `tis_policy_loss`).
-
-    Args:
-        old_log_probs_train: The trainer's log-probs of the old policy, any shape.
-        rollout_log_probs: Log-probs reported by the rollout engine, same shape.
-        tis_clip: Upper bound of the weight (> tis_clip_low).
-        tis_clip_low: Lower bound of the weight (>= 0).
-        mode: A name registered in `TIS_MODES` ("truncate" or "mask").
-
-    Returns:
-        `(weights, metrics)`: weights shaped like the inputs, without gradient; metrics
-        per token: "tis" the unbounded ratio, and 1.0 where the ratio lay outside the bounds,
-        as "tis_clipfrac" (truncate) or "tis_maskfrac" (mask).
-
-    Raises:
-        ValueError: Shape mismatch, tis_clip_low < 0, tis_clip <= tis_clip_low, or an unknown
-            mode.
-    """
-    _check_same_shape(old_log_probs_train=old_log_probs_train, rollout_log_probs=rollout_log_probs)
-    bound = TIS_MODES.get(mode)
-    if not (math.isfinite(tis_clip_low) and tis_clip_low >= 0):
-        raise ValueError(f"tis_clip_low must be a finite number >= 0, got {tis_clip_low!r}")
-    if not (math.isfinite(tis_clip) and tis_clip > tis_clip_low):
-        raise ValueError(f"tis_clip must be > tis_clip_low={tis_clip_low}, got {tis_clip!r}")
-    raw = torch.exp(old_log_probs_train.detach() - rollout_log_probs.detach())
-    weights, outside = bound(raw, tis_clip_low, tis_clip)
-    return weights, {"tis": raw, tis_out_of_bounds_metric(mode): outside}
-
-
-def tis_policy_loss(
-    log_probs: Tensor,
-    rollout_log_probs: Tensor,
-    advantages: Tensor,
-    *,
-    old_log_probs: Tensor | None,
-    tis_clip: float,
-    tis_clip_low: float = 0.0,
-    mode: str = "truncate",
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    eps_clip_c: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's clipped loss per token, weighted by `tis_weights` against the engine's log-probs.
-
-    The anchor a of the ratio is the trainer's old log-probs when given; when they are not
-    (None: the engine's log-probs are the old policy, `algorithm.use_rollout_log_probs`), it
-    is this forward's own log-probs, detached. Then
-    L = policy_loss(lp, a, A) * weight(exp(a - lp_rollout)).
-    With the trainer's old log-probs this is slime's TIS (`--use-tis`). With a = sg(lp) the
-    ratio exp(lp - a) is 1 in value and its gradient is the score function, so the clip never
-    acts, L = -weight * A in value, and the gradient is -weight * A * grad lp: the truncated
-    (or masked) importance-sampled policy gradient of pi_theta / pi_rollout, verl's bypass
-    mode with its REINFORCE loss and token-level IS. The bound on the weight, not eps_clip,
-    is then the trust region. Multiplying the engine-anchored PPO ratio by a second
-    pi_theta / pi_rollout would count the correction twice.
-
-    Args:
-        log_probs: Current policy log-probs, differentiable, any shape (e.g. [T]).
-        rollout_log_probs: The engine's log-probs of the same tokens, same shape.
-        advantages: Advantages, same shape.
-        old_log_probs: The trainer's old log-probs (same shape), or None as above.
-        tis_clip, tis_clip_low, mode: As in `tis_weights`.
-        eps_clip, eps_clip_high, eps_clip_c: As in `policy_loss`.
-
-    Returns:
-        `(loss, metrics)`: loss shaped like the inputs; per-token metrics of `policy_loss`
-        and of `tis_weights`.
-    """
-    anchor = log_probs.detach() if old_log_probs is None else old_log_probs
-    loss, metrics = policy_loss(
-        log_probs,
-        anchor,
-        advantages,
-        eps_clip=eps_clip,
-        eps_clip_high=eps_clip_high,
-        eps_clip_c=eps_clip_c,
-    )
-    weights, tis = tis_weights(
-        anchor, rollout_log_probs, tis_clip=tis_clip, tis_clip_low=tis_clip_low, mode=mode
-    )
-    return loss * weights, {**metrics, **tis}
-
-
 # ----------------------------------------------------------------------------- value
 
 
@@ -414,7 +284,8 @@ def compose_loss(
     only when `use_kl_loss`), each term reduced with `reduce_loss(..., mode=reduction)`.
 
     Args:
-        pg_loss: Per-token policy loss [T] (already multiplied by TIS weights, if any).
+        pg_loss: Per-token policy loss [T] (already multiplied by TIS weights, if any: see
+            `corrections`).
         loss_mask: Per-token mask [T].
         lengths: Per-sample token counts [B], adding up to T.
         pg_metrics: Per-token metrics from `policy_loss` / `tis_weights`; each is reduced
