@@ -241,6 +241,13 @@ def test_reduced_loss_gradient_and_metrics_of_actor_loss(name, reduction):
         assert metrics["tis"].item() == pytest.approx(mean(rows["ratio"]), **tol)
         assert metrics["tis_max"].item() == pytest.approx(max(ratios), **tol)
         assert metrics[out].item() == pytest.approx(mean(rows["outside"]), **tol)
+    else:
+        # No weight: the behaviour ratio pi_theta / pi_rollout is still reported.
+        behaviour = [math.exp(n - r) for n, r in zip(NEW, ROLLOUT, strict=True)]
+        assert metrics["behaviour_ratio"].item() == pytest.approx(mean(behaviour), **tol)
+        assert metrics["behaviour_ratio_max"].item() == pytest.approx(
+            max(only_counted(behaviour)), **tol
+        )
 
 
 @pytest.mark.parametrize("reduction", ["sample", "token"])

@@ -88,6 +88,8 @@ def actor_metric_keys(algorithm: AlgorithmConfig, batch: RolloutBatch) -> list[s
         keys.append(mismatch_key(batch))
         if algorithm.use_tis:
             keys += ["tis", tis_out_of_bounds_metric(algorithm.tis_mode), "tis_max"]
+        else:
+            keys += ["behaviour_ratio", "behaviour_ratio_max"]
     return keys
 
 
@@ -181,7 +183,8 @@ def actor_loss(
     reference, reported whenever a reference exists) by ``compose_loss``. With TIS, "tis_max"
     is the largest unbounded ratio over the micro-batch's counted tokens (at the sequence
     level: over its samples with a counted token; a maximum, not a mean: see
-    `metrics.STEP_MAXIMA`).
+    `metrics.STEP_MAXIMA`). With the engine's log-probs and no TIS, "behaviour_ratio" and
+    "behaviour_ratio_max" are the mean and largest pi_theta / pi_rollout of this forward.
     """
     log_probs = torch.cat(head.log_probs)
     device = log_probs.device
@@ -212,7 +215,7 @@ def actor_loss(
     metrics = {"pg_clipfrac": per_token["pg_clipfrac"], "ppo_kl": per_token["ppo_kl"]}
     if algorithm.eps_clip_c is not None:
         metrics["dual_clipfrac"] = per_token["dual_clipfrac"]
-    tis_max = None
+    tis_max = behaviour_max = None
     if rollout is not None:
         # The trainer's old log-probs against the engine's; when the old ones are the engine's
         # (use_rollout_log_probs outside audits), this step's own (at step 0 the same weights
@@ -226,6 +229,14 @@ def actor_loss(
             tis_max = (
                 counted_ratios.max() if counted_ratios.numel() else per_token["tis"].new_zeros(())
             )
+        else:
+            # Without TIS the behaviour ratio pi_theta / pi_rollout weights nothing; it is
+            # logged so that every correction reports how far the policy is from the sampler
+            # (its clipped fraction is pg_clipfrac when the engine's log-probs are the old ones).
+            ratio = torch.exp(log_probs.detach() - rollout)
+            metrics["behaviour_ratio"] = ratio
+            counted_ratios = ratio[counted]
+            behaviour_max = counted_ratios.max() if counted_ratios.numel() else ratio.new_zeros(())
     kl = None
     if batch.ref_log_probs is not None:
         kl = approx_kl(log_probs, given(batch.ref_log_probs), algorithm.kl_loss_type)
@@ -243,6 +254,8 @@ def actor_loss(
     )
     if tis_max is not None:
         reduced["tis_max"] = tis_max.detach()
+    if behaviour_max is not None:
+        reduced["behaviour_ratio_max"] = behaviour_max
     return loss, reduced
 
 
