@@ -96,9 +96,7 @@ def test_spans_of_weight_versions_are_checked():
     with pytest.raises(ValueError, match="ascending from 0"):
         Sample(tokens=[1, 2, 3], response_length=2, weight_versions=[(0, "4"), (2, "5")])
     with pytest.raises(ValueError, match="is not the first span's version"):
-        Sample(
-            tokens=[1, 2, 3], response_length=2, weight_version="5", weight_versions=[(0, "4")]
-        )
+        Sample(tokens=[1, 2, 3], response_length=2, weight_version="5", weight_versions=[(0, "4")])
 
 
 @pytest.mark.parametrize("bad", [None, "default"])
