@@ -57,26 +57,38 @@ def test_async_does_not_turn_tis_on_over_a_named_correction(own):
     assert config.algorithm.use_tis is True
 
 
-def test_the_default_example_takes_the_engine_anchored_corrections_and_refuses_decoupled():
-    # examples/default.yaml sets use_rollout_log_probs: true, which behaviour_clip and the TIS
-    # corrections mean too, and decoupled contradicts.
-    config, _ = load_config("default", overrides=["algorithm.off_policy_correction=seq_tis"])
-    assert flags(config) == FLAGS["seq_tis"]
+def test_an_override_replaces_the_files_correction_whichever_way_either_says_it(tmp_path):
+    """examples/default.yaml says behaviour_clip with its flag (use_rollout_log_probs: true):
+    `--set algorithm.off_policy_correction=NAME` replaces it, decoupled included, and a flag
+    set on the command line replaces a file's correction name. A name and a flag that
+    disagree in one layer stay refused."""
+    for name in NAMES:
+        config, _ = load_config("default", overrides=[f"algorithm.off_policy_correction={name}"])
+        assert flags(config) == FLAGS[name]
+    named = tmp_path / "named.yaml"
+    named.write_text("algorithm:\n  off_policy_correction: decoupled\n")
+    config, _ = load_config(named, overrides=["algorithm.use_rollout_log_probs=true"])
+    assert config.algorithm.off_policy_correction is None
+    assert config.algorithm.use_rollout_log_probs is True
     with pytest.raises(ValueError) as info:
-        load_config("default", overrides=["algorithm.off_policy_correction=decoupled"])
+        load_config(
+            "default",
+            overrides=[
+                "algorithm.off_policy_correction=decoupled",
+                "algorithm.use_rollout_log_probs=true",
+            ],
+        )
     assert str(info.value) == (
         "algorithm.off_policy_correction='decoupled' sets use_rollout_log_probs=false, but "
         "use_rollout_log_probs=true was given; drop use_rollout_log_probs (or set it to "
         "false), or set off_policy_correction=null"
     )
-    config, _ = load_config(
-        "default",
-        overrides=[
-            "algorithm.use_rollout_log_probs=false",
-            "algorithm.off_policy_correction=decoupled",
-        ],
-    )
-    assert flags(config) == FLAGS["decoupled"]
+    both = tmp_path / "both.yaml"
+    both.write_text("algorithm:\n  off_policy_correction: mis\n  tis_mode: truncate\n")
+    assert flags(load_config(both)[0]) == FLAGS["mis"]  # truncate: the default, gives way
+    both.write_text("algorithm:\n  off_policy_correction: tis\n  tis_level: sequence\n")
+    with pytest.raises(ValueError, match="off_policy_correction='tis' sets tis_level=token"):
+        load_config(both)
 
 
 @pytest.mark.parametrize("name", ["behaviour_clip", "tis", "seq_tis", "mis"])

@@ -347,6 +347,26 @@ def read_yaml(path: str | Path) -> Any:
         raise ValueError(f"{path}: not valid YAML ({exc})") from None
 
 
+CORRECTION_FLAGS = ("use_rollout_log_probs", "use_tis", "tis_mode", "tis_level")
+"""The `algorithm` keys a named `algorithm.off_policy_correction` sets."""
+
+
+def _yield_to_overrides(data: dict[str, Any], overridden: set[str]) -> None:
+    """Let an override of the off-policy correction replace the file's, whichever way the
+    file says it: `--set algorithm.off_policy_correction=NAME` drops the file's flags of
+    `CORRECTION_FLAGS` (unless also overridden), and overriding a flag drops the file's
+    correction name. Within one layer, a name and a flag that disagree stay refused."""
+    algorithm = data.get("algorithm")
+    if not isinstance(algorithm, dict):
+        return
+    if "algorithm.off_policy_correction" in overridden:
+        for flag in CORRECTION_FLAGS:
+            if f"algorithm.{flag}" not in overridden:
+                algorithm.pop(flag, None)
+    elif any(f"algorithm.{flag}" in overridden for flag in CORRECTION_FLAGS):
+        algorithm.pop("off_policy_correction", None)
+
+
 def load_config(
     config: str | Path | Mapping[str, Any] | None = None,
     *,
@@ -374,7 +394,9 @@ def load_config(
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of sections at the top level")
         data.setdefault("run", {}).setdefault("name", path.stem)
-    for key, value in parse_overrides(overrides):
+    parsed = parse_overrides(overrides)
+    _yield_to_overrides(data, {key for key, _ in parsed})
+    for key, value in parsed:
         _set_path(data, key, value)
     if plugins is not None:
         data["plugins"] = list(plugins)
