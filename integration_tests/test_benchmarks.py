@@ -181,3 +181,43 @@ def test_bench_e2e_reports_each_phase_and_the_engines_rollout_phase_from_its_own
         ["engine.hf.num_threads=2", "ray.num_engines=1"],
         ["engine.hf.num_threads=1", "ray.num_engines=2"],
     ]
+
+
+def test_bench_e2e_staleness_row_skips_the_iterations_fed_by_the_first_and_divides_by_k0(
+    monkeypatch, capsys
+):
+    """The staleness row runs k = 0 once and every k >= 1 in turn and with partial rollouts,
+    all with the given engines; each mean leaves out iterations 0 .. k (the first one
+    generated the k rollouts the next k train on) and is divided by k = 0's."""
+    bench_e2e = load_tool("bench_e2e")
+    runs = []
+
+    def measure(config, rollouts, overrides):
+        runs.append(overrides)
+        k = int(next(o for o in overrides if o.startswith("rollout.max_staleness=")).split("=")[1])
+        partial = "rollout.partial_rollouts=true" in overrides
+        steady = 4.0 - k * 0.5 - (0.25 if partial else 0.0)
+        return [
+            {
+                # iteration 0 waits for k + 1 rollouts; 1 .. k train on them at once
+                "perf/iteration_time": (50.0 if i == 0 else 0.1) if i <= k else steady,
+                "perf/rollout_time": 0.5,
+                "rollout/staleness": float(min(i, k)),
+                "rollout/rewards": 0.25,
+            }
+            for i in range(rollouts)
+        ]
+
+    monkeypatch.setattr(bench_e2e, "measure", measure)
+    argv = ["bench_e2e.py", "--rollouts", "6", "--rows", "staleness", "--staleness", "0,2"]
+    monkeypatch.setattr("sys.argv", argv)
+    bench_e2e.main()
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+0\s+no\s+4\.000\s+1\.00\s+0\.500\s+0\.00\s+0\.250$", out, re.M), out
+    assert re.search(r"^\s+2\s+no\s+3\.000\s+0\.75\s+0\.500\s+2\.00\s+0\.250$", out, re.M), out
+    assert re.search(r"^\s+2\s+yes\s+2\.750\s+0\.69\s+0\.500\s+2\.00\s+0\.250$", out, re.M), out
+    assert [o[:3] for o in runs] == [
+        ["rollout.max_staleness=0", "rollout.partial_rollouts=false", "ray.num_engines=2"],
+        ["rollout.max_staleness=2", "rollout.partial_rollouts=false", "ray.num_engines=2"],
+        ["rollout.max_staleness=2", "rollout.partial_rollouts=true", "ray.num_engines=2"],
+    ]
