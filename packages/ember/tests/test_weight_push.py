@@ -612,6 +612,104 @@ def test_a_broadcast_that_fails_midway_frees_every_engine_and_the_next_push_regr
     assert name == ray.get(rank.__ray_call__.remote(group_name)), "one new group, all joined"
 
 
+def test_a_partial_rollout_engine_takes_a_broadcast_while_it_generates(ray_session, tmp_path):
+    """`rollout.partial_rollouts`: the engine actor runs the calls a push makes (the driver's
+    session, the sending rank's group and buckets, as `TrainRank.send_weights` makes them) on
+    its weight thread while `generate` runs, and the sample carries both versions' spans."""
+    import datetime
+    import time
+
+    import ray
+
+    from ember.actors import WEIGHT_CALLS, PartialRolloutEngine, _meet, engine_actor
+    from ember_megatron_backend.parallel import free_port
+    from ember_megatron_backend.weight_sync import WeightGroup, bucket_weights
+    from ember_rollout.config import TinyModelConfig
+    from ember_rollout.data import PromptRecord
+    from ember_rollout.engine import GenerateRequest, SamplingParams
+    from ember_rollout.models import iter_checkpoint, write_tiny_checkpoint
+    from ember_rollout.rollout import PromptGroup
+
+    overrides = ["rollout.max_staleness=1", "rollout.partial_rollouts=true"]
+    config, _ = load_config("default", overrides=[*overrides, "ray.threads_per_actor=1"])
+    assert engine_actor(config) is PartialRolloutEngine
+    initial = write_tiny_checkpoint(tmp_path / "initial", TinyModelConfig())
+    pushed = dict(
+        iter_checkpoint(write_tiny_checkpoint(tmp_path / "new", TinyModelConfig(init_seed=1)))
+    )
+    engine = PartialRolloutEngine.options(num_cpus=0).remote(
+        config.to_dict(), model_path=str(initial), threads=1
+    )
+
+    def slow_decoder(actor: Any) -> None:
+        """Count the model's forwards and make each take 10 ms more, so that generation lasts
+        seconds whatever the machine's speed."""
+        actor.forwards = 0
+
+        def hook(module: Any, args: Any) -> None:
+            actor.forwards += 1
+            time.sleep(0.01)
+
+        actor.engine.model.register_forward_pre_hook(hook)
+
+    def forwards(actor: Any) -> int:
+        return actor.forwards
+
+    try:
+        ray.get(engine.start.remote())
+        ray.get(engine.__ray_call__.remote(slow_decoder))
+        request = GenerateRequest(
+            input_ids=[12, 5, 3, 16],
+            sampling=SamplingParams(max_new_tokens=300, ignore_eos=True, seed=1),
+            name="sample 0",
+        )
+        group = PromptGroup(PromptRecord(prompt="p"), [12, 5, 3, 16], [request], 0)
+        generating = engine.generate.remote([group])
+        # The default thread runs `generate`; a probe on the weight thread sees it decode.
+        probe = engine.__ray_call__.options(concurrency_group=WEIGHT_CALLS)
+        deadline = time.monotonic() + 60
+        while ray.get(probe.remote(forwards)) < 5:
+            assert time.monotonic() < deadline, "generation never started"
+            time.sleep(0.05)
+
+        ray.get(engine.begin_weight_update.remote())
+        name, port = "ember-weights-partial", free_port()
+        joins = [engine.join_weights_group.remote("127.0.0.1", port, 1, 2, name, "gloo")]
+        weight_group = _meet(
+            lambda: WeightGroup.create(
+                master_address="127.0.0.1",
+                master_port=port,
+                world_size=2,
+                group_name=name,
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=60),
+            ),
+            joins,
+        )
+        buckets = list(bucket_weights(pushed.items(), 256 << 10))
+        assert len(buckets) > 1
+        for k, bucket in enumerate(buckets):
+            last = k == len(buckets) - 1
+            loaded = engine.update_weights_from_distributed.remote(
+                bucket.names, bucket.dtypes, bucket.shapes, name, "7" if last else None, last
+            )
+            work = weight_group.broadcast(bucket)
+            ray.get(loaded)
+            work.wait()
+        ray.get(engine.end_weight_update.remote())
+        done = ray.get(probe.remote(forwards))
+        assert not ray.wait([generating], timeout=0)[0], "the push waited for generate"
+
+        ((sample,),) = ray.get(generating)
+        ((start, first), (switch, second)) = sample.weight_versions
+        assert (start, first, second) == (0, "-1", "7") and 5 <= switch <= done
+        assert sample.weight_version == "-1" and sample.response_length == 300
+        bad, served = served_mismatches(ray, engine, pushed)
+        assert bad == [] and served == "7"
+    finally:
+        ray.kill(engine)
+
+
 # --------------------------------------------------------------------------------------------
 # The colocated memory hand-off, wired by Driver.build and Driver.restore
 # --------------------------------------------------------------------------------------------

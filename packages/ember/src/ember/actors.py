@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import inspect
 import logging
 import os
 import threading
@@ -411,6 +412,10 @@ class RolloutEngine:
     answer reports the weight version it was generated with (`meta_info.weight_version`); an
     engine that loaded `model_path` itself reports `INITIAL_WEIGHT_VERSION` until the first
     update.
+
+    Its calls run one at a time, so a weight push waits for a running `generate`. With
+    `rollout.partial_rollouts` the driver creates a `PartialRolloutEngine` instead, whose weight
+    calls run beside `generate` (`engine_actor`).
     """
 
     def __init__(self, config: dict[str, Any], *, model_path: str, threads: int | None) -> None:
@@ -446,6 +451,12 @@ class RolloutEngine:
         if self.config.data.tokenizer_path is None:
             self.config.data.tokenizer_path = model_path
         self.loop = asyncio.new_event_loop()
+        self.partial_rollouts = self.config.rollout.partial_rollouts
+        # Partial rollouts: the weight calls run on a thread of their own (`PartialRolloutEngine`)
+        # while `generate` runs the engine's loop on another, and one asyncio loop cannot run on
+        # two threads at once, so they get a loop of their own. Otherwise every call runs on
+        # the one loop, one call at a time, and a weight load waits for `generate` to finish.
+        self.weight_loop = asyncio.new_event_loop() if self.partial_rollouts else self.loop
         self.engine: Any = None
         self.groups: Any = None
         _import_rollout_libraries(
@@ -464,6 +475,8 @@ class RolloutEngine:
         from ember_rollout.tokenizer import load_tokenizer
 
         engine = build_engine(self.config.engine, plugins=self.plugins)
+        if self.partial_rollouts:  # the config allows it with the hf engine only
+            engine.partial_rollouts = True
         self.loop.run_until_complete(engine.start())
         if self.config.engine.kind == "hf" and engine.weight_version is None:
             engine.weight_version = INITIAL_WEIGHT_VERSION
@@ -501,7 +514,7 @@ class RolloutEngine:
         backend: str,
     ) -> None:
         """Join the sending rank's weight group (blocks until every member has joined)."""
-        self.loop.run_until_complete(
+        self.weight_loop.run_until_complete(
             self.engine.init_weights_update_group(
                 master_address=master_address,
                 master_port=master_port,
@@ -514,13 +527,13 @@ class RolloutEngine:
 
     def destroy_weights_group(self, group_name: str) -> None:
         """Leave and destroy weight group `group_name` (after a failed push)."""
-        self.loop.run_until_complete(self.engine.destroy_weights_update_group(group_name))
+        self.weight_loop.run_until_complete(self.engine.destroy_weights_update_group(group_name))
 
     def begin_weight_update(self) -> None:
-        self.loop.run_until_complete(self.engine.begin_weight_update())
+        self.weight_loop.run_until_complete(self.engine.begin_weight_update())
 
     def end_weight_update(self) -> None:
-        self.loop.run_until_complete(self.engine.end_weight_update())
+        self.weight_loop.run_until_complete(self.engine.end_weight_update())
 
     def update_weights_from_distributed(
         self,
@@ -533,7 +546,7 @@ class RolloutEngine:
     ) -> None:
         """Receive and load one bucket the sending rank broadcasts; `version` comes with the
         last bucket of an update."""
-        self.loop.run_until_complete(
+        self.weight_loop.run_until_complete(
             self.engine.update_weights_from_distributed(
                 names,
                 dtypes,
@@ -548,7 +561,7 @@ class RolloutEngine:
         self, payloads: list[str], version: str | None, flush_cache: bool
     ) -> None:
         """Load one bucket handed over as CUDA IPC handles (SGLang servers on this machine)."""
-        self.loop.run_until_complete(
+        self.weight_loop.run_until_complete(
             self.engine.update_weights_from_ipc(
                 payloads, weight_version=version, flush_cache=flush_cache
             )
@@ -556,7 +569,7 @@ class RolloutEngine:
 
     def update_weights_from_disk(self, path: str, version: str) -> None:
         """Load every weight from the HF checkpoint directory `path`."""
-        self.loop.run_until_complete(
+        self.weight_loop.run_until_complete(
             self.engine.update_weights_from_disk(path, weight_version=version)
         )
 
@@ -571,3 +584,54 @@ class RolloutEngine:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.loop.run_until_complete(self.engine.shutdown())
+
+
+WEIGHT_CALLS = "weights"
+"""The concurrency group of a `PartialRolloutEngine`'s weight calls: one thread of its own."""
+WEIGHT_METHODS = (
+    "weight_group_size",
+    "join_weights_group",
+    "destroy_weights_group",
+    "begin_weight_update",
+    "end_weight_update",
+    "update_weights_from_distributed",
+    "update_weights_from_ipc",
+    "update_weights_from_disk",
+)
+"""The `RolloutEngine` methods a weight push calls (the driver and the sending rank)."""
+
+
+def _on_weight_thread(name: str) -> Callable[..., Any]:
+    """`RolloutEngine` method `name`, put in the `WEIGHT_CALLS` concurrency group."""
+    method = getattr(RolloutEngine.__ray_actor_class__, name)
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *args, **kwargs)
+
+    # Not functools.wraps: ray 2.60 (actor.py `_ActorClassMethodMetadata.create`) unwraps
+    # `__wrapped__` and would read the group from the base method, which has none.
+    call.__name__, call.__qualname__ = name, f"_PartialRolloutEngine.{name}"
+    call.__doc__ = method.__doc__
+    call.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+    return ray.method(concurrency_group=WEIGHT_CALLS)(call)
+
+
+class _PartialRolloutEngine(RolloutEngine.__ray_actor_class__):  # type: ignore[name-defined]
+    """`RolloutEngine` for `rollout.partial_rollouts`: its weight calls (`WEIGHT_METHODS`) run
+    on a thread of their own, so a push reaches the engine while `generate` runs on the
+    actor's default thread (the embedded engine takes the weights between decode steps). Every
+    other call still runs on the default thread, one at a time. A push never waits for a
+    thread that `generate` holds: the weight thread serves weight calls only."""
+
+
+for _name in WEIGHT_METHODS:
+    setattr(_PartialRolloutEngine, _name, _on_weight_thread(_name))
+
+PartialRolloutEngine = ray.remote(concurrency_groups={WEIGHT_CALLS: 1})(_PartialRolloutEngine)
+
+
+def engine_actor(config: Any) -> Any:
+    """The actor class of the run's rollout engines (`config`, a `RunConfig`):
+    `PartialRolloutEngine` with `rollout.partial_rollouts`, else `RolloutEngine`, whose calls
+    all run on one thread (a weight push then waits for `generate` to finish)."""
+    return PartialRolloutEngine if config.rollout.partial_rollouts else RolloutEngine

@@ -303,7 +303,7 @@ class Driver:
             reuse_init: Keep an existing `hf_init` (on resume, where the checkpoint's weights
                 are pushed next anyway); otherwise it is written from the trainer's weights.
         """
-        from ember.actors import RolloutEngine, TrainRank
+        from ember.actors import TrainRank, engine_actor
         from ember.rollout_manager import RolloutManager
 
         cfg = self.config
@@ -326,7 +326,7 @@ class Driver:
             for rank in range(ray_cfg.data_parallel)
         ]
         engines = [
-            RolloutEngine.options(**placement.engine_options(j)).remote(
+            engine_actor(cfg).options(**placement.engine_options(j)).remote(
                 resolved, model_path=str(model_dir), threads=engine_threads
             )
             for j in range(ray_cfg.num_engines)

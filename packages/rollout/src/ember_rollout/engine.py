@@ -31,6 +31,11 @@ FINISH_STATUS: dict[str, SampleStatus] = {
 ROUTED_EXPERTS_FIELD = "return_routed_experts"
 """Request field asking for routed experts (SGLang's name; the hf engine honours it too)."""
 
+WEIGHT_VERSIONS_KEY = "weight_versions"
+"""`meta_info` key of the response's spans by weight version, from an engine that takes new
+weights mid-generation (the hf engine with partial rollouts): [[index of the span's first
+response token, version], ...], ascending from 0; `weight_version` is the first span's."""
+
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
 """Kinds of device memory an engine can release for colocated training: the model's weights,
 its KV cache and its CUDA graphs (sglang 0.5.23 constants.py `GPU_MEMORY_ALL_TYPES`)."""
@@ -141,6 +146,44 @@ class GenerateOutput:
     @property
     def status(self) -> SampleStatus:
         return FINISH_STATUS[self.finish_reason]
+
+    def weight_spans(self, where: str) -> list[tuple[int, str]] | None:
+        """The response's spans by weight version (`Sample.weight_versions`), from
+        `meta_info["weight_versions"]`: [[index of a span's first response token, version],
+        ...], which an engine that takes weights mid-generation reports; None without it.
+
+        Raises:
+            EngineError: Not [int, str] pairs, indices not ascending from 0 below the response
+                length, or a first version other than `meta_info["weight_version"]`; names
+                `where` (the request) and the value.
+        """
+        raw = self.meta_info.get(WEIGHT_VERSIONS_KEY)
+        if raw is None:
+            return None
+        n = len(self.output_ids)
+        pairs = isinstance(raw, list | tuple) and all(
+            isinstance(p, list | tuple)
+            and len(p) == 2
+            and isinstance(p[0], int)
+            and not isinstance(p[0], bool)
+            and isinstance(p[1], str)
+            for p in raw
+        )
+        starts = [p[0] for p in raw] if pairs else []
+        if not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= n:
+            raise EngineError(
+                f"{where}: meta_info['weight_versions']={raw!r}: expected [index of a span's "
+                f"first response token, version] pairs (int, str), indices ascending from 0 and "
+                f"below the response length {n}"
+            )
+        spans = [(int(start), version) for start, version in raw]
+        first = self.meta_info.get("weight_version")
+        if first is not None and str(first) != spans[0][1]:
+            raise EngineError(
+                f"{where}: meta_info['weight_version']={first!r} is not the first span's version "
+                f"in meta_info['weight_versions']={raw!r}"
+            )
+        return spans
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
+import contextlib
 import logging
-import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -41,6 +40,14 @@ from ember_rollout.models import (
 )
 from ember_rollout.routing import ExpertCapture, encode_routed_experts
 from ember_rollout.token_sampling import filtered_log_probs, sample_tokens
+from ember_rollout.weight_gate import WeightGate
+from ember_rollout.weight_receive import (
+    BUCKET_LOAD_FORMAT,
+    WEIGHT_GROUP_BACKEND,
+    bucket_layout,
+    join_weight_group,
+    receive_bucket,
+)
 
 if TYPE_CHECKING:
     from ember_core.plugins import EmberPlugins
@@ -54,88 +61,11 @@ SUPPORTED_FIELDS = frozenset({ROUTED_EXPERTS_FIELD})
 
 # -- weights broadcast by the trainer ----------------------------------------------------------
 
-WEIGHT_GROUP_BACKEND = "gloo"
-"""The backend the hf engine receives broadcast weights over (into CPU buffers)."""
-WEIGHT_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-"""How long joining a weight group, or one broadcast, may wait for the other members."""
-BUCKET_LOAD_FORMAT = "flattened_bucket"
-"""One broadcast per bucket of tensors laid out back to back (sglang 0.5.23's name)."""
 SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
 SESSION_CLOSED = "no weight-update session is open; call begin_weight_update() first"
 OUTSIDE_SESSION = (
     "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
 )
-
-
-def join_weight_group(
-    *,
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    timeout: datetime.timedelta = WEIGHT_GROUP_TIMEOUT,
-) -> Any:
-    """Join weight group `group_name` as `rank` over gloo; returns its backend. Blocks until
-    every member has joined.
-
-    The store keys are those sglang 0.5.23's `init_custom_process_group` (utils/common.py)
-    leads to, so this engine, the sending training rank and SGLang servers meet in one group:
-    the TCP store that rank 0 hosts, under `PrefixStore(group_name)`, then torch 2.14
-    `_new_process_group_helper`'s `PrefixStore(f"{group_name}/")` and, for gloo's backend,
-    `PrefixStore("cpu/")`. The group is a backend object of its own: no torch.distributed
-    default group is needed.
-    """
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        host_name=master_address,
-        port=master_port,
-        world_size=world_size,
-        is_master=False,
-        timeout=timeout,
-    )
-    keyed = dist.PrefixStore(
-        "cpu/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
-    )
-    return dist.ProcessGroupGloo(keyed, rank, world_size, timeout)
-
-
-def bucket_layout(
-    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
-) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
-    """(name, dtype, shape, start byte, end byte) of each tensor of a flattened bucket.
-
-    The tensors lie back to back, as sglang 0.5.23's `FlattenedTensorBucket.empty`
-    (weight_sync/tensor_bucket.py) lays them out; it refuses the same inputs.
-
-    Raises:
-        ValueError: Lists of different lengths, an empty bucket, a name that is not a torch
-            dtype, a negative dimension, or a tensor at a byte offset its dtype's size does not
-            divide; names the tensor.
-    """
-    if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(
-            f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes: one of each "
-            "per tensor"
-        )
-    if not names:
-        raise ValueError("an empty bucket")
-    layout = []
-    offset = 0
-    for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
-        dtype = getattr(torch, str(dtype_name), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{name}: dtype {dtype_name!r} is not a torch dtype")
-        dims = tuple(int(d) for d in shape)
-        if any(d < 0 for d in dims):
-            raise ValueError(f"{name}: negative dimension in shape {list(dims)}")
-        if offset % dtype.itemsize:
-            raise ValueError(f"{name}: byte offset {offset} is not aligned for {dtype}")
-        size = math.prod(dims) * dtype.itemsize
-        layout.append((name, dtype, dims, offset, offset + size))
-        offset += size
-    return layout
 
 
 @dataclass(slots=True)
@@ -159,7 +89,26 @@ class _Row:
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     experts: list[torch.Tensor] = field(default_factory=list)
+    """Routed experts, int32 [positions, layers, topk] per forward pass, positions in order."""
+    versions: list[tuple[int, str | None]] = field(default_factory=list)
+    """(index of the first response token sampled under a weight version, that version)."""
     finish: dict[str, Any] | None = None
+
+    def take(self, token: int, log_prob: float, version: str | None) -> None:
+        """Append a token sampled from weight version `version`, and stop if it ends the row."""
+        if not self.versions or self.versions[-1][1] != version:
+            self.versions.append((len(self.output_ids), version))
+        self.output_ids.append(token)
+        self.log_probs.append(log_prob)
+        if token in self.stop_ids:
+            self.finish = {"type": "stop", "matched": token}
+        elif len(self.output_ids) >= self.max_new_tokens:
+            self.finish = {"type": "length", "length": len(self.output_ids)}
+
+    @property
+    def recorded(self) -> int:
+        """Positions whose routed experts are recorded."""
+        return sum(e.shape[0] for e in self.experts)
 
 
 class HFEngine(Engine):
@@ -170,6 +119,22 @@ class HFEngine(Engine):
     cache. Each row samples from its own seeded generator, so a request's tokens do not depend
     on the batch it ran in. Log-probs come from fp32 logits divided by the temperature, after
     the top-k/top-p filter: exactly the distribution each token was drawn from.
+
+    With `partial_rollouts`, weights may be loaded while `generate` runs (from another thread
+    or event loop: the weight path then takes no asyncio lock). Every forward pass of the
+    decoder runs inside a `WeightGate` step: `begin_weight_update` closes the gate (waiting for
+    the pass in progress), buckets load behind it, and `end_weight_update` opens it again, so no
+    pass sees a half-loaded model. The decoder then forwards every unfinished row again, prompt
+    and tokens so far, into a new KV cache (the old one holds keys and values of the old
+    weights, so SGLang aborts and continues such requests), and samples on from the new
+    weights. Each row records the version of every span of its response (`meta_info`
+    `weight_versions`: [[index of the span's first response token, version], ...]); each token's
+    log-prob is that of the distribution it was drawn from, under the version in force at its
+    step. Routed experts of a position come from the pass that forwarded it, which is the pass
+    whose logits drew the next token: positions recorded before an update keep the old
+    version's experts, and the new prefill records only the position not yet forwarded (the last
+    sampled token), with the new version's experts, as the new version predicts from there.
+    Without `partial_rollouts`, a weight load waits for the running `generate` to finish.
     """
 
     kind: ClassVar[str] = "hf"
@@ -180,6 +145,7 @@ class HFEngine(Engine):
         *,
         model: nn.Module | None = None,
         seed: int = 0,
+        partial_rollouts: bool = False,
     ) -> None:
         """Create the engine; the model is loaded by `start()` unless given.
 
@@ -187,11 +153,16 @@ class HFEngine(Engine):
             config: Engine settings.
             model: An already built causal LM to serve (its dtype and device are kept).
             seed: Seeds the per-request generators of requests that carry no seed.
+            partial_rollouts: Take weight updates while `generate` runs, between decode steps
+                (`rollout.partial_rollouts`; see the class docstring). Set it before the first
+                `generate`.
         """
         self.config = config or HFEngineConfig()
         self.model = model
         self._seeds = random.Random(seed)
+        self.partial_rollouts = partial_rollouts
         self._lock = asyncio.Lock()
+        self._gate = WeightGate()
         self._warned_fields: set[str] = set()
         self.weight_version: str | None = None
         self._info: ModelInfo | None = None
@@ -281,15 +252,50 @@ class HFEngine(Engine):
         error, and so, unless `partial`, is a parameter of the model that the update leaves out
         (a name mismatch between trainer and engine would otherwise keep stale weights).
 
+        With partial rollouts, inside a weight-update session the tensors count towards the
+        session, like broadcast buckets (`weight_version`, if given, is served once it closes
+        complete); outside one the update is a session of its own, served at once.
+
         Raises:
             ValueError: Naming the unknown or the missing names (the first few, and how many).
         """
         await self.start()
         named = list(named_tensors)
-        async with self._lock:
+        update = self._weight_update if self.partial_rollouts else None
+        async with self._loading():
             check_update_names(self.model, [name for name, _ in named], partial=partial)
-            await asyncio.to_thread(load_hf_weights, self.model, named)
-            self.weight_version = weight_version
+            await asyncio.to_thread(self._load, named)
+            if update is None:
+                self.weight_version = weight_version
+        if update is not None:
+            update.names.extend(name for name, _ in named)
+            if weight_version is not None:
+                update.version = weight_version
+
+    @contextlib.asynccontextmanager
+    async def _loading(self) -> AsyncIterator[None]:
+        """Hold back generation while weights are copied in: whole `generate` calls (the
+        asyncio lock), or with partial rollouts the decoder's next step (the gate, which an
+        open session has closed already)."""
+        if not self.partial_rollouts:
+            async with self._lock:
+                yield
+        elif self._weight_update is not None:
+            assert self._gate.closed, "begin_weight_update closes the gate"
+            yield
+        else:
+            await asyncio.to_thread(self._gate.close)
+            try:
+                yield
+            finally:
+                self._gate.open()
+
+    def _load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy `named` into the model (checked already); behind the gate with partial
+        rollouts, which then learns that the weights changed."""
+        if self.partial_rollouts:
+            self._gate.changed()
+        load_hf_weights(self.model, named)
 
     async def update_weights_from_disk(
         self, path: str | Path, *, weight_version: str | None = None
@@ -340,13 +346,20 @@ class HFEngine(Engine):
         group.abort()  # closes its connections now, not when garbage collection gets to it
 
     async def begin_weight_update(self) -> None:
+        """Open a session; with partial rollouts, also close the decoder's gate, waiting for
+        the decode step in progress to end (see the class docstring)."""
         if self._weight_update is not None:
             raise EngineError(SESSION_OPEN)
+        if self.partial_rollouts:
+            await asyncio.to_thread(self._gate.close)
         self._weight_update = _WeightUpdate()
 
     async def end_weight_update(self) -> None:
         """Close the session; if it loaded anything, every parameter of the model must have
         been among it, and then the engine serves the version the last bucket named.
+
+        With partial rollouts the decoder's gate opens again either way; a decoder whose
+        weights changed behind it continues from the new ones.
 
         Raises:
             EngineError: No session is open, or the update left parameters out (named).
@@ -354,16 +367,20 @@ class HFEngine(Engine):
         update, self._weight_update = self._weight_update, None
         if update is None:
             raise EngineError(SESSION_CLOSED)
-        if not update.names:
-            return
         try:
-            check_update_names(self.model, update.names)
-        except ValueError as exc:
-            raise EngineError(
-                f"{exc}; the engine keeps serving weight version {self.weight_version!r}"
-            ) from None
-        if update.version is not None:
-            self.weight_version = update.version
+            if not update.names:
+                return
+            try:
+                check_update_names(self.model, update.names)
+            except ValueError as exc:
+                raise EngineError(
+                    f"{exc}; the engine keeps serving weight version {self.weight_version!r}"
+                ) from None
+            if update.version is not None:
+                self.weight_version = update.version
+        finally:
+            if self.partial_rollouts:
+                self._gate.open()
 
     async def update_weights_from_distributed(
         self,
@@ -407,12 +424,12 @@ class HFEngine(Engine):
         except ValueError as exc:
             raise EngineError(f"weight bucket refused before receiving it: {exc}") from None
         flat = torch.empty(layout[-1][-1], dtype=torch.uint8)
-        await asyncio.to_thread(_receive, group, flat)
+        await asyncio.to_thread(receive_bucket, group, flat)
         named = [
             (name, flat[start:end].view(dtype).reshape(shape))
             for name, dtype, shape, start, end in layout
         ]
-        async with self._lock:
+        async with self._loading():
             try:
                 check_update_names(self.model, list(names), partial=True)
                 state, naming = self.model.state_dict(keep_vars=True), naming_of(self.model)
@@ -420,7 +437,7 @@ class HFEngine(Engine):
                     _resolve(state, name, tensor, naming)
             except ValueError as exc:
                 raise EngineError(f"weight bucket of group {group_name!r}: {exc}") from None
-            await asyncio.to_thread(load_hf_weights, self.model, named)
+            await asyncio.to_thread(self._load, named)
         update.names.extend(names)
         if weight_version is not None:
             update.version = weight_version
@@ -475,67 +492,88 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        from transformers import DynamicCache
-
         started = time.perf_counter()
-        model, info, device = self.model, self._info, self._device
-        assert model is not None and info is not None
+        assert self.model is not None and self._info is not None
         rows = [self._new_row(r) for r in requests]
         capture = None
         if any(r.wants_routed_experts for r in requests) and self._moe_sites:
             capture = self._capture()
         try:
-            # Left-pad the prompts: position ids count real tokens only.
-            lengths = [len(r.request.input_ids) for r in rows]
-            width = max(lengths)
-            pad = 0
-            input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for b, row in enumerate(rows):
-                input_ids[b, width - lengths[b] :] = torch.tensor(row.request.input_ids)
-                mask[b, width - lengths[b] :] = 1
-            input_ids, mask = input_ids.to(device), mask.to(device)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            cache = DynamicCache(config=model.config)
-            out = model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: cache},
-            )
-            if cache.get_seq_length() != width:
-                raise EngineError(
-                    f"{type(model).__name__} did not fill the KV cache passed as "
-                    f"{self._cache_kw!r}; this transformers version is not supported"
-                )
-            if capture is not None:
-                experts = capture.pop(len(rows), width)
-                for b, row in enumerate(rows):
-                    row.experts.append(experts[b, width - lengths[b] :])
-            self._decode(rows, out.logits[:, -1], mask, positions[:, -1], cache, capture)
+            self._decode(rows, capture)
         finally:
             if capture is not None:
                 capture.close()
         elapsed = time.perf_counter() - started
         return [self._output(row, elapsed) for row in rows]
 
-    def _decode(
-        self,
-        rows: list[_Row],
-        logits_BV: torch.Tensor,
-        mask: torch.Tensor,
-        last_positions: torch.Tensor,
-        cache: Any,
-        capture: ExpertCapture | None,
-    ) -> None:
-        """Sample, stop, and extend the cache one token per step until every row finished."""
+    def _prefill(
+        self, rows: list[_Row], capture: ExpertCapture | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """Forward each row's prompt and tokens so far into a new KV cache.
+
+        The sequences are left-padded; position ids count real tokens only. Routed experts are
+        recorded for the positions a row has none for yet: all of them at the first prefill,
+        only the last sampled token when a weight update forces a new one (earlier positions
+        keep the experts of the weights that forwarded them).
+
+        Returns:
+            Logits of each row's last position [B, V], the attention mask [B, W], each row's
+            last position id [B] and the cache.
+        """
+        from transformers import DynamicCache
+
         model, device = self.model, self._device
+        assert model is not None
+        sequences = [[*row.request.input_ids, *row.output_ids] for row in rows]
+        lengths = [len(s) for s in sequences]
+        width = max(lengths)
+        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, sequence in enumerate(sequences):
+            input_ids[b, width - lengths[b] :] = torch.tensor(sequence)
+            mask[b, width - lengths[b] :] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        if cache.get_seq_length() != width:
+            raise EngineError(
+                f"{type(model).__name__} did not fill the KV cache passed as "
+                f"{self._cache_kw!r}; this transformers version is not supported"
+            )
+        if capture is not None:
+            experts = capture.pop(len(rows), width)  # [B, W, layers, topk]
+            for b, row in enumerate(rows):
+                row.experts.append(experts[b, width - lengths[b] + row.recorded :])
+        return out.logits[:, -1], mask, positions[:, -1], cache
+
+    def _sampling(self, rows: list[_Row], live: list[int]) -> tuple[torch.Tensor, ...]:
+        """Temperature, top-k and top-p of the rows in the batch, one entry per slot."""
+        device = self._device
+        settings = [rows[i].request.sampling for i in live]
+        return (
+            torch.tensor([s.temperature for s in settings], device=device),
+            torch.tensor([s.top_k for s in settings], device=device),
+            torch.tensor([s.top_p for s in settings], device=device),
+        )
+
+    def _decode(self, rows: list[_Row], capture: ExpertCapture | None) -> None:
+        """Prefill, then sample, stop, and extend the cache one token per step until every row
+        finished. Each forward pass runs inside a weight-gate step, and the tokens its logits
+        draw carry the weight version in force during that pass."""
+        model, device, gate = self.model, self._device, self._gate
         live = list(range(len(rows)))  # batch slot -> row index
-        temps = torch.tensor([r.request.sampling.temperature for r in rows], device=device)
-        top_k = torch.tensor([r.request.sampling.top_k for r in rows], device=device)
-        top_p = torch.tensor([r.request.sampling.top_p for r in rows], device=device)
+        with gate.step() as epoch:
+            logits_BV, mask, last_positions, cache = self._prefill(rows, capture)
+            version = self.weight_version
+        temps, top_k, top_p = self._sampling(rows, live)
         step = 0
         while True:
             log_probs = filtered_log_probs(logits_BV, temps, top_k, top_p)
@@ -544,14 +582,8 @@ class HFEngine(Engine):
             chosen = log_probs[active].gather(1, tokens.to(device).unsqueeze(1)).squeeze(1)
             next_tokens = torch.zeros(len(live), dtype=torch.long)
             for s, token, lp in zip(active, tokens.tolist(), chosen.tolist(), strict=True):
-                row = rows[live[s]]
-                row.output_ids.append(token)
-                row.log_probs.append(lp)
+                rows[live[s]].take(token, lp, version)
                 next_tokens[s] = token
-                if token in row.stop_ids:
-                    row.finish = {"type": "stop", "matched": token}
-                elif len(row.output_ids) >= row.max_new_tokens:
-                    row.finish = {"type": "length", "length": len(row.output_ids)}
             running = [s for s, i in enumerate(live) if rows[i].finish is None]
             if not running:
                 return
@@ -565,20 +597,32 @@ class HFEngine(Engine):
                 next_tokens = next_tokens[keep.cpu()]
                 live = [live[s] for s in running]
                 running = list(range(len(live)))
-            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-            last_positions = last_positions + 1
-            out = model(
-                input_ids=next_tokens.to(device).unsqueeze(1),
-                attention_mask=mask,
-                position_ids=last_positions.unsqueeze(1),
-                use_cache=True,
-                **{self._cache_kw: cache},
-            )
-            logits_BV = out.logits[:, -1]
-            if capture is not None:
-                experts = capture.pop(len(live), 1)
-                for s in running:
-                    rows[live[s]].experts.append(experts[s])
+            with gate.step() as now:
+                if now != epoch:
+                    # The weights changed behind the gate: the cache holds keys and values of
+                    # the old ones. Forward the unfinished rows again with the new weights.
+                    live = [live[s] for s in running]
+                    logits_BV, mask, last_positions, cache = self._prefill(
+                        [rows[i] for i in live], capture
+                    )
+                    temps, top_k, top_p = self._sampling(rows, live)
+                    epoch = now
+                else:
+                    mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+                    last_positions = last_positions + 1
+                    out = model(
+                        input_ids=next_tokens.to(device).unsqueeze(1),
+                        attention_mask=mask,
+                        position_ids=last_positions.unsqueeze(1),
+                        use_cache=True,
+                        **{self._cache_kw: cache},
+                    )
+                    logits_BV = out.logits[:, -1]
+                    if capture is not None:
+                        experts = capture.pop(len(live), 1)
+                        for s in running:
+                            rows[live[s]].experts.append(experts[s])
+                version = self.weight_version
 
     def _output(self, row: _Row, elapsed: float) -> GenerateOutput:
         request = row.request
@@ -592,9 +636,11 @@ class HFEngine(Engine):
             "output_token_logprobs": [
                 [lp, token, None] for lp, token in zip(row.log_probs, row.output_ids, strict=True)
             ],
-            "weight_version": self.weight_version,
+            "weight_version": row.versions[0][1] if row.versions else self.weight_version,
             "e2e_latency": elapsed,
         }
+        if self.partial_rollouts and all(v is not None for _, v in row.versions):
+            meta["weight_versions"] = [[start, version] for start, version in row.versions]
         experts = None
         if request.wants_routed_experts:
             info = self._info
@@ -644,13 +690,8 @@ class HFEngine(Engine):
                     logits, sampling.temperature, sampling.top_k, sampling.top_p
                 )
                 token = int(sample_tokens(log_probs, [row.generator])[0])
-                row.output_ids.append(token)
-                row.log_probs.append(float(log_probs[0, token]))
+                row.take(token, float(log_probs[0, token]), self.weight_version)
                 tokens.append(token)
-                if token in row.stop_ids:
-                    row.finish = {"type": "stop", "matched": token}
-                elif len(row.output_ids) >= row.max_new_tokens:
-                    row.finish = {"type": "length", "length": len(row.output_ids)}
             if request.wants_routed_experts and self._moe_sites:
                 capture = self._capture()
                 try:
@@ -660,16 +701,6 @@ class HFEngine(Engine):
                     capture.close()
             outputs.append(self._output(row, time.perf_counter() - started))
         return outputs
-
-
-def _receive(group: Any, flat: torch.Tensor) -> None:
-    """Receive `flat` from rank 0 of `group` (blocking)."""
-    import torch.distributed as dist
-
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    options.rootTensor = 0
-    group.broadcast([flat], options).wait()
 
 
 ENGINES.add("hf", HFEngine)

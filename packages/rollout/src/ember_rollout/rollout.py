@@ -82,11 +82,13 @@ class GroupRunner(Protocol):
 class LocalGroups:
     """Generates groups on one engine in this process and turns its answers into samples.
 
-    Each sample records the weight version its engine reported (`meta_info.weight_version`);
-    plugins see every sample with the engine's meta info (`ember_process_sample`). When an
-    enabled plugin implements `ember_generate`, each group goes to it (all groups at once,
-    their engine calls batched together); its samples are checked and then treated like the
-    built-in ones.
+    Each sample records the weight version its engine reported (`meta_info.weight_version`)
+    and, from an engine that took new weights mid-generation, its response's spans by version
+    (`meta_info.weight_versions`, checked: a malformed one is an `EngineError` naming the
+    request); plugins see every sample with the engine's meta info (`ember_process_sample`).
+    When an enabled plugin implements `ember_generate`, each group goes to it (all groups at
+    once, their engine calls batched together); its samples are checked and then treated like
+    the built-in ones.
     """
 
     def __init__(self, engine: Engine, tokenizer: Any, plugins: EmberPlugins | None = None) -> None:
@@ -151,8 +153,13 @@ class LocalGroups:
                 sample.response = self.tokenizer.decode(
                     sample.tokens[sample.prompt_length :], skip_special_tokens=True
                 )
+            if sample.weight_versions is None:
+                sample.weight_versions = client.weight_versions(
+                    j, sample.tokens, sample.prompt_length
+                )
             if sample.weight_version is None:
-                sample.weight_version = client.first_version[j]
+                spans = sample.weight_versions
+                sample.weight_version = spans[0][1] if spans else client.first_version[j]
             sample.metadata = {
                 **record.metadata,
                 "source": record.source,
@@ -184,6 +191,7 @@ class LocalGroups:
             rollout_routed_experts=output.routed_experts,
             status=output.status,
             weight_version=None if version is None else str(version),
+            weight_versions=output.weight_spans(request.name),
             metadata={
                 **record.metadata,
                 "source": record.source,

@@ -1,0 +1,383 @@
+"""Weights that reach the hf engine while it generates (`rollout.partial_rollouts`): taken
+between decode steps, never half-loaded, each token drawn from and scored by the weights in
+force at its step, the samples carrying the spans; without partial rollouts a load waits for
+`generate`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from conftest import TINY
+from test_generate_plugin import INSERTED, TwoTurns
+from test_hf_engine import PROMPTS, full_forward, reference_log_probs, requests
+
+from ember_core.hookspecs import hookimpl
+from ember_core.plugins import EmberPlugins
+from ember_core.types import Sample
+from ember_rollout.config import HFEngineConfig
+from ember_rollout.data import PromptRecord
+from ember_rollout.engine import Engine, EngineError, GenerateRequest
+from ember_rollout.hf_engine import HFEngine
+from ember_rollout.rollout import LocalGroups, PromptGroup
+from ember_rollout.tokenizer import toy_tokenizer
+
+NEW = dataclasses.replace(TINY, init_seed=TINY.init_seed + 1)
+PAUSE_AT = 4
+"""The model forward held while a weight update starts (0 is the prefill, k the decode pass
+after k sampled tokens). The update must wait for it, so its logits draw token PAUSE_AT with
+the old weights, and the new ones draw from token SWITCH on."""
+SWITCH = PAUSE_AT + 1
+MAX_NEW = [12, 3, 6, 12]
+"""Row 1 finishes before the update, row 2 one token after it."""
+TEMPERATURE = 0.9
+WAIT_S = 60.0
+
+
+def engine(tiny=TINY, **kwargs: Any) -> HFEngine:
+    built = HFEngine(HFEngineConfig(dtype="float32", tiny=tiny), **kwargs)
+    built.load()
+    return built
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(old, new): fp32 engines of two seeds; the old one is what every test engine starts as."""
+    return engine(), engine(NEW)
+
+
+class HeldForward:
+    """A forward pre-hook on `model`: holds forward `at` until `release()`, and records, at the
+    start of every forward, whether the weights are all `old`, all `new`, or a mix."""
+
+    def __init__(self, model, at: int, old: dict, new: dict) -> None:
+        self.model, self.at, self.old, self.new = model, at, old, new
+        self.count = 0
+        self.seen: list[str] = []
+        self.inside, self._go = threading.Event(), threading.Event()
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _state(self) -> str:
+        state = self.model.state_dict()
+        for label, wanted in (("old", self.old), ("new", self.new)):
+            if all(torch.equal(state[k], v) for k, v in wanted.items()):
+                return label
+        return "mixed"
+
+    def _hook(self, module, args) -> None:
+        self.seen.append(self._state())
+        if self.count == self.at:
+            self.inside.set()
+            assert self._go.wait(WAIT_S), "the test never released the held forward"
+        self.count += 1
+
+    def release(self) -> None:
+        self._go.set()
+
+    def close(self) -> None:
+        self._go.set()
+        self._handle.remove()
+
+
+def push_while_held(target: HFEngine, held: HeldForward, version: str) -> list[str]:
+    """Once the decoder is inside the held forward: open a session (which must wait for that
+    forward), load `held.new` in three buckets with pauses between them (time for a decoder
+    that does not wait to run on half-loaded weights), close it. Returns what happened, in
+    order. Runs on the test's thread, with event loops of its own, as the engine actor's weight
+    thread does."""
+    events: list[str] = []
+    assert held.inside.wait(WAIT_S), "generation never reached the held forward"
+    opened = threading.Event()
+
+    def begin() -> None:
+        asyncio.run(target.begin_weight_update())
+        events.append("session open")
+        opened.set()
+
+    opener = threading.Thread(target=begin)
+    opener.start()
+    time.sleep(0.3)
+    if not opened.is_set():
+        events.append("decode step still running")
+    held.release()
+    opener.join(WAIT_S)
+    named = list(held.new.items())
+    size = -(-len(named) // 3)
+
+    async def load() -> None:
+        for start in range(0, len(named), size):
+            last = start + size >= len(named)
+            await target.update_weights_from_tensors(
+                named[start : start + size], weight_version=version if last else None, partial=True
+            )
+            assert target.weight_version == "0", "served before the session closed"
+            await asyncio.sleep(0.05)
+        await target.end_weight_update()
+
+    asyncio.run(load())
+    events.append("session closed")
+    return events
+
+
+def in_thread(function, *args: Any) -> tuple[threading.Thread, dict]:
+    """Start `function(*args)` on a thread; its result (or error) lands in the dict."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = function(*args)
+        except BaseException as exc:  # re-raised by `joined`
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def joined(thread: threading.Thread, result: dict) -> Any:
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "generation hung"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def update_mid_generation(models, generate, reqs):
+    """A partial-rollouts engine serving the old weights as version "0" runs `generate(engine,
+    reqs)` on a thread; the new weights arrive as version "1" while forward PAUSE_AT is held.
+    Returns (engine, held, events, what `generate` returned)."""
+    _, new_ref = models
+    target = engine(partial_rollouts=True)
+    target.weight_version = "0"
+    held = HeldForward(target.model, PAUSE_AT, weights(target.model), weights(new_ref.model))
+    try:
+        thread, result = in_thread(generate, target, reqs)
+        events = push_while_held(target, held, "1")
+        value = joined(thread, result)
+    finally:
+        held.close()
+    return target, held, events, value
+
+
+def staggered_requests() -> list[GenerateRequest]:
+    reqs = requests(TEMPERATURE, max_new_tokens=max(MAX_NEW), ignore_eos=True, routed=True, seed=3)
+    for request, n in zip(reqs, MAX_NEW, strict=True):
+        request.sampling.max_new_tokens = n
+    return reqs
+
+
+def top_experts(router_logits) -> list[torch.Tensor]:
+    return [torch.topk(r, TINY.num_experts_per_tok, dim=-1).indices.int() for r in router_logits]
+
+
+def test_weights_loaded_mid_generation_switch_the_policy_between_decode_steps(models):
+    old_ref, new_ref = models
+    target, held, events, outputs = update_mid_generation(
+        models, HFEngine.generate_sync, staggered_requests()
+    )
+    # The session opened only once the decode step in flight had ended; no forward ran on a
+    # half-loaded model; the old weights ran the prefill and passes 1 .. PAUSE_AT, the new ones
+    # every pass after.
+    assert events == ["decode step still running", "session open", "session closed"]
+    new_passes = len(held.seen) - SWITCH
+    assert new_passes > 0 and held.seen == ["old"] * SWITCH + ["new"] * new_passes
+    assert target.weight_version == "1"
+
+    moe_layers = target.model_info.moe_layers
+    gaps, rerouted = [], 0
+    for ids, out, n in zip(PROMPTS, outputs, MAX_NEW, strict=True):
+        assert len(out.output_ids) == n
+        spans = [[0, "0"]] if n <= SWITCH else [[0, "0"], [SWITCH, "1"]]
+        assert out.meta_info["weight_versions"] == spans
+        assert out.meta_info["weight_version"] == "0"
+        tokens = ids + out.output_ids
+        # Position p predicts token p + 1: the weights in force when token p + 1 was drawn
+        # forwarded it, the old ones up to position `boundary` - 1, the new ones from there.
+        boundary = len(ids) - 1 + SWITCH
+        old_logits, old_router = full_forward(old_ref, tokens[:-1])
+        new_logits, new_router = full_forward(new_ref, tokens[:-1])
+        for i, (token, lp) in enumerate(zip(out.output_ids, out.output_log_probs, strict=True)):
+            p = len(ids) - 1 + i
+            mine, other = (old_logits, new_logits) if p < boundary else (new_logits, old_logits)
+            # The distribution the token was drawn from, over the whole prefix without a cache.
+            # fp32, same model code: batched cached passes differ from one uncached pass by
+            # summation order only (test_hf_engine's bound).
+            drawn_from = reference_log_probs(mine[p], TEMPERATURE, -1, 1.0)
+            assert lp == pytest.approx(drawn_from[token], abs=1e-5)
+            gaps.append(abs(reference_log_probs(other[p], TEMPERATURE, -1, 1.0)[token] - lp))
+        for layer, old_top, new_top in zip(
+            moe_layers, top_experts(old_router), top_experts(new_router), strict=True
+        ):
+            got = out.routed_experts[:, layer]
+            assert torch.equal(got[:boundary], old_top[:boundary]), layer
+            assert torch.equal(got[boundary:], new_top[boundary:]), layer
+            rerouted += int((old_top[boundary:] != new_top[boundary:]).any(-1).sum())
+    # The checks tell the versions apart: the other version's log-probs and routing differ.
+    assert max(gaps) > 0.05 and rerouted > 0, (max(gaps), rerouted)
+
+
+def test_without_partial_rollouts_a_weight_load_waits_for_generate(models):
+    old_ref, new_ref = models
+    target = engine()
+    target.weight_version = "0"
+    new = weights(new_ref.model)
+    held = HeldForward(target.model, PAUSE_AT, weights(target.model), new)
+    reqs = staggered_requests()
+
+    async def scenario():
+        generation = asyncio.create_task(target.generate(reqs))
+        assert await asyncio.to_thread(held.inside.wait, WAIT_S)
+        load = asyncio.create_task(
+            target.update_weights_from_tensors(list(new.items()), weight_version="1")
+        )
+        await asyncio.sleep(0.3)
+        waited = not load.done()
+        held.release()
+        outputs = await generation
+        await load
+        return waited, outputs
+
+    try:
+        waited, outputs = asyncio.run(scenario())
+    finally:
+        held.close()
+    assert waited, "the load ran while generate was decoding"
+    assert set(held.seen) == {"old"} and target.weight_version == "1"
+    assert all(torch.equal(v, new[k]) for k, v in target.model.state_dict().items())
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        assert out.meta_info["weight_version"] == "0" and "weight_versions" not in out.meta_info
+        logits, _ = full_forward(old_ref, ids + out.output_ids, router_logits=False)
+        for i, (token, lp) in enumerate(zip(out.output_ids, out.output_log_probs, strict=True)):
+            allowed = reference_log_probs(logits[len(ids) - 1 + i], TEMPERATURE, -1, 1.0)
+            assert lp == pytest.approx(allowed[token], abs=1e-5)
+
+
+# -- samples ------------------------------------------------------------------------------------
+
+
+def prompt_group(reqs: list[GenerateRequest]) -> PromptGroup:
+    return PromptGroup(
+        record=PromptRecord(prompt="p", source="test:0"),
+        prompt_ids=list(reqs[0].input_ids),
+        requests=reqs,
+        index=0,
+    )
+
+
+def samples_of(target: Engine, reqs, *plugins: object) -> list[Sample]:
+    host = None
+    if plugins:
+        host = EmberPlugins()
+        for k, plugin in enumerate(plugins):
+            host.register(plugin, f"p{k}")
+    groups = LocalGroups(target, toy_tokenizer(), host)
+    (samples,) = asyncio.run(groups.generate_groups([prompt_group(reqs)]))
+    return samples
+
+
+def test_samples_carry_the_spans_of_a_single_call_and_of_a_plugins_calls(models):
+    reqs = requests(max_new_tokens=12, ignore_eos=True)[:1]
+    _, _, _, (sample,) = update_mid_generation(models, samples_of, reqs)
+    assert sample.weight_versions == [(0, "0"), (SWITCH, "1")] and sample.weight_version == "0"
+
+    # Two engine calls with tokens inserted between them. Forwards: call 1 is the prefill and
+    # the passes after tokens 1 and 2 (it stops at 3); call 2 is the prefill (3), then the
+    # held pass 4 after its first token, whose logits draw its second; the new weights draw
+    # its third token on, at response position 3 + len(INSERTED) + 2.
+    def two_turns(target, reqs):
+        return samples_of(target, reqs, TwoTurns(first_turn=3))
+
+    _, _, _, (sample,) = update_mid_generation(models, two_turns, reqs)
+    assert sample.weight_versions == [(0, "0"), (3 + len(INSERTED) + 2, "1")]
+    assert sample.weight_version == "0" and sample.metadata["engine_calls"] == 2
+
+    # Without partial rollouts the engine reports no spans: every token is `weight_version`'s.
+    (plain,) = samples_of(models[0], reqs)
+    assert plain.weight_versions is None
+
+
+class RewritesItsCall:
+    """One engine call, whose first response token the sample replaces."""
+
+    @hookimpl
+    async def ember_generate(self, client, prompt_ids, sampling):
+        out = await client.generate(prompt_ids, sample=0)
+        first = 3 if out.output_ids[0] != 3 else 4
+        return [
+            Sample(
+                tokens=[*prompt_ids, first, *out.output_ids[1:]],
+                response_length=len(out.output_ids),
+                rollout_log_probs=list(out.output_log_probs),
+                status=out.status,
+            )
+        ]
+
+
+def test_a_plugin_that_rewrites_a_calls_output_across_versions_must_give_the_spans(models):
+    def rewrites(target, reqs):
+        return samples_of(target, reqs, RewritesItsCall())
+
+    with pytest.raises(
+        ValueError,
+        match=r"^sample 0: its engine calls were generated by weight "
+        r"versions \['0', '1'\], and call 0's output is not at response position 0",
+    ):
+        update_mid_generation(models, rewrites, requests(max_new_tokens=12, ignore_eos=True)[:1])
+
+
+class EditedSpans(Engine):
+    """The real engine, each answer's `meta_info["weight_versions"]` replaced by `spans`."""
+
+    kind = "hf"
+
+    def __init__(self, inner: HFEngine, spans: Any) -> None:
+        self.inner, self.spans = inner, spans
+
+    @property
+    def model_info(self):
+        return self.inner.model_info
+
+    async def generate(self, requests):
+        outputs = await self.inner.generate(requests)
+        for out in outputs:
+            out.meta_info["weight_version"] = "0"
+            out.meta_info["weight_versions"] = self.spans
+        return outputs
+
+    async def update_weights_from_tensors(self, named_tensors, *, weight_version=None):
+        raise NotImplementedError
+
+    async def update_weights_from_disk(self, path, *, weight_version=None):
+        raise NotImplementedError
+
+    async def health(self):
+        return True
+
+    async def shutdown(self):
+        return None
+
+
+@pytest.mark.parametrize(
+    ("spans", "message"),
+    [
+        ([[1, "0"]], "indices ascending from 0"),
+        ([[0, "0"], [0, "1"]], "indices ascending from 0"),
+        ([[0, "0"], [10, "1"]], "below the response length 10"),
+        ([[0, 0]], r"pairs \(int, str\)"),
+        ("0", r"pairs \(int, str\)"),
+        ([[0, "7"]], r"\['weight_version'\]='0' is not the first span's version"),
+    ],
+)
+def test_malformed_spans_from_an_engine_are_refused_naming_the_request(models, spans, message):
+    reqs = requests(max_new_tokens=10, ignore_eos=True)[:1]
+    with pytest.raises(EngineError, match=rf"^sample 0: meta_info.*{message}"):
+        samples_of(EditedSpans(models[0], spans), reqs)
