@@ -291,3 +291,37 @@ def test_r3_with_two_rollouts_ahead_replays_every_rollouts_own_experts(tmp_path)
         assert versions == {expected}
     steps = records(tmp_path, "train")
     assert len(steps) == 8 and all(s["train/replay_agreement"] == 1.0 for s in steps)
+
+
+def test_r3_with_partial_rollouts_keeps_the_bound_and_replays_exactly(tmp_path):
+    """Partial rollouts on real Ray under R3: the push lands while rollouts ahead generate, no
+    sample is older than the bound when trained, spans of versions ascend within each sample,
+    and every training step still replays exactly the experts the engine chose (recorded by
+    the version that generated each token)."""
+    run = ember(
+        "--plugins", "r3_routing",
+        "--set", "rollout.max_staleness=2",
+        "--set", "rollout.partial_rollouts=true",
+        "--set", "rollout.rollout_batch_size=8",
+        "--set", "run.num_rollouts=5",
+        "--set", "run.save_interval=0",
+        "--set", "run.dump_rollouts=true",
+        run_dir=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rollouts = records(tmp_path, "rollout")
+    assert [r["rollout_id"] for r in rollouts] == list(range(5))
+    assert all(r["rollout/staleness_max"] <= 2 for r in rollouts)
+    for rollout_id, r in enumerate(rollouts):
+        dump = tmp_path / "rollouts" / f"{rollout_id:06d}.jsonl"
+        spans = 0
+        for line in dump.read_text().splitlines():
+            sample = json.loads(line)
+            versions = sample["weight_versions"] or [[0, sample["weight_version"]]]
+            assert versions[0] == [0, sample["weight_version"]]
+            numbers = [int(v) for _, v in versions]
+            assert numbers == sorted(set(numbers)) and rollout_id - 1 - numbers[0] <= 2
+            spans += len(versions) > 1
+        assert r["rollout/multi_version_samples"] == spans / r["rollout/num_samples"]
+    steps = records(tmp_path, "train")
+    assert len(steps) == 10 and all(s["train/replay_agreement"] == 1.0 for s in steps)
