@@ -302,7 +302,10 @@ def test_r3_with_partial_rollouts_keeps_the_bound_and_replays_exactly(tmp_path):
         "--plugins", "r3_routing",
         "--set", "rollout.max_staleness=2",
         "--set", "rollout.partial_rollouts=true",
-        "--set", "rollout.rollout_batch_size=8",
+        # One request at a time: generating two rollouts ahead then outlasts a training
+        # iteration on this model, so pushes usually land mid-request (one sample per rollout,
+        # measured on a 2-core AMD EPYC); the engine tests fix that timing exactly.
+        "--set", "engine.hf.max_batch_size=1",
         "--set", "run.num_rollouts=5",
         "--set", "run.save_interval=0",
         "--set", "run.dump_rollouts=true",
