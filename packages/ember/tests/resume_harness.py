@@ -37,6 +37,7 @@ from typing import Any
 import ray.util
 
 import ember.actors
+import ember.checkpoints
 import ember.cli
 import ember.driver
 import ember.placement
@@ -193,12 +194,12 @@ def _arm(kill: str) -> None:
     assert point in POINTS and rollout.isdigit(), kill
     rollout_id = int(rollout)
     if point == "checkpoint":
-        final_name = ember.driver.checkpoint_name(rollout_id)
+        final_name = ember.checkpoints.checkpoint_name(rollout_id)
         real = ember_megatron_backend.checkpoint.replace_dir
 
         def replace_dir(staging: Path, final: Path) -> None:
             # The driver's publishing rename (the training ranks' own renames go elsewhere).
-            if final.name == final_name and final.parent.name == ember.driver.CHECKPOINTS:
+            if final.name == final_name and final.parent.name == ember.checkpoints.CHECKPOINTS:
                 _die()
             real(staging, final)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.driver import PENDING_ROLLOUTS, complete_checkpoints
+from ember.checkpoints import PENDING_ROLLOUTS, complete_checkpoints
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ember import processes
-from ember.driver import complete_checkpoints
+from ember.checkpoints import complete_checkpoints
 
 pytestmark = pytest.mark.slow
 

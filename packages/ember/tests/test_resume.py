@@ -13,9 +13,10 @@ import pytest
 import ray
 
 import ember.driver
+from ember.checkpoints import truncate_metrics
 from ember.cli import main
 from ember.config import load_config, write_resolved
-from ember.driver import Actors, Driver, _truncate_metrics
+from ember.driver import Actors, Driver
 from ember.metrics import read_metrics
 
 
@@ -169,11 +170,11 @@ def test_resume_drops_the_records_after_the_checkpoint_and_a_torn_last_line(tmp_
     lines = rows(4)
     path.write_text("".join(f"{line}\n" for line in lines) + '{"kind": "rollout", "rollout_i')
     seen = Messages()
-    logging.getLogger("ember.driver").addHandler(seen)
+    logging.getLogger("ember.checkpoints").addHandler(seen)
     try:
-        _truncate_metrics(tmp_path, 1)
+        truncate_metrics(tmp_path, 1)
     finally:
-        logging.getLogger("ember.driver").removeHandler(seen)
+        logging.getLogger("ember.checkpoints").removeHandler(seen)
     assert path.read_text() == "".join(f"{line}\n" for line in lines[:6])  # rollouts 0 and 1
     (warning,) = seen.messages
     assert warning.startswith(f"{path}:13: dropped a record cut off by the kill")
@@ -183,7 +184,7 @@ def test_a_complete_last_record_without_its_newline_is_kept(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = rows(2)
     path.write_text("\n".join(lines))  # a kill between the record and its newline
-    _truncate_metrics(tmp_path, 1)
+    truncate_metrics(tmp_path, 1)
     assert path.read_text() == "".join(f"{line}\n" for line in lines)
 
 
@@ -203,7 +204,7 @@ def test_a_damaged_line_before_the_last_stops_the_resume(tmp_path, bad, why):
     path.write_text("".join(f"{line}\n" for line in lines))
     before = path.read_bytes()
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:5: .*{why}"):
-        _truncate_metrics(tmp_path, 1)
+        truncate_metrics(tmp_path, 1)
     assert path.read_bytes() == before
 
 

@@ -12,14 +12,9 @@ import pytest
 import yaml
 
 from ember.config import RaySection, load_config
-from ember.driver import (
-    actor_threads,
-    beyond_bound,
-    staleness,
-    staleness_metrics,
-    summary_line,
-)
+from ember.driver import actor_threads, summary_line
 from ember.rollout_manager import assign_groups
+from ember.versions import beyond_bound, staleness, staleness_metrics
 from ember_core.types import Sample
 
 # --------------------------------------------------------------------------------------------

@@ -427,7 +427,7 @@ class RolloutEngine:
         mark_process_start("engine", "actor created")
         _prepare_process(threads)
         from ember.config import load_config
-        from ember.driver import INITIAL_WEIGHT_VERSION
+        from ember.versions import INITIAL_WEIGHT_VERSION
 
         self.config, self.plugins = load_config(config)
         engine_config = self.config.engine
@@ -470,7 +470,7 @@ class RolloutEngine:
         servers launch from it or are attached."""
         if self.engine is not None:
             return
-        from ember.driver import INITIAL_WEIGHT_VERSION
+        from ember.versions import INITIAL_WEIGHT_VERSION
         from ember_rollout import LocalGroups, build_engine
         from ember_rollout.tokenizer import load_tokenizer
 

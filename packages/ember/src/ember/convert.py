@@ -67,7 +67,7 @@ def training_checkpoint(src: Path) -> tuple[Path, Path | None]:
     `src` is a training checkpoint itself, a run's checkpoint (`rollout_NNNNNN`, whose
     training state lives in `train/`), or a run directory (its newest complete checkpoint).
     """
-    from ember.driver import latest_checkpoint
+    from ember.checkpoints import latest_checkpoint
 
     if (src / "checkpoints").is_dir():
         newest = latest_checkpoint(src)

@@ -7,10 +7,8 @@ import logging
 import os
 import pickle
 import shutil
-import statistics
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,32 +17,39 @@ import ray
 from tqdm import tqdm
 
 from ember import RAY_ENV, processes
+from ember.checkpoints import (
+    CHECKPOINTS,
+    DRIVER_STATE,
+    PENDING_ROLLOUTS,
+    check_unused,
+    checkpoint_name,
+    complete_checkpoints,
+    driver_state,
+    pending_rollouts,
+    resume_checkpoint,
+    rollout_state,
+    truncate_metrics,
+)
 from ember.config import RunConfig, default_run_dir, write_resolved
-from ember.metrics import METRICS_FILE, MetricsLogger, metrics_lines
+from ember.metrics import MetricsLogger
 from ember.placement import MemoryHandoff, Placement
 from ember.quiet import VERBOSE_ENV, verbose
 from ember.startup import mark
+from ember.versions import (
+    INITIAL_WEIGHT_VERSION,
+    beyond_bound,
+    staleness_metrics,
+)
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
 from ember_rollout.rollout import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-DRIVER_STATE = "driver.json"
-PENDING_ROLLOUTS = "pending_rollouts.pkl"
-"""Checkpoint file of a run with `rollout.max_staleness` >= 1: the rollouts generated ahead
-before the checkpoint was written ({rollout id: RolloutBatch}), which a resumed run trains on
-instead of generating them again."""
-PENDING_ROLLOUT = "pending_rollout.pkl"
-"""The same for checkpoints of earlier versions: rollout id + 1 alone (read, never written)."""
 HF_INIT = "hf_init"
 """Run subdirectory with the trainer's initial weights as an HF checkpoint (and the tokenizer)."""
 PUSHED_WEIGHTS = "pushed_weights"
 """Run subdirectory of the HF checkpoints the engines load weights from (disk transport)."""
-INITIAL_WEIGHT_VERSION = "-1"
-"""Weight version of the initial weights; after training rollout i the version is str(i)."""
 
 
 def weight_transport(config: RunConfig) -> str:
@@ -54,75 +59,6 @@ def weight_transport(config: RunConfig) -> str:
     from ember.config import weight_transport as resolve
 
     return resolve(config)
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoints: <run>/checkpoints/rollout_000009/{train/, driver.json}, `latest` names the newest
-# --------------------------------------------------------------------------------------------
-
-
-def checkpoint_name(rollout_id: int) -> str:
-    return f"rollout_{rollout_id:06d}"
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a directory is complete once it has its final name)."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("rollout_*") if (p / DRIVER_STATE).is_file())
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def resume_checkpoint(run_dir: Path) -> Path:
-    """The checkpoint a resumed run continues from: the newest complete one. Reads files only,
-    so it fails before Ray starts.
-
-    Raises:
-        ValueError: The directory holds no complete checkpoint, or its rollout state is one
-            this version cannot continue.
-    """
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise ValueError(
-            f"{run_dir}: no complete checkpoint to resume from (no {CHECKPOINTS}/rollout_*/"
-            f"{DRIVER_STATE}); to start the run over, give its config.yaml a new run.dir"
-        )
-    _rollout_state(checkpoint, _driver_state(checkpoint))
-    return checkpoint
-
-
-def _driver_state(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / DRIVER_STATE).read_text())
-
-
-def _rollout_state(checkpoint: Path, state: dict[str, Any]) -> dict[str, Any]:
-    """The rollout manager's saved state (the prompt stream, held once per run)."""
-    if "rollout" in state:
-        return state["rollout"]
-    # Checkpoints of one engine that owned its own prompt stream hold the same state.
-    engines = state.get("engines")
-    if isinstance(engines, list) and len(engines) == 1:
-        return engines[0]
-    raise ValueError(
-        f"{checkpoint / DRIVER_STATE}: no rollout state to resume from (expected a 'rollout' "
-        f"entry, or the 'engines' list of a single-engine run; found {sorted(state)})"
-    )
-
-
-def _check_unused(run_dir: Path) -> None:
-    """Refuse to start a run afresh where one already logged metrics or saved checkpoints, so
-    that no rollout is logged twice and no other run's checkpoint is resumed by mistake."""
-    metrics = Path(run_dir) / METRICS_FILE
-    if (metrics.is_file() and metrics.stat().st_size) or complete_checkpoints(run_dir):
-        raise ValueError(
-            f"run.dir {run_dir} already holds a run (metrics or checkpoints); continue it with "
-            f"`ember train --resume {run_dir}` or choose another run.dir"
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,61 +89,6 @@ def actor_threads(ray_cfg: Any, *, overlap: bool, cores: int) -> tuple[int, int]
         shared = max(1, cores // (ranks + engines))
         return shared, shared
     return max(1, cores // ranks), max(1, cores // engines)
-
-
-def sample_version(sample: Sample) -> int:
-    """The oldest weight version a sample's tokens came from (`Sample.weight_version`, the
-    first span's under partial rollouts).
-
-    Raises:
-        ValueError: A weight version that is not an integer, naming the sample.
-    """
-    try:
-        return int(sample.weight_version)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"sample {sample.index} (group {sample.group_index}): weight_version="
-            f"{sample.weight_version!r}; every engine must report the version it serves "
-            f"(meta_info.weight_version: {INITIAL_WEIGHT_VERSION} for the initial weights, "
-            "then the rollout id of each push)"
-        ) from None
-
-
-def staleness(samples: Sequence[Sample], trainer_version: int) -> float:
-    """Mean over samples of the trainer's weight version minus the sample's oldest
-    (`rollout/staleness`): 0 when every sample came from the weights being trained.
-
-    Raises:
-        ValueError: A sample whose weight version is not an integer, naming it.
-    """
-    gaps = [trainer_version - sample_version(s) for s in samples]
-    return float(statistics.fmean(gaps)) if gaps else 0.0
-
-
-def staleness_metrics(
-    samples: Sequence[Sample], trainer_version: int, max_staleness: int
-) -> dict[str, float]:
-    """The rollout's staleness: its mean (`rollout/staleness`), its largest value, a
-    histogram (`rollout/staleness_<g>`: the fraction of samples g versions old, for every g
-    from 0 to `max_staleness`) and, under partial rollouts, the fraction of samples whose
-    response spans several versions (`rollout/multi_version_samples`)."""
-    gaps = [trainer_version - sample_version(s) for s in samples]
-    n = max(len(gaps), 1)
-    metrics = {
-        "rollout/staleness": float(statistics.fmean(gaps)) if gaps else 0.0,
-        "rollout/staleness_max": float(max(gaps, default=0)),
-    }
-    for g in range(max_staleness + 1):
-        metrics[f"rollout/staleness_{g}"] = sum(gap == g for gap in gaps) / n
-    spans = [len(s.weight_versions or ()) > 1 for s in samples]
-    metrics["rollout/multi_version_samples"] = sum(spans) / n
-    return metrics
-
-
-def beyond_bound(samples: Sequence[Sample], rollout_id: int, max_staleness: int) -> int:
-    """How many samples of rollout `rollout_id` are staler than `max_staleness` would be when
-    the rollout is trained (by the trainer holding version `rollout_id - 1`)."""
-    return sum(rollout_id - 1 - sample_version(s) > max_staleness for s in samples)
 
 
 def split_by_rank(samples: list[Sample], n_per_prompt: int, ranks: int) -> list[list[Sample]]:
@@ -326,9 +207,9 @@ class Driver:
             for rank in range(ray_cfg.data_parallel)
         ]
         engines = [
-            engine_actor(cfg).options(**placement.engine_options(j)).remote(
-                resolved, model_path=str(model_dir), threads=engine_threads
-            )
+            engine_actor(cfg)
+            .options(**placement.engine_options(j))
+            .remote(resolved, model_path=str(model_dir), threads=engine_threads)
             for j in range(ray_cfg.num_engines)
         ]
         manager = RolloutManager.options(**placement.manager_options()).remote(
@@ -637,15 +518,15 @@ class Driver:
         again if it is staler than this run's `rollout.max_staleness`).
         """
         assert self.actors is not None
-        state = _driver_state(checkpoint)
-        rollout_state = _rollout_state(checkpoint, state)
+        state = driver_state(checkpoint)
+        stream = rollout_state(checkpoint, state)
         self.handoff.to_training()  # the trainer loads into its own memory
         ray.get([t.load.remote(str(checkpoint / "train")) for t in self.actors.train])
-        ray.get(self.actors.manager.load_state_dict.remote(rollout_state))
+        ray.get(self.actors.manager.load_state_dict.remote(stream))
         self._pending.clear()
-        self._pending.update(_pending_rollouts(checkpoint, state["rollout_id"]))
+        self._pending.update(pending_rollouts(checkpoint, state["rollout_id"]))
         self.handoff.after_training(lambda: self.push_weights(state["rollout_id"]))
-        _truncate_metrics(self.run_dir, state["rollout_id"])
+        truncate_metrics(self.run_dir, state["rollout_id"])
         return state["rollout_id"] + 1, state["accumulated_step"]
 
     # -- run ---------------------------------------------------------------------------------
@@ -664,7 +545,7 @@ class Driver:
         if resume:
             checkpoint: Path | None = resume_checkpoint(self.run_dir)
         else:
-            _check_unused(self.run_dir)
+            check_unused(self.run_dir)
             checkpoint = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_resolved(cfg, self.run_dir)
@@ -818,48 +699,6 @@ def _end_sessions(engines: list[Any], *, quiet: bool = False) -> None:
         raise errors[0]
 
 
-def _pending_rollouts(checkpoint: Path, rollout_id: int) -> dict[int, RolloutBatch]:
-    """The rollouts a checkpoint holds generated ahead of rollout `rollout_id`, by id
-    (`PENDING_ROLLOUTS`, or an earlier version's `PENDING_ROLLOUT`)."""
-    # Both files are written by the run's own `save`, in the run's own directory.
-    path = checkpoint / PENDING_ROLLOUTS
-    if path.is_file():
-        with path.open("rb") as handle:
-            return dict(pickle.load(handle))
-    path = checkpoint / PENDING_ROLLOUT
-    if path.is_file():
-        with path.open("rb") as handle:
-            return {rollout_id + 1: pickle.load(handle)}
-    return {}
-
-
 def _init_complete(model_dir: Path) -> bool:
     """Whether the export of the initial weights finished, tokenizer included (saved last)."""
     return all((model_dir / name).is_file() for name in ("config.json", "tokenizer_config.json"))
-
-
-def _truncate_metrics(run_dir: Path, last_rollout: int) -> None:
-    """Drop the records logged after the checkpoint of `last_rollout`, which the resumed run
-    logs again, so that the file holds every rollout once.
-
-    A last line cut off by the kill is dropped with a warning; any other damaged line stops the
-    resume with `FILE:LINE` (`metrics_lines`), since dropping it would lose a record silently.
-    """
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return
-    kept = []
-    for number, text, record in metrics_lines(path):
-        if record is None:
-            logger.warning("%s:%d: dropped a record cut off by the kill: %.60s", path, number, text)
-            continue
-        rollout_id = record.get("rollout_id")
-        if isinstance(rollout_id, bool) or not isinstance(rollout_id, int):
-            raise ValueError(
-                f"{path}:{number}: rollout_id={rollout_id!r}, expected an integer in every record"
-            )
-        if rollout_id <= last_rollout:
-            kept.append(text)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    os.replace(tmp, path)
