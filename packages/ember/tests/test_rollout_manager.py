@@ -359,3 +359,52 @@ def test_bad_staleness_settings_get_one_line_naming_them(overrides, start):
     message = str(info.value)
     assert message.startswith(start), message
     assert "\n" not in message
+
+
+class _Audits:
+    """The plugins facade as far as `Driver._start_ahead` asks it: which rollouts are audits."""
+
+    def __init__(self, audited: set[int]) -> None:
+        self.audited = audited
+
+    def audit_rollout(self, rollout_id: int) -> bool:
+        return rollout_id in self.audited
+
+
+@pytest.mark.parametrize(
+    ("k", "audited", "started"),
+    [
+        (0, set(), {0: [], 1: [], 2: []}),
+        (1, set(), {0: [1], 1: [2], 2: [3]}),
+        (3, set(), {0: [1, 2, 3], 1: [4], 2: [5]}),
+        # An audit generates in its own iteration from the trainer's weights: nothing starts
+        # into it or past it until then.
+        (3, {2}, {0: [1], 1: [], 2: [3, 4, 5]}),
+        (2, {5}, {0: [1, 2], 1: [3], 2: [4]}),
+    ],
+)
+def test_the_driver_starts_up_to_k_rollouts_ahead_and_none_into_an_audit(
+    tmp_path, k, audited, started
+):
+    from ember.driver import Actors, Driver
+
+    config, _ = load_config(
+        "default", overrides=[f"rollout.max_staleness={k}", f"run.dir={tmp_path}"]
+    )
+    driver = Driver(config, tmp_path, plugins=_Audits(audited))
+    calls: list[int] = []
+
+    class Manager:
+        class generate:  # noqa: N801 - stands in for a Ray method
+            @staticmethod
+            def remote(rollout_id: int) -> str:
+                calls.append(rollout_id)
+                return f"ref {rollout_id}"
+
+    driver.actors = Actors(train=[], engines=[], manager=Manager())
+    for rollout_id, expected in started.items():
+        driver._start(rollout_id)  # as `_take` does, unless started ahead
+        driver._pending.pop(rollout_id)
+        calls.clear()
+        driver._start_ahead(rollout_id)
+        assert calls == expected, rollout_id
