@@ -344,7 +344,8 @@ def ember_audit_rollout(rollout_id: int) -> bool | None:
     it (with `rollout.max_staleness` >= 1, it is generated after the previous iteration's
     weights reach the engines, so engine and trainer hold the same weights), and the backend
     scores it with the actor's own forward even under `algorithm.use_rollout_log_probs`, takes
-    those log-probs as the old policy's, and logs `rollout/audit` = 1 with the metrics that compare them with the engine's.
+    those log-probs as the old policy's, and logs `rollout/audit` = 1 with the metrics that
+    compare them with the engine's.
     Both the driver's process and every training rank ask, so the answer must depend on the
     rollout id and the run config only.
 
