@@ -23,7 +23,9 @@ What the real server checks, the fakes check, in its answer format:
   (a busy release, a tag released twice, a resume of memory not released, generation or weight
   loads into released memory): the fakes refuse those in sglang's error format.
 - `meta_info.weight_version`: the launch version ("default", or `--weight-version`) until an
-  update that names a version succeeds.
+  update that names a version succeeds; `meta_info.weight_versions` with it, one span
+  {"version", "start": 0, "end": completion_tokens} (srt/utils/weight_versions.py: a request
+  that no update overlapped).
 """
 
 from __future__ import annotations
@@ -517,6 +519,9 @@ def sglang_answer(body, *, finish="length", experts_rows=None, weight_version="d
         else {"type": "stop", "matched": tokens[-1]},
         "prompt_tokens": len(body["input_ids"]),
         "weight_version": weight_version,
+        # sglang reports the spans by weight version of every finished request; with no
+        # update while it ran, one span over the whole response.
+        "weight_versions": [{"version": weight_version, "start": 0, "end": n}],
         "completion_tokens": n,
         "cached_tokens": 0,
         "e2e_latency": 0.01,

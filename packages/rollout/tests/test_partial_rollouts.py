@@ -196,9 +196,16 @@ def test_weights_loaded_mid_generation_switch_the_policy_between_decode_steps(mo
     gaps, rerouted = [], 0
     for ids, out, n in zip(PROMPTS, outputs, MAX_NEW, strict=True):
         assert len(out.output_ids) == n
-        spans = [[0, "0"]] if n <= SWITCH else [[0, "0"], [SWITCH, "1"]]
+        # SGLang's layout: contiguous spans to the response's end, `weight_version` the last.
+        if n <= SWITCH:
+            spans = [{"version": "0", "start": 0, "end": n}]
+        else:
+            spans = [
+                {"version": "0", "start": 0, "end": SWITCH},
+                {"version": "1", "start": SWITCH, "end": n},
+            ]
         assert out.meta_info["weight_versions"] == spans
-        assert out.meta_info["weight_version"] == "0"
+        assert out.meta_info["weight_version"] == spans[-1]["version"]
         tokens = ids + out.output_ids
         # Position p predicts token p + 1: the weights in force when token p + 1 was drawn
         # forwarded it, the old ones up to position `boundary` - 1, the new ones from there.
@@ -254,7 +261,9 @@ def test_without_partial_rollouts_a_weight_load_waits_for_generate(models):
     assert set(held.seen) == {"old"} and target.weight_version == "1"
     assert all(torch.equal(v, new[k]) for k, v in target.model.state_dict().items())
     for ids, out in zip(PROMPTS, outputs, strict=True):
-        assert out.meta_info["weight_version"] == "0" and "weight_versions" not in out.meta_info
+        assert out.meta_info["weight_version"] == "0"
+        n = len(out.output_ids)
+        assert out.meta_info["weight_versions"] == [{"version": "0", "start": 0, "end": n}]
         logits, _ = full_forward(old_ref, ids + out.output_ids, router_logits=False)
         for i, (token, lp) in enumerate(zip(out.output_ids, out.output_log_probs, strict=True)):
             allowed = reference_log_probs(logits[len(ids) - 1 + i], TEMPERATURE, -1, 1.0)
@@ -334,6 +343,10 @@ def test_a_plugin_that_rewrites_a_calls_output_across_versions_must_give_the_spa
         update_mid_generation(models, rewrites, requests(max_new_tokens=12, ignore_eos=True)[:1])
 
 
+def span(version: Any, start: Any, end: Any) -> dict[str, Any]:
+    return {"version": version, "start": start, "end": end}
+
+
 class EditedSpans(Engine):
     """The real engine, each answer's `meta_info["weight_versions"]` replaced by `spans`."""
 
@@ -369,12 +382,18 @@ class EditedSpans(Engine):
 @pytest.mark.parametrize(
     ("spans", "message"),
     [
-        ([[1, "0"]], "indices ascending from 0"),
-        ([[0, "0"], [0, "1"]], "indices ascending from 0"),
-        ([[0, "0"], [10, "1"]], "below the response length 10"),
-        ([[0, 0]], r"pairs \(int, str\)"),
-        ("0", r"pairs \(int, str\)"),
-        ([[0, "7"]], r"\['weight_version'\]='0' is not the first span's version"),
+        ([span("0", 1, 10)], "from 0 to the response length 10"),
+        ([span("0", 0, 4), span("1", 5, 10)], "each starting where the one before ends"),
+        ([span("0", 0, 5), span("1", 5, 5), span("0", 5, 10)], "from 0 to the response"),
+        ([span("0", 0, 9)], "from 0 to the response length 10"),
+        ([span("0", 0, 10), span("1", 10, 11)], "from 0 to the response length 10"),
+        ([{"version": 0, "start": 0, "end": 10}], "expected spans"),
+        ([{"version": "0", "start": False, "end": 10}], "expected spans"),
+        ([[0, "0"]], "expected spans"),
+        ([], "expected spans"),
+        ("0", "expected spans"),
+        ([span("7", 0, 10)], r"\['weight_version'\]='0' is not the last span's version"),
+        ([span("0", 0, 5), span("7", 5, 10)], r"is not the last span's version"),
     ],
 )
 def test_malformed_spans_from_an_engine_are_refused_naming_the_request(models, spans, message):

@@ -117,6 +117,8 @@ def test_greedy_generation_is_repeatable_and_weight_versions_follow_disk_loads(r
     assert start["weight_version"] != "7"
     assert info["weight_version"] == "7"
     assert {o.meta_info["weight_version"] for o in other} == {"7"}
+    # The spans the server reports (one per request: no update overlapped one) parse.
+    assert [o.weight_spans("greedy") for o in other] == [[(0, "7")]] * len(other)
     assert [o.output_ids for o in other] != [o.output_ids for o in first]
     assert_log_probs_match(real_sglang.other, other)
     assert_same_outputs(back, first)
@@ -291,7 +293,8 @@ def _what_must_agree(path: str, status: int, answer) -> tuple:
             meta["finish_reason"]["type"],
             answer["output_ids"] and True,
             entry,
-            (meta["weight_version"]),
+            meta["weight_version"],
+            meta.get("weight_versions"),
         )
     if isinstance(answer, dict):
         return status, answer.get("success"), answer.get("message")

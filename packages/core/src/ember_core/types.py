@@ -58,13 +58,14 @@ class Sample:
     """Integer tensor [len(tokens) - 1, num_layers, topk] of the experts the engine chose."""
     status: SampleStatus = SampleStatus.PENDING
     weight_version: str | None = None
-    """Version of the weights that generated the sample, as the engine reported it
-    (`meta_info.weight_version`); Ember's versions are str(rollout id) of the training that
-    produced them, "-1" for the initial weights. None: the engine reported none."""
+    """Version of the weights that generated the sample's first response token (the oldest of
+    its spans); Ember's versions are str(rollout id) of the training that produced them, "-1"
+    for the initial weights. None: the engine reported none."""
     weight_versions: list[tuple[int, str]] | None = None
-    """Partial rollouts: the response's spans by the weight version that generated them, as
-    (index of the span's first response token, version) pairs, ascending from index 0, with
-    `weight_version` the first (oldest) one. None: every token came from `weight_version`."""
+    """The response's spans by the weight version that generated them, as (index of the
+    span's first response token, version) pairs, ascending from index 0, with `weight_version`
+    the first one; more than one span only under partial rollouts. None: the engine reported
+    no spans, and every token came from `weight_version`."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form data: engine meta info, reward details, plugin annotations."""
 

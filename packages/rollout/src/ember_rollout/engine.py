@@ -32,9 +32,12 @@ ROUTED_EXPERTS_FIELD = "return_routed_experts"
 """Request field asking for routed experts (SGLang's name; the hf engine honours it too)."""
 
 WEIGHT_VERSIONS_KEY = "weight_versions"
-"""`meta_info` key of the response's spans by weight version, from an engine that takes new
-weights mid-generation (the hf engine with partial rollouts): [[index of the span's first
-response token, version], ...], ascending from 0; `weight_version` is the first span's."""
+"""`meta_info` key of the response's spans by weight version, in sglang 0.5.23's layout
+(`srt/utils/weight_versions.py`): [{"version": str, "start": int, "end": int}, ...], contiguous
+from response token 0 to the response length, a new span wherever the engine's weights changed
+while the request ran. SGLang reports it for every finished request and sets `weight_version` to
+the last span's version (the weights in force when the request finished); the hf engine does
+the same whenever its weights carry a version."""
 
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
 """Kinds of device memory an engine can release for colocated training: the model's weights,
@@ -148,42 +151,57 @@ class GenerateOutput:
         return FINISH_STATUS[self.finish_reason]
 
     def weight_spans(self, where: str) -> list[tuple[int, str]] | None:
-        """The response's spans by weight version (`Sample.weight_versions`), from
-        `meta_info["weight_versions"]`: [[index of a span's first response token, version],
-        ...], which an engine that takes weights mid-generation reports; None without it.
+        """The response's spans by weight version (`Sample.weight_versions`: [(index of a
+        span's first response token, version), ...]), from `meta_info["weight_versions"]`
+        (`WEIGHT_VERSIONS_KEY`); None when the engine reports none.
 
         Raises:
-            EngineError: Not [int, str] pairs, indices not ascending from 0 below the response
-                length, or a first version other than `meta_info["weight_version"]`; names
-                `where` (the request) and the value.
+            EngineError: Spans that are not {"version": str, "start": int, "end": int}, do not
+                run contiguously from 0 to the response length, or whose last version is not
+                `meta_info["weight_version"]`; names `where` (the request) and the value.
         """
         raw = self.meta_info.get(WEIGHT_VERSIONS_KEY)
         if raw is None:
             return None
         n = len(self.output_ids)
-        pairs = isinstance(raw, list | tuple) and all(
-            isinstance(p, list | tuple)
-            and len(p) == 2
-            and isinstance(p[0], int)
-            and not isinstance(p[0], bool)
-            and isinstance(p[1], str)
-            for p in raw
-        )
-        starts = [p[0] for p in raw] if pairs else []
-        if not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= n:
+        spans = _version_spans(raw, n)
+        if spans is None:
             raise EngineError(
-                f"{where}: meta_info['weight_versions']={raw!r}: expected [index of a span's "
-                f"first response token, version] pairs (int, str), indices ascending from 0 and "
-                f"below the response length {n}"
+                f"{where}: meta_info['weight_versions']={raw!r}: expected spans "
+                '{"version": str, "start": int, "end": int}, each starting where the one '
+                f"before ends, from 0 to the response length {n}"
             )
-        spans = [(int(start), version) for start, version in raw]
-        first = self.meta_info.get("weight_version")
-        if first is not None and str(first) != spans[0][1]:
+        last = self.meta_info.get("weight_version")
+        if last is not None and str(last) != spans[-1][1]:
             raise EngineError(
-                f"{where}: meta_info['weight_version']={first!r} is not the first span's version "
+                f"{where}: meta_info['weight_version']={last!r} is not the last span's version "
                 f"in meta_info['weight_versions']={raw!r}"
             )
         return spans
+
+
+def _version_spans(raw: Any, n: int) -> list[tuple[int, str]] | None:
+    """[(start, version), ...] of SGLang's span list `raw` over a response of `n` tokens, or
+    None when it is malformed (see `GenerateOutput.weight_spans`)."""
+    if not isinstance(raw, list | tuple) or not raw:
+        return None
+    spans: list[tuple[int, str]] = []
+    end = 0
+    for span in raw:
+        if not isinstance(span, dict):
+            return None
+        version, start, stop = span.get("version"), span.get("start"), span.get("end")
+        if not (isinstance(version, str) and _is_int(start) and _is_int(stop)):
+            return None
+        if start != end or stop < start or (stop == start and n > 0):
+            return None
+        spans.append((start, version))
+        end = stop
+    return spans if end == n else None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from ember_rollout.config import HFEngineConfig
 from ember_rollout.engine import (
     ENGINES,
     ROUTED_EXPERTS_FIELD,
+    WEIGHT_VERSIONS_KEY,
     Engine,
     EngineError,
     GenerateOutput,
@@ -128,7 +129,7 @@ class HFEngine(Engine):
     and tokens so far, into a new KV cache (the old one holds keys and values of the old
     weights, so SGLang aborts and continues such requests), and samples on from the new
     weights. Each row records the version of every span of its response (`meta_info`
-    `weight_versions`: [[index of the span's first response token, version], ...]); each token's
+    `weight_versions`, in SGLang's layout: `engine.WEIGHT_VERSIONS_KEY`); each token's
     log-prob is that of the distribution it was drawn from, under the version in force at its
     step. Routed experts of a position come from the pass that forwarded it, which is the pass
     whose logits drew the next token: positions recorded before an update keep the old
@@ -636,11 +637,15 @@ class HFEngine(Engine):
             "output_token_logprobs": [
                 [lp, token, None] for lp, token in zip(row.log_probs, row.output_ids, strict=True)
             ],
-            "weight_version": row.versions[0][1] if row.versions else self.weight_version,
+            "weight_version": row.versions[-1][1] if row.versions else self.weight_version,
             "e2e_latency": elapsed,
         }
-        if self.partial_rollouts and all(v is not None for _, v in row.versions):
-            meta["weight_versions"] = [[start, version] for start, version in row.versions]
+        if row.versions and all(version is not None for _, version in row.versions):
+            ends = [start for start, _ in row.versions[1:]] + [len(row.output_ids)]
+            meta[WEIGHT_VERSIONS_KEY] = [
+                {"version": version, "start": start, "end": end}
+                for (start, version), end in zip(row.versions, ends, strict=True)
+            ]
         experts = None
         if request.wants_routed_experts:
             info = self._info

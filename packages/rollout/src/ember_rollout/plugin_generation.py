@@ -198,14 +198,15 @@ class GroupClient:
                 f"{request.name}: the engine returned no tokens ({output.finish_reason})"
             )
         self.last_meta[sample] = output.meta_info
-        version = output.meta_info.get("weight_version")
+        spans = output.weight_spans(request.name)
+        version = spans[0][1] if spans else output.meta_info.get("weight_version")
         if call == 0:
             self.first_version[sample] = None if version is None else str(version)
         self._calls[sample].append(
             (
                 len(request.input_ids),
                 list(output.output_ids),
-                output.weight_spans(request.name),
+                spans,
                 None if version is None else str(version),
             )
         )

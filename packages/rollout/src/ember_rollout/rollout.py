@@ -82,13 +82,13 @@ class GroupRunner(Protocol):
 class LocalGroups:
     """Generates groups on one engine in this process and turns its answers into samples.
 
-    Each sample records the weight version its engine reported (`meta_info.weight_version`)
-    and, from an engine that took new weights mid-generation, its response's spans by version
+    Each sample records its response's spans by weight version as the engine reported them
     (`meta_info.weight_versions`, checked: a malformed one is an `EngineError` naming the
-    request); plugins see every sample with the engine's meta info (`ember_process_sample`).
-    When an enabled plugin implements `ember_generate`, each group goes to it (all groups at
-    once, their engine calls batched together); its samples are checked and then treated like
-    the built-in ones.
+    request) and, as `weight_version`, the first span's version (or `meta_info.weight_version`
+    from an engine that reports no spans): the oldest weights that generated it. Plugins see
+    every sample with the engine's meta info (`ember_process_sample`). When an enabled plugin
+    implements `ember_generate`, each group goes to it (all groups at once, their engine calls
+    batched together); its samples are checked and then treated like the built-in ones.
     """
 
     def __init__(self, engine: Engine, tokenizer: Any, plugins: EmberPlugins | None = None) -> None:
@@ -178,7 +178,8 @@ class LocalGroups:
                 f"{request.name}: the engine returned no tokens ({output.finish_reason})"
             )
         record = group.record
-        version = output.meta_info.get("weight_version")
+        spans = output.weight_spans(request.name)
+        version = spans[0][1] if spans else output.meta_info.get("weight_version")
         sample = Sample(
             tokens=list(group.prompt_ids) + list(output.output_ids),
             response_length=len(output.output_ids),
@@ -191,7 +192,7 @@ class LocalGroups:
             rollout_routed_experts=output.routed_experts,
             status=output.status,
             weight_version=None if version is None else str(version),
-            weight_versions=output.weight_spans(request.name),
+            weight_versions=spans,
             metadata={
                 **record.metadata,
                 "source": record.source,
