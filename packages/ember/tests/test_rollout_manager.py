@@ -348,8 +348,8 @@ def test_max_staleness_decides_the_loop_and_async_is_its_shorthand(tmp_path):
         ),
         (
             ["rollout.max_staleness=2", "rollout.partial_rollouts=true", "engine.kind=sglang"],
-            "rollout.partial_rollouts=true with engine.kind=sglang: that engine takes new weights "
-            "only between requests",
+            "rollout.partial_rollouts=true with engine.kind=sglang: Ember's sglang engine takes "
+            "new weights only between requests",
         ),
     ],
 )

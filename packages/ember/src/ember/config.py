@@ -440,7 +440,10 @@ def load_config(
 
 PARTIAL_ROLLOUT_ENGINES = ("hf",)
 """Engine kinds that take new weights mid-generation (`rollout.partial_rollouts`): the
-embedded engine, between decode steps. SGLang servers take them between requests only."""
+embedded engine, between decode steps. Ember's SGLang client loads weights only once the
+server's requests have finished: it does not pause generation around a push (sglang 0.5.23's
+`/pause_generation` with mode "retract", then `/continue_generation`, which would record the
+spans by version itself)."""
 
 
 def check_partial_rollouts(config: RunConfig) -> None:
@@ -453,8 +456,8 @@ def check_partial_rollouts(config: RunConfig) -> None:
     kind = config.engine.kind
     if config.rollout.partial_rollouts and kind not in PARTIAL_ROLLOUT_ENGINES:
         raise ValueError(
-            f"rollout.partial_rollouts=true with engine.kind={kind}: that engine takes new "
-            "weights only between requests, not mid-generation; set "
+            f"rollout.partial_rollouts=true with engine.kind={kind}: Ember's {kind} engine "
+            "takes new weights only between requests, not mid-generation; set "
             "rollout.partial_rollouts=false (rollouts ahead then finish before each push) or "
             f"engine.kind={PARTIAL_ROLLOUT_ENGINES[0]}"
         )
