@@ -179,6 +179,18 @@ class GenerateOutput:
             )
         return spans
 
+    def versions(self, where: str) -> tuple[list[tuple[int, str]] | None, str | None]:
+        """(`weight_spans`, the oldest version): the first span's version, or
+        `meta_info["weight_version"]` from an engine that reports no spans; None without
+        either (`Sample.weight_versions` and `Sample.weight_version`).
+
+        Raises:
+            EngineError: Malformed spans (`weight_spans`).
+        """
+        spans = self.weight_spans(where)
+        version = spans[0][1] if spans else self.meta_info.get("weight_version")
+        return spans, None if version is None else str(version)
+
 
 def _version_spans(raw: Any, n: int) -> list[tuple[int, str]] | None:
     """[(start, version), ...] of SGLang's span list `raw` over a response of `n` tokens, or
@@ -191,7 +203,7 @@ def _version_spans(raw: Any, n: int) -> list[tuple[int, str]] | None:
         if not isinstance(span, dict):
             return None
         version, start, stop = span.get("version"), span.get("start"), span.get("end")
-        if not (isinstance(version, str) and _is_int(start) and _is_int(stop)):
+        if not (isinstance(version, str) and is_int(start) and is_int(stop)):
             return None
         if start != end or stop < start or (stop == start and n > 0):
             return None
@@ -200,7 +212,8 @@ def _version_spans(raw: Any, n: int) -> list[tuple[int, str]] | None:
     return spans if end == n else None
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON answers and plugin values are checked with it)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -21,6 +21,7 @@ from ember_rollout.engine import (
     GenerateOutput,
     GenerateRequest,
     ModelInfo,
+    is_int,
 )
 
 if TYPE_CHECKING:
@@ -198,17 +199,11 @@ class GroupClient:
                 f"{request.name}: the engine returned no tokens ({output.finish_reason})"
             )
         self.last_meta[sample] = output.meta_info
-        spans = output.weight_spans(request.name)
-        version = spans[0][1] if spans else output.meta_info.get("weight_version")
+        spans, version = output.versions(request.name)
         if call == 0:
-            self.first_version[sample] = None if version is None else str(version)
+            self.first_version[sample] = version
         self._calls[sample].append(
-            (
-                len(request.input_ids),
-                list(output.output_ids),
-                spans,
-                None if version is None else str(version),
-            )
+            (len(request.input_ids), list(output.output_ids), spans, version)
         )
         return output
 
@@ -257,10 +252,6 @@ class GroupClient:
         return merged
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_plugin_sample(
     sample: Any,
     *,
@@ -276,7 +267,7 @@ def check_plugin_sample(
     if not isinstance(sample, Sample):
         raise ValueError(f"{where}: expected an ember_core.types.Sample, got {type(sample)!r}")
     tokens = sample.tokens
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
         raise ValueError(f"{where}: tokens must be a list of token ids (int)")
     if info is not None:
         outside = [t for t in tokens if not 0 <= t < info.vocab_size]
@@ -285,7 +276,7 @@ def check_plugin_sample(
                 f"{where}: tokens {outside[:5]} are outside the vocabulary [0, {info.vocab_size})"
             )
     n, r = len(tokens), sample.response_length
-    if not _is_int(r) or not 1 <= r < n:
+    if not is_int(r) or not 1 <= r < n:
         raise ValueError(
             f"{where}: response_length={r!r}, expected 1 <= response_length < len(tokens)={n}"
         )
@@ -351,7 +342,7 @@ def check_plugin_sample(
         expected = (n - 1, info.num_layers, max(info.topk, 1))
     shape = tuple(experts.shape)
     if len(shape) != 3 or any(
-        _is_int(want) and got != want for got, want in zip(shape, expected, strict=True)
+        is_int(want) and got != want for got, want in zip(shape, expected, strict=True)
     ):
         raise ValueError(
             f"{where}: rollout_routed_experts has shape {list(shape)}, expected [len(tokens) - 1, "

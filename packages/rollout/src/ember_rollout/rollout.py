@@ -178,8 +178,7 @@ class LocalGroups:
                 f"{request.name}: the engine returned no tokens ({output.finish_reason})"
             )
         record = group.record
-        spans = output.weight_spans(request.name)
-        version = spans[0][1] if spans else output.meta_info.get("weight_version")
+        spans, version = output.versions(request.name)
         sample = Sample(
             tokens=list(group.prompt_ids) + list(output.output_ids),
             response_length=len(output.output_ids),
@@ -191,7 +190,7 @@ class LocalGroups:
             rollout_log_probs=list(output.output_log_probs),
             rollout_routed_experts=output.routed_experts,
             status=output.status,
-            weight_version=None if version is None else str(version),
+            weight_version=version,
             weight_versions=spans,
             metadata={
                 **record.metadata,
