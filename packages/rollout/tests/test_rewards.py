@@ -135,6 +135,27 @@ def test_math_reward_runs_off_the_main_thread_without_its_signal_timeout(caplog)
     assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()]
 
 
+@pytest.mark.parametrize(
+    ("response", "label", "reward"),
+    [
+        ("7 + 5 = 12\n\nThe answer is \\boxed{}.", "12", 0.0),  # right sum, empty box
+        ("7 + 5 = 12", "12", 0.0),  # right, but no box at all
+        ("7 + 5 = 12, so \\boxed{12}.", "12", 1.0),
+        ("\\boxed{11} ... no, \\boxed{12}", "12", 1.0),  # the last box counts
+        ("\\boxed{12} ... no, \\boxed{11}", "12", 0.0),
+        ("\\boxed{12.0}", "12", 1.0),  # compared by math-verify, not as text
+        ("The answer is 12 and \\boxed{13}", "12", 0.0),  # text outside the box is ignored
+    ],
+)
+def test_math_boxed_reward_scores_only_the_last_box(response, label, reward):
+    assert score("math_boxed", [sample(response, label)]) == [reward]
+
+
+def test_math_boxed_reward_without_a_label_names_the_sample():
+    with pytest.raises(ValueError, match=r"sample 0 \(group 0\): the math_boxed reward needs"):
+        score("math_boxed", [sample(r"\boxed{1}", None)])
+
+
 def test_math_reward_reads_boxed_labels_and_gsm8k_labels():
     samples = [
         sample(r"... \boxed{42}", r"The result is \boxed{42}"),

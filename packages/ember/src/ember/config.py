@@ -558,6 +558,59 @@ def check_inputs(config: RunConfig) -> None:
                 f"{key}={value!r}: not a transformers checkpoint (expected config.json and "
                 "model.safetensors or its index)"
             )
+    check_prompt_lengths(config)
+
+
+def check_prompt_lengths(config: RunConfig) -> None:
+    """Refuse, before any process starts, a prompt longer than the model's context allows.
+
+    Applies where the run starts from a transformers checkpoint (`train.hf_load`) whose
+    config.json gives the context (`max_position_embeddings`) and whose tokenizer (or
+    `data.tokenizer_path`) encodes the prompts, and `data.overlong_prompt` is "error": every
+    prompt of `data.prompt_data` is encoded as the rollout will encode it (chat template
+    included) and compared with `data.max_prompt_len`, or the context minus
+    `rollout.max_response_len`. Otherwise the engine refuses at the first rollout.
+
+    Raises:
+        ValueError: One line naming the prompt (file:line), its length and the limit.
+    """
+    import json
+
+    data, model = config.data, config.train.hf_load
+    if model is None or data.prompt_data is None or data.overlong_prompt != "error":
+        return
+    context = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
+    limit, why = data.max_prompt_len, "data.max_prompt_len"
+    if limit is None:
+        if not isinstance(context, int):
+            return
+        limit = context - config.rollout.max_response_len
+        why = (
+            f"the model's context {context} ({model}/config.json max_position_embeddings) minus "
+            f"rollout.max_response_len={config.rollout.max_response_len}"
+        )
+        if limit < 1:
+            raise ValueError(
+                f"rollout.max_response_len={config.rollout.max_response_len} leaves no room for "
+                f"a prompt in the model's context of {context} tokens"
+            )
+    from ember_rollout.data import PromptEncoder, load_prompts
+    from ember_rollout.tokenizer import load_tokenizer
+
+    tokenizer_dir = Path(data.tokenizer_path or model)
+    if not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return  # no tokenizer there: the run falls back to another; the engine checks lengths
+    encoder = PromptEncoder(
+        load_tokenizer(tokenizer_dir),
+        apply_chat_template=data.apply_chat_template,
+    )
+    for record in load_prompts(data):
+        ids = encoder.encode(record)
+        if ids is not None and len(ids) > limit:
+            raise ValueError(
+                f"{record.source}: the prompt has {len(ids)} tokens, more than {limit} ({why}); "
+                "shorten it, or set data.overlong_prompt to truncate or drop"
+            )
 
 
 def describe_loop(config: RunConfig) -> str:

@@ -351,7 +351,7 @@ class RewardConfig:
     """How samples are scored."""
 
     reward_fn: str = "toy"
-    """Registered reward (toy, math) or `package.module:function` for user code."""
+    """Registered reward (toy, math, math_boxed) or `package.module:function` for user code."""
     max_concurrency: int = 64
     """Reward calls in flight at once (async reward functions)."""
     math_timeout_s: float = 5.0

@@ -380,8 +380,35 @@ def math_reward(sample: Sample) -> float:
             f"reference answer as its label, got {label!r} (data.label_key names the key of "
             "the prompt file that holds it)"
         )
-    equal = _verifier.equal(sample.response, label, _math_timeout_s)
+    return _verified(sample, sample.response, label)
+
+
+def _verified(sample: Sample, answer: str, label: Any) -> float:
+    """1.0 when math-verify finds `answer` equal to `label`, 0.0 when not or out of time."""
+    equal = _verifier.equal(answer, label, _math_timeout_s)
     if equal is None:
         sample.metadata[REWARD_TIMEOUT] = True
         return 0.0
     return 1.0 if equal else 0.0
+
+
+@register_reward("math_boxed")
+def math_boxed_reward(sample: Sample) -> float:
+    """As `math`, but only the response's last \\boxed{} counts: a response without one, or
+    whose last box is empty, scores 0.0 however right its text is. For prompts that ask for
+    the answer in a box, this rewards following the format as well as the arithmetic.
+
+    Raises:
+        ValueError: The sample has no label (naming it).
+    """
+    label = sample.label
+    if label is None or (isinstance(label, str) and not label.strip()):
+        raise ValueError(
+            f"sample {sample.index} (group {sample.group_index}): the math_boxed reward needs "
+            f"the reference answer as its label, got {label!r} (data.label_key names the key "
+            "of the prompt file that holds it)"
+        )
+    boxed = _boxed(sample.response)
+    if boxed is None or not boxed.strip():
+        return 0.0
+    return _verified(sample, f"\\boxed{{{boxed}}}", label)
