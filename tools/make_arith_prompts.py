@@ -1,7 +1,7 @@
 """Write the arithmetic prompt sets of the real-model examples (`examples/data/arith-*.jsonl`).
 
 Each line is a chat: a system message asking for the final answer in ``\\boxed{}`` and a user
-question (a sum, a difference or a product of small whole numbers), with the exact answer as
+question (a sum or a difference of two-digit numbers, or a product of one-digit ones), with the exact answer as
 its label. The sets are drawn from a seeded generator, so the shipped files are exactly what
 
     uv run python tools/make_arith_prompts.py
@@ -17,20 +17,17 @@ import random
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEM = (
-    "You are a careful math assistant. Solve the problem, then give the final answer as a "
-    "number in \\boxed{}."
-)
+SYSTEM = "You are a helpful assistant. Answer briefly and put the final answer in \\boxed{}."
 SETS = {"train": 1000, "eval": 100}
 """Prompts per set (file `examples/data/arith-<set>.jsonl`)."""
 SEED = 20261204
 
 
 def question(rng: random.Random) -> tuple[str, int]:
-    """One question and its answer: a + b or a - b (two-digit), or a x b (one digit by two)."""
+    """One question and its answer: a + b or a - b (two-digit), or a x b (one-digit)."""
     op = rng.choice("+-*")
     if op == "*":
-        a, b = rng.randint(2, 9), rng.randint(11, 29)
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
         return f"What is {a} * {b}?", a * b
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     if op == "-":
