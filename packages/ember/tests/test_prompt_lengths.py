@@ -85,3 +85,20 @@ def test_prompts_that_fit_pass_and_the_explicit_limit_is_named(
         None, overrides=[*settings, "data.max_prompt_len=10", "data.overlong_prompt=drop"]
     )
     check_inputs(config)  # the policy allows it
+
+
+def test_the_run_tokenizer_is_hf_loads_own_unless_one_is_named(tmp_path, short_context_model):
+    from ember.config import load_config, run_tokenizer_path
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((short_context_model / "config.json").read_text())
+    cases = {
+        (f"train.hf_load={short_context_model}",): str(short_context_model),
+        (f"train.hf_load={bare}",): None,  # no tokenizer there: the toy one
+        (f"train.hf_load={bare}", f"data.tokenizer_path={tmp_path}"): str(tmp_path),
+        (): None,
+    }
+    for overrides, expected in cases.items():
+        config, _ = load_config(None, overrides=list(overrides))
+        assert run_tokenizer_path(config) == expected, overrides

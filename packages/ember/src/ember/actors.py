@@ -382,9 +382,10 @@ class TrainRank:
     def save_tokenizer(self, path: str) -> None:
         """Complete the export at `path` with the run's tokenizer and the token ids the model
         stops at (rank 0, once, before any engine reads `path`)."""
+        from ember.config import run_tokenizer_path
         from ember_rollout.tokenizer import save_tokenizer_for_model
 
-        save_tokenizer_for_model(self.config.data.tokenizer_path, path)
+        save_tokenizer_for_model(run_tokenizer_path(self.config), path)
 
     def save(self, path: str) -> None:
         """Write a training checkpoint at `path` (collective). A colocated rank is offloaded

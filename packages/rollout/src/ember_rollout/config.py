@@ -317,7 +317,8 @@ class DataConfig:
     metadata_key: str | None = None
     """Key of a per-prompt dict copied into Sample.metadata; None: none."""
     tokenizer_path: str | None = None
-    """HF tokenizer directory; None uses the engine's model directory, else the toy tokenizer."""
+    """HF tokenizer directory; None: train.hf_load's tokenizer when that directory has one,
+    else the toy tokenizer (either is saved next to the initial export the engines load)."""
     apply_chat_template: bool = True
     """Format prompts with the tokenizer's chat template when it has one."""
     max_prompt_len: int | None = None
