@@ -1,8 +1,9 @@
 """Write the arithmetic prompt sets of the real-model examples (`examples/data/arith-*.jsonl`).
 
 Each line is a chat: a system message asking for the final answer in ``\\boxed{}`` and a user
-question (a sum or a difference of two-digit numbers, or a product of one-digit ones), with the exact answer as
-its label. The sets are drawn from a seeded generator, so the shipped files are exactly what
+question (a sum or a difference of two-digit numbers, or a product of one-digit ones), with the
+exact answer as its label. The sets are drawn from a seeded generator, so the shipped files are
+exactly what
 
     uv run python tools/make_arith_prompts.py
 
