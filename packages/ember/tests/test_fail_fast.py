@@ -119,6 +119,26 @@ def test_tab_indentation_names_its_position(tmp_path, capsys, no_ray):
     assert _one_error_line(capsys).startswith(f"{path}:2:1: found character '\\t'")
 
 
+def test_tensor_parallel_the_checkpoints_heads_do_not_split_fails_before_ray(
+    tmp_path, capsys, no_ray
+):
+    from ember_megatron_backend.hf_layout import hf_config
+    from ember_megatron_backend.model import ModelConfig
+
+    smollm2_heads = dict(hidden_size=576, num_attention_heads=9, num_query_groups=3, head_dim=64)
+    model = tmp_path / "llama"
+    hf_config(ModelConfig.preset("tiny-llama").replace(**smollm2_heads)).save_pretrained(model)
+    (model / "model.safetensors").write_bytes(b"")  # never read: the shape is refused first
+    argv = ["train", "--set", f"train.hf_load={model}", "--set", "train.model=null"]
+    argv += ["--set", "train.parallel.tensor_parallel=2", "--set", f"run.dir={tmp_path / 'run'}"]
+    assert main(argv) == USAGE_ERROR
+    assert _one_error_line(capsys) == (
+        "train.parallel.tensor_parallel=2 must divide num_attention_heads=9 and "
+        "num_query_groups=3 (each tensor-parallel rank holds whole heads)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_bad_plugin_section_fails_before_ray(capsys, no_ray):
     argv = ["train", "--plugins", "ci_kl_checker", "--set", "ci_kl_checker.nope=1"]
     assert main(argv) == USAGE_ERROR
@@ -196,9 +216,9 @@ def test_actor_error_is_one_line_and_whole_with_verbose(monkeypatch, capsys):
 @pytest.mark.slow
 def test_error_inside_an_actor_is_one_line(tmp_path):
     """A checkpoint of another architecture fails in the training actors, after Ray started."""
-    model = tmp_path / "llama"
+    model = tmp_path / "gpt2"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     (model / "model.safetensors").write_bytes(b"")  # read only once the shape is accepted
     run = subprocess.run(
         [
@@ -215,8 +235,8 @@ def test_error_inside_an_actor_is_one_line(tmp_path):
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
     assert errors == [
-        "ember train: error: unsupported model_type 'llama'; supported: qwen3_moe, qwen3, "
-        "deepseek_v3, glm4_moe, qwen2_moe, mixtral"
+        "ember train: error: unsupported model_type 'gpt2'; supported: qwen3_moe, qwen3, "
+        "deepseek_v3, glm4_moe, qwen2_moe, mixtral, llama"
     ], run.stderr[-3000:]
 
 

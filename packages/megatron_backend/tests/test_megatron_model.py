@@ -26,6 +26,11 @@ from ember_megatron_backend.model import (
         ({"norm_epsilon": -1e-6}, "norm_epsilon"),
         ({"moe_router_dtype": "bf16"}, "moe_router_dtype"),
         ({"num_experts": 0, "ffn_hidden_size": 0}, "ffn_hidden_size"),
+        ({"family": "llama"}, "family='llama' with num_experts=8: llama is a dense family"),
+        (
+            {"family": "mixtral", "num_experts": 0},
+            "family='mixtral' with num_experts=0: mixtral is an MoE family",
+        ),
     ],
 )
 def test_model_config_errors_name_the_key(changes, key):
@@ -72,12 +77,21 @@ def test_moe_model_shape(dist_env):
     assert all(p.device.type == "cpu" for p in params.values())
 
 
-def test_dense_tied_model_has_no_output_weight(dist_env):
-    cfg = ModelConfig.preset("tiny-dense")
-    names = {n for n, _ in build_model(cfg, seed=0).named_parameters()}
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-llama"])
+def test_dense_tied_model_has_no_output_weight(dist_env, preset):
+    cfg = ModelConfig.preset(preset)
+    model = build_model(cfg, seed=0)
+    names = {n for n, _ in model.named_parameters()}
     assert "output_layer.weight" not in names
     assert "decoder.layers.1.mlp.linear_fc1.weight" in names
     assert not any("router" in n for n in names)
+    assert model.share_embeddings_and_output_weights
+    qk_norm = any(n.endswith("self_attention.q_layernorm.weight") for n in names)
+    assert qk_norm == (preset == "tiny-dense")  # Qwen3 has QK-norm, Llama none
+    assert model.config.num_query_groups == cfg.num_query_groups
+    assert model.rotary_pos_emb.inv_freq[1].item() == pytest.approx(
+        cfg.rope_theta ** (-2 / cfg.head_dim)
+    )
 
 
 def _batch(cfg, lengths, seed=0):

@@ -15,6 +15,8 @@ pytestmark = pytest.mark.slow
 # One pair of processes goes through every family and layout (imports cost ~10 s per process).
 LAYOUTS = {
     "tp2-ep2": {"tensor_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1},
+    # Dense models: megatron-core refuses expert parallelism without experts.
+    "tp2": {"tensor_parallel": 2},
     "pp2": {"pipeline_parallel": 2},
 }
 FAMILIES = [
@@ -23,8 +25,16 @@ FAMILIES = [
     "tiny-glm4-moe",
     "tiny-qwen2-moe",
     "tiny-mixtral",
+    "tiny-llama",  # dense, tied: the last pipeline stage's output layer is the embedding's copy
 ]
-RUNS = [(preset, layout) for preset in FAMILIES for layout in LAYOUTS]
+
+
+def _layouts(preset: str) -> tuple[str, str]:
+    """The tensor-parallel layout (whose log-probs are compared) and the pipeline one."""
+    return ("tp2-ep2" if ModelConfig.preset(preset).is_moe else "tp2", "pp2")
+
+
+RUNS = [(preset, layout) for preset in FAMILIES for layout in _layouts(preset)]
 TEMPERATURE = 0.7
 
 
@@ -61,16 +71,28 @@ def _worker(rank, port, root, queue):
             world_size=2,
             init_method=f"tcp://127.0.0.1:{port}",
         )
-        model = build_model(cfg, seed=10 + rank)
+        model = build_model(cfg, seed=10 + rank)  # each rank draws its own weights
+        # Tied under PP: does the last stage's copy start as the first stage's embedding?
+        tied = _tied_copies_equal(model) if cfg.tie_word_embeddings and layout == "pp2" else None
         load_hf_checkpoint(model, root / preset / "hf", cfg)
         export_hf_checkpoint(model, cfg, root / preset / layout)
         local = {n: tuple(p.shape) for n, p in model.named_parameters()}
         log_probs = None
-        if layout == "tp2-ep2":
+        if layout != "pp2":
             out = forward_only(model, _samples(cfg), role="actor", temperature=TEMPERATURE)
             log_probs = [lp.double().tolist() for lp in out.log_probs]
-        queue.put((preset, layout, rank, ps.get_expert_model_parallel_rank(), local, log_probs))
+        ep_rank = ps.get_expert_model_parallel_rank()
+        queue.put((preset, layout, rank, ep_rank, local, log_probs, tied))
         ps.destroy_model_parallel()  # keep the process group for the next layout
+
+
+def _tied_copies_equal(model) -> bool:
+    """Whether both pipeline stages hold the same embedding / output weight (collective)."""
+    from ember_megatron_backend import comm
+
+    both = [None, None]
+    comm.all_gather_object(both, model.shared_embedding_or_output_weight().detach().clone())
+    return torch.equal(*both)
 
 
 def _reference_log_probs(model, samples):
@@ -110,8 +132,8 @@ def sharded_runs(tmp_path_factory):
     )
     runs: dict[tuple[str, str], dict[int, tuple]] = {}
     for _ in range(2 * len(RUNS)):
-        preset, layout, rank, ep_rank, local, log_probs = queue.get()
-        runs.setdefault((preset, layout), {})[rank] = (ep_rank, local, log_probs)
+        preset, layout, rank, ep_rank, local, log_probs, tied = queue.get()
+        runs.setdefault((preset, layout), {})[rank] = (ep_rank, local, log_probs, tied)
     while not context.join():
         pass
     return root, references, runs
@@ -119,12 +141,13 @@ def sharded_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_tp2_ep2_log_probs_match_transformers(sharded_runs, preset):
-    """Megatron fp32 log-probs under TP = 2 x EP = 2 (a packed batch of samples of different
-    lengths) against transformers' forward of the same checkpoint, on both ranks."""
+    """Megatron fp32 log-probs under TP = 2 x EP = 2 (TP = 2 for a dense model; a packed batch
+    of samples of different lengths) against transformers' forward of the same checkpoint, on
+    both ranks."""
     _, references, runs = sharded_runs
     expected = references[preset][1]
     for rank in (0, 1):
-        mine = runs[preset, "tp2-ep2"][rank][2]
+        mine = runs[preset, _layouts(preset)[0]][rank][2]
         for i, (a, b) in enumerate(zip(mine, expected, strict=True)):
             a = torch.tensor(a, dtype=torch.float64)
             torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=f"rank {rank} sample {i}")
@@ -172,3 +195,11 @@ def test_pp2_stages_split_layers(sharded_runs):
         assert {n.split(".")[2] for n in stage if n.startswith("decoder.layers.")} == {"0", "1"}
     assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
     assert "output_layer.weight" in last and "embedding.word_embeddings.weight" not in last
+
+
+def test_pp2_tied_output_layer_starts_as_the_first_stages_embedding(sharded_runs):
+    """megatron-core zeroes the last stage's copy and all-reduces it with the embedding over
+    the embedding group (on CPU through ``cpu`` spot 11); it holds no weight of its own."""
+    runs = sharded_runs[2]["tiny-llama", "pp2"]
+    assert runs[0][3] is True and runs[1][3] is True
+    assert "output_layer.weight" in runs[1][1] and "output_layer.weight" not in runs[0][1]

@@ -18,6 +18,7 @@ from ember_megatron_backend.optimizer import (
     learning_rate,
     wrap_ddp,
 )
+from ember_megatron_backend.parallel import ParallelConfig
 from ember_megatron_backend.worker import MegatronWorker
 
 
@@ -75,6 +76,37 @@ def test_shape_from_hf_load(tmp_path):
 def test_errors_name_the_key(section, data, message):
     with pytest.raises(ValueError, match=message):
         from_dict(section, data, prefix="train")
+
+
+# SmolLM2's attention (9 query heads of 64 in 3 key/value groups) and vocabulary.
+SMOLLM2_HEADS = {
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_query_groups": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+}
+TP_REFUSED = (
+    "train.parallel.tensor_parallel=2 must divide num_attention_heads=9 and num_query_groups=3 "
+    "(each tensor-parallel rank holds whole heads)"
+)
+
+
+def test_tensor_parallel_that_splits_heads_is_refused_before_any_build(tmp_path):
+    data = {"model": "tiny-llama", "model_overrides": SMOLLM2_HEADS, "parallel": {}}
+    data["parallel"]["tensor_parallel"] = 2
+    with pytest.raises(ValueError) as err:
+        from_dict(BackendConfig, data, prefix="train")
+    assert str(err.value) == TP_REFUSED
+    data["parallel"]["tensor_parallel"] = 3
+    assert from_dict(BackendConfig, data, prefix="train").model_config().num_query_groups == 3
+
+    # The shape of a checkpoint: read from its config.json, when `ember train` checks inputs.
+    hf_config(ModelConfig.preset("tiny-llama").replace(**SMOLLM2_HEADS)).save_pretrained(tmp_path)
+    from_hf = BackendConfig(hf_load=str(tmp_path), parallel=ParallelConfig(tensor_parallel=2))
+    with pytest.raises(ValueError) as err:
+        from_hf.check_parallel()
+    assert str(err.value) == TP_REFUSED
 
 
 def test_bad_override_value_names_the_field():

@@ -1,8 +1,10 @@
-"""Weight mapping Megatron <-> transformers, checked against real transformers Qwen3 models."""
+"""Weight mapping Megatron <-> transformers, checked against real transformers models of every
+family."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -38,6 +40,7 @@ PRESETS = [
     "tiny-glm4-moe",
     "tiny-qwen2-moe",
     "tiny-mixtral",
+    "tiny-llama",
 ]
 
 
@@ -116,6 +119,8 @@ VARIANTS = {
             "max_position_embeddings": 64,
         },
     ),
+    # head_dim taken from the config, not hidden_size / num_attention_heads (16)
+    "tiny-llama-head-dim": ("tiny-llama", {"head_dim": 24}),
 }
 
 
@@ -268,10 +273,10 @@ def test_config_round_trip_and_names(preset):
 
 
 def test_model_config_from_hf_rejects_other_models():
-    from transformers import LlamaConfig
+    from transformers import GPT2Config
 
-    with pytest.raises(ValueError, match="model_type 'llama'"):
-        model_config_from_hf(LlamaConfig())
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'; supported: .*llama"):
+        model_config_from_hf(GPT2Config())
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -309,3 +314,99 @@ def test_unsupported_features_are_named():
     yarn.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported for glm4_moe"):
         model_config_from_hf(yarn)
+
+
+# SmolLM2-135M-Instruct's config.json as transformers 5.19 reads it (DESIGN.md section 11).
+SMOLLM2 = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 9.999999747378752e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
+def test_smollm2_config_reads_as_a_tied_llama():
+    from transformers import LlamaConfig
+
+    cfg = model_config_from_hf(LlamaConfig(**SMOLLM2))
+    expected = dict(num_layers=30, hidden_size=576, num_attention_heads=9, num_query_groups=3)
+    expected.update(head_dim=64, ffn_hidden_size=1536, vocab_size=49152, num_experts=0)
+    expected.update(tie_word_embeddings=True, rope_theta=100_000.0, rope_type="default")
+    expected.update(norm_epsilon=9.999999747378752e-06, max_position_embeddings=8192)
+    expected.update(qk_layernorm=False, add_qkv_bias=False, family="llama")
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    back = hf_config(cfg)
+    assert type(back).__name__ == "LlamaConfig" and back.architectures == ["LlamaForCausalLM"]
+    assert model_config_from_hf(back) == cfg
+    shapes = hf_shapes(cfg)
+    assert "lm_head.weight" not in shapes  # tied: the embedding is the output layer
+    assert shapes["model.layers.29.self_attn.k_proj.weight"] == (3 * 64, 576)
+    assert sum(math.prod(s) for s in shapes.values()) == 134_515_008  # SmolLM2-135M
+    # Three query heads per key/value head: each group's heads stay together in linear_qkv.
+    q, k, v = (torch.randn(n * 64, 4) for n in (9, 3, 3))
+    merged = merge_qkv(q, k, v, cfg)
+    assert torch.equal(merged[: 3 * 64], q[: 3 * 64]) and torch.equal(
+        merged[3 * 64 : 4 * 64], k[:64]
+    )
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(merged, cfg), (q, k, v), strict=True))
+
+
+def test_tensor_parallel_that_splits_heads_is_refused_in_one_line():
+    from transformers import LlamaConfig
+
+    cfg = model_config_from_hf(LlamaConfig(**SMOLLM2))
+    with pytest.raises(ValueError) as err:
+        cfg.check_tensor_parallel(2)
+    assert str(err.value) == (
+        "tensor_model_parallel_size=2 must divide num_attention_heads=9 and num_query_groups=3 "
+        "(each tensor-parallel rank holds whole heads)"
+    )
+    cfg.check_tensor_parallel(3)  # 3 heads and 1 group per rank
+    with pytest.raises(ValueError, match="num_attention_heads=9 and num_query_groups=3"):
+        cfg.check_tensor_parallel(9)  # whole query heads, but a third of a key/value head
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"attention_bias": True},
+            "llama config has attention_bias=True; only attention_bias=False",
+        ),
+        ({"mlp_bias": True}, "llama config has mlp_bias=True; only mlp_bias=False"),
+        ({"hidden_act": "gelu"}, "llama config has hidden_act='gelu'; only hidden_act='silu'"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            "rope_type 'llama3' is not supported for llama",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+            "rope_type 'linear' is not supported for llama",
+        ),
+    ],
+)
+def test_llama_features_ember_does_not_build_are_named(change, message):
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match=message):
+        model_config_from_hf(LlamaConfig(**{**SMOLLM2, **change}))

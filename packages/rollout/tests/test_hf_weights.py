@@ -128,6 +128,78 @@ def test_unknown_names_and_wrong_shapes_are_errors(fp32_engine):
         )
 
 
+# -- a dense model with tied embeddings (Llama, as SmolLM2) ------------------------------------
+
+
+def write_tied_llama(path, seed):
+    """A tiny random LlamaForCausalLM shaped like SmolLM2 (three query heads per key/value head,
+    tied embeddings, RoPE theta 1e5) with the toy tokenizer, saved by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ember_rollout.tokenizer import toy_tokenizer
+
+    tokenizer = toy_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+        initializer_range=0.2,  # logits far from uniform, so a stale output layer shows
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tied_llamas(tmp_path_factory):
+    return [write_tied_llama(tmp_path_factory.mktemp(f"llama{seed}"), seed) for seed in (1, 2)]
+
+
+def _served(path, dtype="float32") -> HFEngine:
+    engine = HFEngine(HFEngineConfig(model_path=str(path), dtype=dtype))
+    engine.load()
+    return engine
+
+
+def test_tied_dense_llama_is_served_and_takes_weights_without_lm_head(tied_llamas):
+    first, second = tied_llamas
+    engine = _served(first)
+    model = engine.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    info = engine.model_info
+    assert (info.num_layers, info.moe_layers, info.num_experts, info.topk) == (2, (), 0, 0)
+    out = sample(engine)
+    # A dense model reports zeros for every layer, in the layout MoE models use.
+    assert out.routed_experts.shape == (4 + 8 - 1, 2, 1) and not out.routed_experts.any()
+
+    # What a trainer pushes for a tied model: the checkpoint's names, which have no lm_head.
+    named = [(n, t.clone()) for n, t in iter_checkpoint(second)]
+    assert "lm_head.weight" not in dict(named) and "model.embed_tokens.weight" in dict(named)
+    asyncio.run(engine.update_weights_from_tensors(iter(named), weight_version="v1"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tensor
+    assert torch.equal(model.lm_head.weight, dict(named)["model.embed_tokens.weight"])
+    expected = sample(_served(second))
+    got = sample(engine)
+    assert got.output_log_probs != out.output_log_probs
+    # Exact: both engines are the same transformers modules loaded the same way.
+    assert got.output_ids == expected.output_ids
+    assert got.output_log_probs == expected.output_log_probs
+    bf16 = _served(first, "bfloat16").model  # cast as the engine serves by default: still tied
+    assert bf16.lm_head.weight is bf16.model.embed_tokens.weight
+
+
 # -- weights broadcast over gloo ---------------------------------------------------------------
 
 SENDER = Path(__file__).with_name("weight_sender.py")

@@ -519,9 +519,10 @@ def check_inputs(config: RunConfig) -> None:
 
     Checks that SGLang is installed where the run launches SGLang servers with this
     interpreter, reads the whole prompt file as the rollout actors will (every line parses and
-    has the configured keys), resolves the reward function, and checks that the tokenizer and
-    checkpoint directories exist (`hf_load` ones holding a transformers checkpoint). The config
-    itself and the plugin sections are already validated by `load_config`.
+    has the configured keys), resolves the reward function, checks that the tokenizer and
+    checkpoint directories exist (`hf_load` ones holding a transformers checkpoint), and that
+    `train.parallel.tensor_parallel` divides the model's head counts (`hf_load`'s shape too).
+    The config itself and the plugin sections are already validated by `load_config`.
 
     Raises:
         ValueError: One line naming the key or the file (and line) and what was expected.
@@ -558,6 +559,8 @@ def check_inputs(config: RunConfig) -> None:
                 f"{key}={value!r}: not a transformers checkpoint (expected config.json and "
                 "model.safetensors or its index)"
             )
+    # A tensor-parallel size the heads do not divide would fail in every rank, after Ray started.
+    config.train.check_parallel()
     check_prompt_lengths(config)
 
 

@@ -177,6 +177,21 @@ class BackendConfig:
         _check_int("seed", self.seed, low=0)
         if self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        if self.model is not None or self.hf_load is None:
+            self.check_parallel()  # the shape is in code: check it now, not in the ranks
+
+    def check_parallel(self) -> None:
+        """Refuse a tensor-parallel size the model's heads (or vocabulary) do not split over.
+
+        With `hf_load` and no preset this reads the checkpoint's config.json; ``ember train``
+        calls it before any process starts.
+
+        Raises:
+            ValueError: One line naming train.parallel.tensor_parallel and the head counts.
+        """
+        size = self.parallel.tensor_parallel
+        if size > 1:
+            self.model_config().check_tensor_parallel(size, key="train.parallel.tensor_parallel")
 
     @property
     def torch_dtype(self) -> torch.dtype:

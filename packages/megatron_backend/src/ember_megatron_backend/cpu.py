@@ -63,6 +63,13 @@ The spots (megatron-core 0.16.1, torch 2.14 CPU build):
    gloo has no coalescing, so torch's ``batch_isend_irecv`` (megatron-core's default
    ``batch_p2p_comm``) issues the same ``isend``/``irecv`` one by one (torch 2.14
    ``distributed_c10d.py``), which gloo runs asynchronously; that default stays.
+11. ``LanguageModule.setup_embeddings_and_output_layer`` (tied input and output embeddings
+   under pipeline parallelism: the last stage keeps a copy of the embedding, zeroed, then
+   all-reduced with the first stage's over the embedding group) moves that weight with
+   ``weight.data.cuda()`` before the all-reduce. Replaced by megatron-core's method with the
+   embedding group hidden from it, followed by the same all-reduce on the CPU tensor. The
+   training-time reduction of the two copies' gradients (``finalize_model_grads``) needs
+   nothing.
 
 Model options that megatron-core only supports on CUDA are chosen in ``model.py``, not patched:
 ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a ``torch.cuda.Stream``
@@ -126,6 +133,7 @@ def apply_cpu_patches() -> None:
         rotary_pos_embedding,
         yarn_rotary_pos_embedding,
     )
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
@@ -144,6 +152,9 @@ def apply_cpu_patches() -> None:
     p2p_communication.torch = schedules.torch = _TorchOnCpu()
     mcore_random._get_cuda_rng_state = _no_cuda_rng_state
     mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
+    global _MCORE_SETUP_EMBEDDINGS
+    _MCORE_SETUP_EMBEDDINGS = LanguageModule.setup_embeddings_and_output_layer
+    LanguageModule.setup_embeddings_and_output_layer = _setup_embeddings_and_output_layer
     patch_missing_te_names()
     _APPLIED = True
     _log.info("megatron-core CPU patches applied")
@@ -264,3 +275,27 @@ class _TorchOnCpu:
 
     def __getattr__(self, name: str) -> object:
         return getattr(torch, name)
+
+
+# Spot 11 -----------------------------------------------------------------------------------------
+_MCORE_SETUP_EMBEDDINGS = None
+"""megatron-core's ``LanguageModule.setup_embeddings_and_output_layer``."""
+
+
+def _setup_embeddings_and_output_layer(self) -> None:
+    # megatron-core asks `_is_in_embd_group` once, only where it then moves the weight and
+    # all-reduces it (tied, or multi-token prediction, under PP): answer no, and remember.
+    reached: list[bool] = []
+
+    def in_embedding_group() -> bool:
+        reached.append(type(self)._is_in_embd_group(self))
+        return False
+
+    self._is_in_embd_group = in_embedding_group
+    try:
+        _MCORE_SETUP_EMBEDDINGS(self)
+    finally:
+        del self._is_in_embd_group
+    if any(reached):
+        weight = self.shared_embedding_or_output_weight()
+        torch.distributed.all_reduce(weight.data, group=self.embd_group)

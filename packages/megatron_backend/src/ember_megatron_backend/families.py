@@ -1,4 +1,4 @@
-"""The model families, each a declarative description read by ``hf_layout``.
+"""The model families, each a declarative description (``family_spec``) read by ``hf_layout``.
 
 A description says which checkpoint tensors make each Megatron parameter (``Param`` rules per
 layer site: attention and norms, dense MLP, router, one routed expert, shared experts) and how
@@ -9,10 +9,12 @@ from transformers 5.19's modeling and configuration files and the checkpoint nam
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ember_megatron_backend.hf_layout import COMMON_FIELDS, Family, HfConfig, p, swiglu
-from ember_megatron_backend.model import ModelConfig
+from ember_megatron_backend.family_spec import COMMON_FIELDS, Family, HfConfig, p, swiglu
+
+if TYPE_CHECKING:
+    from ember_megatron_backend.model import ModelConfig
 
 __all__ = ["REGISTRY"]
 
@@ -36,7 +38,7 @@ GQA_ATTENTION = (
     p("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", when="qk_layernorm"),
     _NORMS_MLP,
 )
-"""Grouped-query attention: Qwen, GLM, Mixtral."""
+"""Grouped-query attention: Qwen, GLM, Mixtral, Llama."""
 
 MLA_ATTENTION = (
     _NORMS_IN,
@@ -385,6 +387,25 @@ MIXTRAL = Family(
     ),
 )
 
+# Llama (SmolLM2 and the Llama 2/3 checkpoints without context-extension scaling): dense SwiGLU,
+# grouped-query attention without QK-norm or biases, head_dim from the config (transformers 5.19
+# derives a missing one as hidden_size / num_attention_heads). transformers 5 no longer reads
+# `pretraining_tp` (4.x only split the same matmuls into slices), so any value is accepted; the
+# llama3 / linear / dynamic RoPE scalings are refused by the RoPE reader, naming `rope_type`.
+LLAMA = Family(
+    model_type="llama",
+    attention=GQA_ATTENTION,
+    dense_mlp=DENSE_MLP,
+    hf=HfConfig(
+        config_class="LlamaConfig",
+        architecture="LlamaForCausalLM",
+        fields=(*COMMON_FIELDS, *_GQA_FIELDS, ("ffn_hidden_size", "intermediate_size")),
+        fixed={"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"},
+        fixed_model={"qk_layernorm": False, "add_qkv_bias": False},
+    ),
+)
+
 REGISTRY: dict[str, Family] = {
-    f.model_type: f for f in (QWEN3_MOE, QWEN3, DEEPSEEK_V3, GLM4_MOE, QWEN2_MOE, MIXTRAL)
+    f.model_type: f for f in (QWEN3_MOE, QWEN3, DEEPSEEK_V3, GLM4_MOE, QWEN2_MOE, MIXTRAL, LLAMA)
 }
+"""Every family Ember builds, by transformers ``model_type``, in ``model.FAMILIES``' order."""

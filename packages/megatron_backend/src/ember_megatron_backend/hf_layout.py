@@ -1,9 +1,10 @@
 """Parameter names and layouts: megatron-core GPTModel <-> transformers checkpoints, per family.
 
-A family (``families.py``) is a declarative description: which checkpoint tensors each Megatron
-parameter is made of (``Param`` rules, grouped by where they sit in a layer), and how its
-transformers config reads and writes a ``ModelConfig`` (``HfConfig``). This module is the one
-mechanism that interprets those descriptions; adding a family adds a description, not code here.
+A family (``families.py``, in ``family_spec``'s terms) is a declarative description: which
+checkpoint tensors each Megatron parameter is made of (``Param`` rules, grouped by where they sit
+in a layer), and how its transformers config reads and writes a ``ModelConfig`` (``HfConfig``).
+This module is the one mechanism that interprets those descriptions; adding a family adds a
+description, not code here.
 
 Everything here is pure bookkeeping on *full* (unsharded) tensors named as in a model built with
 TP = PP = EP = 1 and the local layer spec ("global Megatron names"); ``weights.py`` adds the
@@ -22,12 +23,14 @@ Layouts that are not a plain rename:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ember_megatron_backend.families import REGISTRY
+from ember_megatron_backend.family_spec import Family, HfConfig, Param, p
 from ember_megatron_backend.model import FAMILIES, ModelConfig
 
 __all__ = [
@@ -47,117 +50,6 @@ __all__ = [
 ]
 
 
-# --- the description language -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Param:
-    """One Megatron parameter and the checkpoint tensors it is made of.
-
-    Names are relative: in a layer rule to ``decoder.layers.{i}.`` (Megatron) and
-    ``model.layers.{i}.`` (checkpoint); in an expert rule ``{e}`` is the expert index.
-    """
-
-    megatron: str
-    """Megatron name (relative)."""
-    hf: tuple[str, ...]
-    """Checkpoint names (relative), in the order the layout merges them."""
-    layout: str = "same"
-    """How the checkpoint tensors make the Megatron one: "same", "qkv" or "glu"."""
-    when: str = ""
-    """A ModelConfig attribute the parameter exists under (truthy), "!attr" for falsy; empty
-    for always."""
-
-    def applies(self, cfg: ModelConfig) -> bool:
-        """Whether `cfg` has this parameter."""
-        if not self.when:
-            return True
-        negate = self.when.startswith("!")
-        value = bool(getattr(cfg, self.when.lstrip("!")))
-        return value != negate
-
-
-def p(megatron: str, *hf: str, layout: str = "same", when: str = "") -> Param:
-    """Shorthand for a ``Param``."""
-    return Param(megatron, hf, layout, when)
-
-
-def swiglu(
-    megatron: str,
-    hf: str,
-    *,
-    gate: str = "gate_proj",
-    up: str = "up_proj",
-    down: str = "down_proj",
-    when: str = "",
-) -> tuple[Param, Param]:
-    """The two parameters of a SwiGLU MLP at Megatron prefix `megatron` and checkpoint prefix
-    `hf` (the checkpoint's projection names may differ, as Mixtral's w1/w3/w2)."""
-    return (
-        p(
-            f"{megatron}.linear_fc1.weight",
-            f"{hf}.{gate}.weight",
-            f"{hf}.{up}.weight",
-            layout="glu",
-            when=when,
-        ),
-        p(f"{megatron}.linear_fc2.weight", f"{hf}.{down}.weight", when=when),
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class HfConfig:
-    """How a family's transformers config reads and writes a ModelConfig."""
-
-    config_class: str
-    """transformers config class."""
-    architecture: str
-    """transformers model class, recorded in config.json ``architectures``."""
-    fields: tuple[tuple[str, str], ...]
-    """(ModelConfig field, HF config attribute) pairs copied both ways."""
-    fixed: dict[str, Any] = field(default_factory=dict)
-    """HF attributes this family's models always have: written on export; on import an other
-    value is refused (the message names the attribute)."""
-    fixed_model: dict[str, Any] = field(default_factory=dict)
-    """ModelConfig fields every model of the family has (set on import, checked on export)."""
-    to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
-    """Further HF attributes computed from the ModelConfig (the ones not 1:1)."""
-    from_hf: Callable[[Any], dict[str, Any]] | None = None
-    """Further ModelConfig fields computed from the HF config; raises ValueError for what the
-    backend does not build."""
-
-
-@dataclass(frozen=True, slots=True)
-class Family:
-    """A model family: its checkpoint names per layer site and its config mapping."""
-
-    model_type: str
-    """transformers ``model_type`` (= ``ModelConfig.family``)."""
-    attention: tuple[Param, ...]
-    """Attention and the layer's norms (every layer)."""
-    dense_mlp: tuple[Param, ...]
-    """The MLP of a dense layer."""
-    router: tuple[Param, ...] = ()
-    """The router of an MoE layer."""
-    expert: tuple[Param, ...] = ()
-    """One routed expert (``{e}``)."""
-    shared: tuple[Param, ...] = ()
-    """The shared expert(s) of an MoE layer, and their gate."""
-    hf: HfConfig | None = None
-    """The transformers config mapping."""
-    expert_fused: tuple[str, str] | None = None
-    """transformers 5's in-memory names of a layer's fused experts (gate_up [E, 2I, H], down
-    [E, H, I]), relative to the layer, where its checkpoint stores one tensor per expert."""
-    memory_renames: tuple[tuple[str, str], ...] = ()
-    """(checkpoint, in-memory) name fragments where transformers renames on load."""
-
-    def in_memory(self, name: str) -> str:
-        """The transformers in-memory name of checkpoint tensor `name` (experts aside)."""
-        for old, new in self.memory_renames:
-            name = name.replace(old, new)
-        return name
-
-
 TOP = (
     p("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
     p("decoder.final_layernorm.weight", "model.norm.weight"),
@@ -167,8 +59,6 @@ OUTPUT = p("output_layer.weight", "lm_head.weight")
 
 def family_of(cfg_or_name: ModelConfig | str) -> Family:
     """The description of a family (by ModelConfig or ``model_type``)."""
-    from ember_megatron_backend.families import REGISTRY
-
     name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.family
     try:
         return REGISTRY[name]
@@ -437,18 +327,6 @@ def _rope_from_hf(config: Any) -> dict[str, Any]:
             "'default' (and 'yarn' for deepseek_v3)"
         )
     return fields
-
-
-COMMON_FIELDS = (
-    ("vocab_size", "vocab_size"),
-    ("hidden_size", "hidden_size"),
-    ("num_layers", "num_hidden_layers"),
-    ("num_attention_heads", "num_attention_heads"),
-    ("norm_epsilon", "rms_norm_eps"),
-    ("max_position_embeddings", "max_position_embeddings"),
-    ("tie_word_embeddings", "tie_word_embeddings"),
-    ("init_method_std", "initializer_range"),
-)
 
 
 def model_config_from_hf(config: Any, **overrides: Any) -> ModelConfig:

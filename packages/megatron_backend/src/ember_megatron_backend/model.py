@@ -4,7 +4,8 @@ The families (``FAMILIES``; their HF <-> Megatron descriptions live in ``familie
 Qwen3-MoE and Qwen3 dense, DeepSeek-V3 (multi-latent attention, sigmoid router with a per-expert
 bias, group-limited top-k, shared experts, first layers dense), GLM-4.5 MoE (sigmoid router with
 bias, shared experts, partial rotary, attention biases), Qwen2-MoE (a shared expert behind a
-sigmoid gate, attention biases) and Mixtral (softmax top-2).
+sigmoid gate, attention biases), Mixtral (softmax top-2) and Llama dense (grouped-query attention
+without QK-norm or biases, tied embeddings as SmolLM2 has them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ember_megatron_backend.families import REGISTRY
 from ember_megatron_backend.parallel import uses_gpu
 
 __all__ = [
@@ -39,8 +41,8 @@ def _check_int(key: str, value: Any, *, minimum: int) -> None:
         raise ValueError(f"model.{key} must be an int >= {minimum}, got {value!r}")
 
 
-FAMILIES = ("qwen3_moe", "qwen3", "deepseek_v3", "glm4_moe", "qwen2_moe", "mixtral")
-"""Model families Ember builds, by transformers ``model_type``."""
+FAMILIES = tuple(REGISTRY)
+"""Model families Ember builds, by transformers ``model_type`` (the descriptions' order)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,7 +51,8 @@ class ModelConfig:
 
     family: str = ""
     """The family, as transformers names it (model_type): qwen3_moe, qwen3, deepseek_v3,
-    glm4_moe, qwen2_moe or mixtral; empty means qwen3_moe when num_experts > 0, else qwen3."""
+    glm4_moe, qwen2_moe, mixtral or llama; empty means qwen3_moe when num_experts > 0, else
+    qwen3."""
     num_layers: int
     """Number of decoder layers."""
     hidden_size: int
@@ -194,10 +197,14 @@ class ModelConfig:
             raise ValueError(
                 f"model.family must be one of {', '.join(FAMILIES)}, got {self.family!r}"
             )
-        if (self.family == "qwen3") == bool(self.num_experts):
+        moe = REGISTRY[self.family].moe
+        if moe != bool(self.num_experts):
+            kind = "an MoE family (num_experts > 0)" if moe else "a dense family (num_experts=0)"
+            others = [name for name, fam in REGISTRY.items() if fam.moe != moe]
             raise ValueError(
-                f"model.family={self.family!r} with num_experts={self.num_experts}: qwen3 is the "
-                "dense family (num_experts=0); every other family is MoE (num_experts > 0)"
+                f"model.family={self.family!r} with num_experts={self.num_experts}: "
+                f"{self.family} is {kind}; the {'dense' if moe else 'MoE'} families are "
+                f"{', '.join(others)}"
             )
         for key in (
             "moe_router_num_groups",
@@ -296,6 +303,29 @@ class ModelConfig:
             return ()
         return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
 
+    def check_tensor_parallel(self, size: int, *, key: str = "tensor_model_parallel_size") -> None:
+        """Refuse a tensor-parallel size that does not split this model evenly.
+
+        Each TP rank holds whole query heads and whole key/value heads (megatron-core 0.16.1
+        attention.py divides both counts by the TP size), and an equal share of the vocabulary
+        (Megatron would pad it, and padded logit columns would change every softmax).
+
+        Args:
+            size: The tensor-parallel size.
+            key: The setting's name in the message.
+
+        Raises:
+            ValueError: One line naming the setting and the counts it must divide.
+        """
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        if heads % size or groups % size:
+            raise ValueError(
+                f"{key}={size} must divide num_attention_heads={heads} and "
+                f"num_query_groups={groups} (each tensor-parallel rank holds whole heads)"
+            )
+        if self.vocab_size % size:
+            raise ValueError(f"model.vocab_size={self.vocab_size} must be divisible by TP={size}")
+
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -373,6 +403,20 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "tiny-mixtral": _tiny(family="mixtral", **_TINY_EXPERTS, qk_layernorm=False),
     "tiny-dense": _tiny(num_layers=2, ffn_hidden_size=128, tie_word_embeddings=True),
+    # SmolLM2's features at this size: three query heads per key/value head, tied embeddings,
+    # RoPE theta 1e5, RMSNorm eps 1e-5, no QK-norm (head_dim = hidden_size / heads, as SmolLM2).
+    "tiny-llama": _tiny(
+        family="llama",
+        num_layers=2,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        tie_word_embeddings=True,
+        qk_layernorm=False,
+        rope_theta=100_000.0,
+        norm_epsilon=1e-5,
+    ),
 }
 
 
@@ -401,9 +445,7 @@ def transformer_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) 
 
     gpu = uses_gpu()
     tp = ps.get_tensor_model_parallel_world_size()
-    if cfg.vocab_size % tp:
-        # Megatron would pad the vocabulary; padded logit columns would change every softmax.
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} must be divisible by TP={tp}")
+    cfg.check_tensor_parallel(tp)  # before megatron-core's own checks, in one line
     family: dict[str, Any] = {}
     if cfg.is_moe:
         family.update(
