@@ -1,4 +1,4 @@
-"""The `ember` command: train, plugins, plot, convert."""
+"""The `ember` command: train, plugins, plot, convert, import-gguf, upcycle."""
 
 from __future__ import annotations
 

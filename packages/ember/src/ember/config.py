@@ -564,6 +564,20 @@ def check_inputs(config: RunConfig) -> None:
     check_prompt_lengths(config)
 
 
+def run_tokenizer_path(config: RunConfig) -> str | None:
+    """The tokenizer a run uses: `data.tokenizer_path`, else `train.hf_load`'s own when that
+    directory holds one, else None (the toy tokenizer). Training rank 0 saves it next to the
+    initial export, which is where the engines and the rollout manager read it."""
+    if config.data.tokenizer_path is not None:
+        return config.data.tokenizer_path
+    model = config.train.hf_load
+    if model is not None and any(
+        (Path(model) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return model
+    return None
+
+
 def check_prompt_lengths(config: RunConfig) -> None:
     """Refuse, before any process starts, a prompt longer than the model's context allows.
 
@@ -600,9 +614,9 @@ def check_prompt_lengths(config: RunConfig) -> None:
     from ember_rollout.data import PromptEncoder, load_prompts
     from ember_rollout.tokenizer import load_tokenizer
 
-    tokenizer_dir = Path(data.tokenizer_path or model)
-    if not any((tokenizer_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return  # no tokenizer there: the run falls back to another; the engine checks lengths
+    tokenizer_dir = run_tokenizer_path(config)
+    if tokenizer_dir is None:
+        return  # the toy tokenizer: no real prompt file is written in its words
     encoder = PromptEncoder(
         load_tokenizer(tokenizer_dir),
         apply_chat_template=data.apply_chat_template,
