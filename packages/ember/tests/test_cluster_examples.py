@@ -56,6 +56,48 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
 """config.json of the checkpoints the examples name."""
 
 
+_SMOLLM2 = {
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "rms_norm_eps": 9.999999747378752e-06,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+    "vocab_size": 49152,
+}
+LOCAL_MODELS: dict[str, dict[str, Any]] = {
+    "models/smollm2": {
+        **_SMOLLM2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "head_dim": 64,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+    },
+    "models/smollm2-moe": {
+        **_SMOLLM2,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "head_dim": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+}
+"""config.json of the directories the real-model examples read, as `ember import-gguf smollm2`
+and `ember upcycle --experts 4 --top-k 2` write them (README: "A real model"); a fresh clone
+has none of them."""
+
+
 EXAMPLES = sorted(p.stem for p in EXAMPLES_DIR.glob("*.yaml"))
 """Every run config under examples/; a name ending in `_<N>gpu` is laid out for N GPUs, any
 other for the CPU."""
@@ -76,6 +118,11 @@ def materialise(node: Any, root: Path) -> Any:
         return {k: materialise(v, root) for k, v in node.items()}
     if isinstance(node, list):
         return [materialise(v, root) for v in node]
+    if isinstance(node, str) and node in LOCAL_MODELS:
+        target = root / node
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "config.json").write_text(json.dumps(LOCAL_MODELS[node]))
+        return str(target)
     if isinstance(node, str) and node.startswith(PLACEHOLDER):
         target = root / node.removeprefix(PLACEHOLDER)
         if target.name in CHECKPOINTS:
