@@ -1,17 +1,21 @@
 """The peer benchmarks' own parts, without TRL: arguments, the Ember -> TRL hyper-parameter
-mapping, TRL's reward function, the summaries of a run's records and the learning report."""
+mapping (the toy task's and a run config's), TRL's dataset and reward function, the summaries
+of a run's records (thresholds, first and last means, memory) and the learning report."""
 
 from __future__ import annotations
 
 import json
 import math
 import statistics
+import sys
 
 import pytest
-from tools_loader import load_tool
+from tools_loader import ROOT, load_tool
 
 bench_peer = load_tool("bench_peer")
 bench_learning = load_tool("bench_learning")  # imports bench_peer, registered just above
+figures = sys.modules["peer_figures"]  # as bench_peer imported it (one Threshold class)
+peer_trl = load_tool("peer_trl")
 
 DEFAULT_SETS = bench_peer.ember_overrides("copy", 3, 3, 200, None, [])
 
@@ -213,7 +217,7 @@ def test_trl_reward_calls_toy_score_with_the_stop_state():
 
     eos = toy_tokenizer().eos_token_id
     sink = []
-    reward = bench_peer.make_toy_reward(eos, sink)
+    reward = peer_trl.make_toy_reward(eos, sink)
     digits = [5, 3, 6]  # any non-EOS ids: only the last one's being EOS matters
     scores = reward(
         completions=["314", "314", "31"],
@@ -293,8 +297,351 @@ def test_peer_table_prints_spread_over_seeds_and_ratios():
     ]  # fmt: skip
     walls = {line[:34].strip(): line[34:].split() for line in in_turn.splitlines()[1:]}
     assert walls["whole command, wall (s)"] == ["300.0", "360.0", "100.0", "3.00", "3.60"]
-    assert bench_peer.fmt([1.0, None], 1) == "1.0 +- 0.0 (1/2)"
-    assert bench_peer.fmt([None], 1) == "- (0/1)" and bench_peer.ratio(1.0, None) == "-"
+    assert figures.fmt([1.0, None], 1) == "1.0 +- 0.0 (1/2)"
+    assert figures.fmt([None], 1) == "- (0/1)" and figures.ratio(1.0, None) == "-"
+
+
+# -- a run config's own work (--config) ---------------------------------------------------------
+
+ARITH_YAML = """
+run: {name: arith, num_rollouts: 40, save_interval: 20, keep_checkpoints: 1, eval_interval: 10,
+      eval_sets: {arith: examples/data/arith-eval.jsonl}}
+rollout: {rollout_batch_size: 8, n_samples_per_prompt: 4, temperature: 0.7,
+          max_response_len: 64, async: false}
+algorithm: {advantage_estimator: grpo, eps_clip: 0.2, eps_clip_high: 0.28, use_kl_loss: false,
+            use_rollout_log_probs: true}
+train:
+  hf_load: models/smollm2
+  num_steps_per_rollout: 1
+  micro_batch_size: 8
+  optimizer: {lr: 1.0e-5, lr_warmup_steps: 2, weight_decay: 0.0, clip_grad: 1.0}
+engine: {kind: hf, hf: {dtype: float32, max_batch_size: 32}}
+data: {prompt_data: examples/data/arith-train.jsonl}
+reward: {reward_fn: math}
+"""
+"""A real model's run config of the kind `examples/smollm2-arith.yaml` is, kept here so that the
+figures below do not follow that example's tuning."""
+
+
+@pytest.fixture
+def arith(tmp_path):
+    path = tmp_path / "arith.yaml"
+    path.write_text(ARITH_YAML)
+    return str(path)
+
+
+def arith_sets(config, rollouts=2, seed=1, user=()):
+    return bench_peer.ember_overrides(None, None, None, rollouts, seed, list(user), config=config)
+
+
+def test_config_arguments_take_the_configs_work_and_its_figures(arith):
+    args = bench_peer.parse_args(["--config", arith, "--seeds", "1", "2"])
+    assert args.config == arith and args.work == "arith" and args.task is None
+    assert args.rollouts == 40  # the config's run.num_rollouts
+    assert args.thresholds == [figures.Threshold(0.25, relative=True)]  # prompt data: its gain
+    assert (args.first, args.last) == (10, 10)
+    args = bench_peer.parse_args(
+        ["--config", arith, "--thresholds", "0.6", "+0.1", "--first", "5", "--last", "3"]
+    )
+    assert args.thresholds == [figures.Threshold(0.6), figures.Threshold(0.1, relative=True)]
+    assert (args.first, args.last) == (5, 3)
+    toy = bench_peer.parse_args([])
+    assert toy.thresholds == [figures.Threshold(0.5), figures.Threshold(0.9)] and toy.last == 20
+    example = bench_peer.parse_args(["--config", str(ROOT / "examples/smollm2-arith.yaml")])
+    assert example.config == "examples/smollm2-arith.yaml"  # as the commands (at the root) read it
+    for bad in (
+        ["--config", arith, "--task", "copy"],  # the toy task's flags do not apply
+        ["--config", arith, "--thresholds", "high"],
+        ["--config", arith, "--last", "0"],
+        ["--config", "examples/absent.yaml"],
+    ):
+        with pytest.raises(SystemExit):
+            bench_peer.parse_args(bad)
+
+
+def test_config_overrides_turn_evaluation_off_and_keep_a_constant_schedule(arith):
+    # The config evaluates every 10 rollouts (TRL would not) and its lr is constant after the
+    # warm-up (no decay horizon to set); no data.toy keys for a config's own prompts.
+    assert arith_sets(arith) == [
+        "run.num_rollouts=2",
+        "run.eval_interval=0",
+        "rollout.seed=1",
+        "train.seed=1",
+        "data.seed=1",
+    ]
+    own = arith_sets(arith, seed=None, user=["run.eval_interval=5"])
+    assert own == ["run.num_rollouts=2", "run.eval_interval=5"]
+    config = bench_peer.load_run_config(arith_sets(arith), arith)
+    assert config.run.eval_interval == 0 and config.data.prompt_data is not None
+
+
+def test_config_maps_to_the_same_grpo_settings_model_prompts_and_reward(arith):
+    mapping = bench_peer.trl_mapping(bench_peer.load_run_config(arith_sets(arith), arith), seed=1)
+    expected = {
+        "num_generations": 4,
+        "per_device_train_batch_size": 8,  # micro-batches of 8 ...
+        "gradient_accumulation_steps": 4,  # ... 4 of them in the one step over 8 x 4 samples
+        "steps_per_generation": 4,
+        "num_iterations": 1,
+        "max_steps": 2,
+        "temperature": 0.7,
+        "top_k": 0,
+        "max_completion_length": 64,
+        "epsilon": 0.2,
+        "epsilon_high": 0.28,
+        "beta": 0.0,
+        "loss_type": "grpo",  # Ember's per-sample token mean
+        "scale_rewards": "group",
+        "learning_rate": 1e-5,
+        "warmup_steps": 2,
+        "lr_scheduler_type": "cosine_warmup_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr_rate": 1.0},  # constant after the warm-up
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "bf16": False,
+        "use_cpu": True,
+        "use_vllm": False,
+        "seed": 1,
+        "eval_strategy": "no",
+        "save_steps": 20,
+    }
+    assert {k: mapping.kwargs[k] for k in expected} == expected
+    assert mapping.steps_per_rollout == 1
+    rows = {r.ember: r for r in mapping.rows}
+    model = rows["train.hf_load"]
+    assert (model.trl, model.trl_value) == ("model", "models/smollm2")
+    assert rows["data.tokenizer_path"].trl_value == "models/smollm2"  # hf_load's own tokenizer
+    assert rows["data.prompt_data"].trl == "train_dataset"
+    assert "conversational" in rows["data.prompt_data"].note
+    assert rows["reward.reward_fn"].trl_value == "Ember's math"
+    assert "train.model (+ model_overrides)" not in rows and "data.toy" not in rows
+    # One optimizer step per rollout: TRL runs no old-policy forward either.
+    assert "neither" in rows["algorithm.use_rollout_log_probs"].note
+    meta = bench_peer.trl_mapping(
+        bench_peer.load_run_config([*arith_sets(arith), "data.metadata_key=meta"], arith)
+    )
+    assert any(r.ember == "data.metadata_key" and r.trl_value == "meta" for r in meta.rows)
+    with pytest.raises(ValueError, match="reward_fn"):
+        bench_peer.trl_mapping(
+            bench_peer.load_run_config([*arith_sets(arith), "reward.reward_fn=nope"], arith)
+        )
+
+
+def test_the_smollm2_example_maps_with_its_own_values():
+    import yaml
+
+    example = "examples/smollm2-arith.yaml"
+    raw = yaml.safe_load((ROOT / example).read_text())
+    config = bench_peer.load_run_config(arith_sets(example), example)
+    kwargs = bench_peer.trl_mapping(config).kwargs
+    for key, trl in (("temperature", "temperature"), ("n_samples_per_prompt", "num_generations"),
+                     ("max_response_len", "max_completion_length")):  # fmt: skip
+        assert kwargs[trl] == raw["rollout"][key]
+    assert kwargs["learning_rate"] == raw["train"]["optimizer"]["lr"]
+    batch = kwargs["per_device_train_batch_size"] * kwargs["gradient_accumulation_steps"]
+    assert batch * raw["train"]["num_steps_per_rollout"] == (
+        raw["rollout"]["rollout_batch_size"] * raw["rollout"]["n_samples_per_prompt"]
+    )
+    rows = {r.ember: r for r in bench_peer.trl_mapping(config).rows}
+    assert rows["train.hf_load"].trl_value == raw["train"]["hf_load"]
+    assert rows["data.prompt_data"].ember_value == raw["data"]["prompt_data"]
+    assert rows["reward.reward_fn"].ember_value == raw["reward"]["reward_fn"]
+
+
+def test_trl_schedule_for_a_constant_lr_is_embers_step_for_step(arith):
+    pytest.importorskip("trl", reason="TRL is in the `peer` dependency group only")
+    import torch
+    from transformers import get_scheduler
+
+    sets = arith_sets(arith, rollouts=12)
+    kwargs = bench_peer.trl_mapping(bench_peer.load_run_config(sets, arith)).kwargs
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=kwargs["learning_rate"])
+    scheduler = get_scheduler(  # what transformers' Trainer builds from these fields
+        kwargs["lr_scheduler_type"],
+        optimizer,
+        num_warmup_steps=kwargs["warmup_steps"],
+        num_training_steps=kwargs["max_steps"],
+        scheduler_specific_kwargs=kwargs["lr_scheduler_kwargs"],
+    )
+    trl = []
+    for _ in range(kwargs["max_steps"]):
+        trl.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    # Ember's rule by hand: step s < 2 takes lr * (s + 1) / 2, then lr.
+    assert trl == pytest.approx([0.5e-5, 1e-5] + [1e-5] * 10, rel=1e-12)
+
+
+def test_trl_rows_hold_the_prompt_files_messages_and_labels():
+    from ember_rollout.data import PromptRecord, read_jsonl
+
+    records = read_jsonl(ROOT / "examples/data/arith-train.jsonl")
+    rows = peer_trl.trl_rows(records, chat=True)
+    assert len(rows) == len(records) == 1000
+    first = json.loads((ROOT / "examples/data/arith-train.jsonl").read_text().splitlines()[0])
+    assert rows[0] == {"prompt": first["prompt"], "label": first["label"]}  # conversational
+    text = [PromptRecord(prompt="copy 12", label="12", metadata={"k": 1})]
+    assert peer_trl.trl_rows(text, chat=True) == [
+        {"prompt": [{"role": "user", "content": "copy 12"}], "label": "12", "metadata": {"k": 1}}
+    ]  # a text prompt under a chat template: one user message, as Ember's encoder makes it
+    assert peer_trl.trl_rows(text, chat=False)[0]["prompt"] == "copy 12"
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} = {% endfor %}"
+    "{% if add_generation_prompt %}sort :{% endif %}"
+)
+
+
+def test_trl_prompt_ids_are_checked_against_embers_encoder():
+    from ember_rollout.data import PromptEncoder, PromptRecord
+    from ember_rollout.tokenizer import toy_tokenizer
+
+    tokenizer = toy_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    encoder = PromptEncoder(tokenizer)
+    records = [
+        PromptRecord(prompt=[{"role": "system", "content": "copy"}, {"role": "user", "content":
+                     "12"}], source="a.jsonl:1"),
+        PromptRecord(prompt="sort 31", source="a.jsonl:2"),
+    ]  # fmt: skip
+    rows = peer_trl.trl_rows(records, chat=encoder.use_template)
+    assert peer_trl.check_prompt_ids(rows, records, tokenizer, encoder) == 2
+    # Rows made without the template (text as it is) would reach the model differently.
+    plain = peer_trl.trl_rows(records[1:], chat=False)
+    with pytest.raises(ValueError, match="a.jsonl:2: TRL's prompt ids"):
+        peer_trl.check_prompt_ids(plain, records[1:], tokenizer, encoder)
+
+
+SEEN: list = []
+
+
+def _probe(sample):
+    SEEN.append(sample)
+    return float(len(sample.response))
+
+
+def _group_probe(samples):
+    SEEN.append([s.index for s in samples])
+    return [float(i) for i in range(len(samples))]
+
+
+def _register_probes():
+    from ember_rollout.rewards import REWARDS, RewardSpec
+
+    for name, fn, group in (("peer_bench_probe", _probe, False),
+                            ("peer_bench_group_probe", _group_probe, True)):  # fmt: skip
+        if name not in REWARDS:
+            REWARDS.add(name, RewardSpec(fn, group))
+
+
+def test_trl_reward_scores_ember_samples_of_conversational_completions():
+    from ember_core.types import SampleStatus
+    from ember_rollout.config import RewardConfig
+
+    _register_probes()
+    SEEN.clear()
+    sink = []
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    reward = peer_trl.make_ember_reward(
+        RewardConfig(reward_fn="peer_bench_probe"), {2}, group_size=2,
+        encode=lambda prompt: [7, 8, 9], sink=sink,
+    )  # fmt: skip
+    scores = reward(
+        prompts=[messages, messages],
+        completions=[[{"role": "assistant", "content": "4"}],
+                     [{"role": "assistant", "content": "four"}]],
+        completion_ids=[[5, 2], [5, 6, 6]],
+        label=["4", "4"],
+        metadata=[{"id": 1}, {"id": 1}],
+        trainer_state=None,
+    )  # fmt: skip
+    assert scores == [1.0, 4.0] and sink == [2.5]
+    first, second = sorted(SEEN, key=lambda s: s.index)
+    assert (first.response, first.label, first.metadata, first.prompt) == (
+        "4", "4", {"id": 1}, messages
+    )  # fmt: skip
+    assert first.tokens == [7, 8, 9, 5, 2] and first.response_length == 2
+    assert first.status == SampleStatus.COMPLETED  # ends with a stop id
+    assert second.status == SampleStatus.TRUNCATED and second.group_index == 0
+    # A group reward gets each prompt's completions together, in TRL's order.
+    SEEN.clear()
+    group = peer_trl.make_ember_reward(RewardConfig(reward_fn="peer_bench_group_probe"), {2},
+                                       group_size=2)  # fmt: skip
+    scores = group(completions=["1", "2", "3", "4"], completion_ids=[[1]] * 4,
+                   label=["x"] * 4)  # fmt: skip
+    assert scores == [0.0, 1.0, 0.0, 1.0] and sorted(SEEN) == [[0, 1], [2, 3]]
+
+
+# -- thresholds, first and last means, memory -------------------------------------------------
+
+
+def test_relative_threshold_first_and_last_means_and_memory():
+    rewards = [0.2] * 10 + [0.3, 0.5, 0.44, 0.46, 0.6]  # first-10 mean 0.2: the level is 0.45
+    memory = {"peak_all_mib": 3000.0, "processes": [{"pid": 9, "name": "x", "peak_mib": 1200.0}]}
+    records = bench_peer.rollout_records(synthetic_run(rewards), start=1000.0)
+    gain = figures.Threshold(0.25, relative=True)
+    summary = figures.summarize(records, 50.0, thresholds=[gain, figures.Threshold(0.55)],
+                                first=10, last=3, memory=memory)  # fmt: skip
+    assert summary["levels"] == {"+0.25": pytest.approx(0.45), "0.55": 0.55}
+    assert summary["reach"]["+0.25"] == (11, pytest.approx(12.0 + 2.0 * 11))
+    assert summary["reach"]["0.55"] == (14, pytest.approx(12.0 + 2.0 * 14))
+    assert figures.reach_of(summary, gain, 0) == 11 and figures.reach_of(summary, 0.55, 0) == 14
+    assert summary["first_reward"] == pytest.approx(0.2)
+    assert summary["last_reward"] == pytest.approx((0.44 + 0.46 + 0.6) / 3)
+    assert (summary["peak_rss_mib"], summary["peak_process_rss_mib"]) == (3000.0, 1200.0)
+    # Fewer rollouts than the first window: the level is over what there is; never reached.
+    short = figures.summarize(records[:2], 5.0, thresholds=[gain], first=10, last=3)
+    assert short["levels"]["+0.25"] == pytest.approx(0.45) and short["reach"]["+0.25"] is None
+    assert short["peak_rss_mib"] is None
+    for text, threshold in (("0.9", figures.Threshold(0.9)),
+                            ("+0.25", figures.Threshold(0.25, relative=True))):  # fmt: skip
+        assert figures.parse_threshold(text) == threshold
+    for bad in ("", "+", "nan", "high"):
+        with pytest.raises(ValueError, match="threshold"):
+            figures.parse_threshold(bad)
+
+
+def test_table_of_a_relative_threshold_with_first_last_and_memory():
+    def run(wall, jump, peak):
+        rewards = [0.1] * 10 + [0.1 if i < jump else 0.5 for i in range(10)]
+        records = bench_peer.rollout_records(synthetic_run(rewards), 1000.0)
+        memory = {"peak_all_mib": peak, "processes": [{"pid": 1, "name": "p", "peak_mib": peak}]}
+        return figures.summarize(records, wall, thresholds=figures.RELATIVE_THRESHOLDS,
+                                 first=10, last=10, memory=memory)  # fmt: skip
+
+    rows = figures.peer_rows(figures.RELATIVE_THRESHOLDS, first=10, last=10)
+    table = figures.peer_table({"ember": [run(300.0, 2, 4000.0)], "trl": [run(150.0, 4, 2000.0)]},
+                               rows)  # fmt: skip
+    lines = table.splitlines()
+    width = len("first rollout with reward >= first-10 + 0.25") + 2
+    cells = {line[:width].strip(): line[width:].split() for line in lines[1:]}
+    assert lines[0].split() == ["Ember", "TRL", "Ember/TRL"]
+    assert cells["first rollout with reward >= first-10 + 0.25"] == ["12.0", "14.0", "0.86"]
+    assert cells["mean reward, first 10 rollouts"] == ["0.100", "0.100", "1.00"]
+    assert cells["mean reward, last 10 rollouts"] == ["0.420", "0.340", "1.24"]
+    assert cells["peak RSS, all its processes (MiB)"] == ["4000", "2000", "2.00"]
+    assert cells["peak RSS, largest process (MiB)"] == ["4000", "2000", "2.00"]
+
+
+@pytest.mark.slow  # spawns processes
+def test_watch_command_samples_the_peak_rss_of_a_process_tree(tmp_path):
+    # A parent holding ~50 MiB starts a child that holds ~150 MiB; both stay for 3 s.
+    child = "b = bytearray(150 << 20); import time; time.sleep(3)"
+    parent = (
+        "import subprocess, sys; b = bytearray(50 << 20); "
+        f"subprocess.run([sys.executable, '-c', {child!r}], check=True)"
+    )
+    code, start, wall, memory = figures.watch_command(
+        [sys.executable, "-c", parent], cwd=tmp_path, log=tmp_path / "log", interval_s=0.2
+    )
+    assert code == 0 and wall >= 3.0 and start > 0
+    peaks = [p["peak_mib"] for p in memory["processes"]]
+    assert len(peaks) == 2 and peaks == sorted(peaks, reverse=True)
+    assert 150 <= peaks[0] < 300 and 50 <= peaks[1] < peaks[0]  # the child, then the parent
+    assert memory["peak_all_mib"] >= 200  # both at once
+    assert memory["samples"] >= 10
 
 
 # -- running in parts and the learning report ---------------------------------------------------
@@ -307,7 +654,7 @@ def test_kept_results_are_reused_only_for_the_same_overrides(tmp_path, monkeypat
     bench_peer.save_result(where / "ember", "ember", ["a=1"], ["cmd"], 40.0, records)
     ran = []
 
-    def fake_ember(where_, sets, side="ember"):
+    def fake_ember(where_, sets, side="ember", config=None):
         ran.append(sets)
         return {"records": records, "wall_s": 50.0}
 

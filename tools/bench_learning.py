@@ -27,16 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import bench_peer as peer
+import peer_figures as figures
 
 DEFAULT_TASKS = ("copy:3", "copy:2-4", "reverse:3", "sort:3")
 DEFAULT_SEEDS = (1, 2, 3)
 TASK = re.compile(r"^(copy|reverse|sort):(\d+)(?:-(\d+))?$")
 
 LEARNING_ROWS = (
-    (f"mean reward, last {peer.LAST} rollouts", lambda s: s["last_reward"], 3),
-    ("first rollout with reward >= 0.5", lambda s: peer.reach_of(s, 0.5, 0), 1),
-    ("first rollout with reward >= 0.9", lambda s: peer.reach_of(s, 0.9, 0), 1),
-    (f"largest fall below best, from {peer.DROP_AFTER}", lambda s: s["max_drop"], 3),
+    (f"mean reward, last {figures.LAST} rollouts", lambda s: s["last_reward"], 3),
+    ("first rollout with reward >= 0.5", lambda s: figures.reach_of(s, 0.5, 0), 1),
+    ("first rollout with reward >= 0.9", lambda s: figures.reach_of(s, 0.9, 0), 1),
+    (f"largest fall below best, from {figures.DROP_AFTER}", lambda s: s["max_drop"], 3),
 )
 
 
@@ -85,7 +86,7 @@ def task_summaries(out: Path, task: tuple[str, int, int], seeds: Sequence[int],
         for side in peer.SIDES:
             result = peer.load_result(where / side, sets_of(seed))
             found[side].append(
-                None if result is None else peer.summarize(result["records"], result["wall_s"])
+                None if result is None else figures.summarize(result["records"], result["wall_s"])
             )
     return found
 
@@ -97,16 +98,16 @@ def learning_table(found: dict[str, list[dict[str, Any] | None]], seeds: Sequenc
         cells, means = [], []
         for side in peer.SIDES:
             values = [get(s) for s in found[side] if s is not None]
-            cells.append(peer.fmt(values, digits) if values else "not run")
-            means.append(peer.spread(values)[0])
-        lines.append(f"{label:<38}{cells[0]:>22}{cells[1]:>22}{peer.ratio(*means):>11}")
+            cells.append(figures.fmt(values, digits) if values else "not run")
+            means.append(figures.spread(values)[0])
+        lines.append(f"{label:<38}{cells[0]:>22}{cells[1]:>22}{figures.ratio(*means):>11}")
     for side in peer.SIDES:
         per_seed = ", ".join(
             f"{seed}: " + ("-" if s is None else f"{s['last_reward']:.3f}")
             for seed, s in zip(seeds, found[side], strict=True)
         )
         lines.append(
-            f"  {'Ember' if side == 'ember' else 'TRL'} last-{peer.LAST} by seed: {per_seed}"
+            f"  {'Ember' if side == 'ember' else 'TRL'} last-{figures.LAST} by seed: {per_seed}"
         )
     return "\n".join(lines)
 

@@ -1,55 +1,81 @@
-"""Ember against TRL's GRPOTrainer on the same work: wall time, time to reward 0.9, s/rollout.
+"""Ember against TRL's GRPOTrainer on the same work: wall time, time to a reward, s/rollout.
 
     uv run python tools/bench_peer.py [--task copy|reverse|sort]
         [--min-digits N] [--max-digits N] [--rollouts N] [--seeds S ...] [--only ember|trl]
         [--out DIR] [--set key=value ...]
+    uv run python tools/bench_peer.py --config CONFIG [--rollouts N] [--seeds S ...] ...
+    either: [--thresholds T ...] [--first N] [--last N] [--no-in-turn]
 
 TRL lives in the `peer` dependency group, which the default install leaves out; when it is
 missing, the bench runs itself again through `uv run --group peer`, which installs it. Both
 sides run one after the other, each as a command of its own: Ember as `uv run ember train
---set ...` (the default config plus the bench's overrides), TRL as a fresh
-Python process driving `trl.GRPOTrainer`. Both start from the same weights (the `hf_init/`
-that Ember exports at the start of its run; with `--only trl`, an export of the same initial
-weights), the same toy tokenizer (saved in that directory), the same prompts
-(`make_toy_prompts` of the same `data.toy` section) and the same reward (`toy_score`, called
-from TRL's reward function). TRL's `GRPOConfig` is derived from the resolved Ember config; the
-bench prints every setting's mapping before it runs, and says where a setting cannot be mapped
-or where the two differ in detail. TRL gets its own CPU setup: no vLLM, `use_cpu`, fp32 (no
-bf16 autocast), no gradient checkpointing (it only trades time for memory).
+[CONFIG] --set ...` (the default config, or `--config`, plus the bench's overrides), TRL as a
+fresh Python process driving `trl.GRPOTrainer`. TRL's `GRPOConfig`, dataset and reward are
+derived from the resolved Ember config; the bench prints every setting's mapping before it
+runs, and says where a setting cannot be mapped or where the two differ in detail (Ember's
+per-sample token mean, `algorithm.loss_reduction=sample`, is TRL's `loss_type=grpo`; a constant
+rate after Ember's warm-up is TRL's `cosine_warmup_with_min_lr` with `min_lr_rate` 1, whose
+warm-up is Ember's, where `constant_with_warmup` would start from 0). TRL gets its own CPU
+setup: no vLLM, `use_cpu`, fp32 (no bf16 autocast), no gradient checkpointing (it only trades
+time for memory).
+
+Two kinds of work:
+
+- The toy task (default; `--task`, `--min-digits`, `--max-digits` pick it): a model from random
+  initialisation. Both start from the same weights (the `hf_init/` that Ember exports at the
+  start of its run; with `--only trl`, an export of the same initial weights) and the same toy
+  tokenizer (saved in that directory).
+- Any run config (`--config examples/smollm2-arith.yaml`): with `train.hf_load` (and no
+  `train.model_overrides`), TRL loads that same checkpoint directory and its tokenizer (or
+  `data.tokenizer_path`), in fp32; otherwise Ember's export, as above. Its prompts
+  are `data.prompt_data`'s, one row per line: chat messages become TRL's conversational
+  `prompt` column, so TRL formats them with the same tokenizer's chat template (the TRL process
+  checks the token ids against Ember's own encoding), and the label is a column. The bench turns
+  the config's evaluations off (`run.eval_interval=0`, unless `--set` gives it): TRL runs none.
+
+On both, TRL's reward function calls Ember's own (`reward.reward_fn`, through Ember's scorer,
+on each completion with its label; a completion stopped when it ends with a stop id), and the
+same prompts come from the same file or `data.toy` section (each side shuffles them with its own
+stream).
 
 Ember runs twice: its default overlapped loop, and its in-turn loop (`rollout.async=false`,
-which generates and then trains as TRL does; `--no-in-turn` skips it). The bench prints the
-machine it ran on (processor, vector extensions, cores, load) before and after. Per side it
-prints the whole command's wall time, the first rollout whose mean reward reaches 0.9 (its
-index, and the seconds from the command's start to the end of that rollout's training), the
-median seconds per rollout (from one rollout's end to the next), when rollout 0 was done
-(start-up included) and the mean reward over the last 20 rollouts, then each Ember loop's ratio
-to TRL. With several `--seeds` (each sets rollout.seed, train.seed and data.seed, so the initial
-weights change with it) it prints mean +- standard deviation over seeds. The bench sets
-`train.optimizer.lr_decay_steps` to rollouts x optimizer steps per rollout (800 for the default
-200 x 4), so both schedules decay over the run, unless `--set` gives it. `ray.threads_per_actor`
-also sets the TRL process's torch threads (unset: torch's default, one per core, as each Ember
-actor gets while rollout and training take turns). Time the two on an otherwise idle machine:
-when other processes hold the cores, torch's threads wait on each other (on a loaded 2-core
-machine one fwd+bwd of the tiny model over 64 samples took 3 s with 2 threads, 0.05 s with 1).
+which generates and then trains as TRL does; `--no-in-turn` skips it, and so does a config
+that is in turn already). The bench prints the machine it ran on (processor, vector
+extensions, cores, load) before and after. Per side it prints the whole command's wall time;
+for each threshold, the first rollout whose mean reward reaches it (its index, and the seconds
+from the command's start to the end of that rollout's training); the median seconds per rollout
+(from one rollout's end to the next); when rollout 0 was done (start-up included); the mean
+reward over the first `--first` (10) and the last `--last` rollouts; and the peak RSS of the
+command's processes (sampled every second from the bench's own process: for Ember the driver,
+Ray's processes and the actors; for TRL its process; on both the math reward's verifier), summed
+over them (shared pages count once per process) and of the largest one; then each Ember loop's
+ratio to TRL. Thresholds (`--thresholds`) are mean rewards (`0.9`) or a gain over the mean of
+the first rollouts (`+0.25`); the toy task's default is 0.5 and 0.9 with `--last 20`, prompt
+data's +0.25 with `--last 10` (a pretrained model starts where it is). With several `--seeds`
+(each sets rollout.seed, train.seed and data.seed, so the toy task's initial weights change
+with it) it prints mean +- standard deviation over seeds. For a decaying schedule the bench
+sets `train.optimizer.lr_decay_steps` to rollouts x optimizer steps per rollout (800 for the
+default 200 x 4), so both schedules decay over the run, unless `--set` gives it.
+`ray.threads_per_actor` also sets the TRL process's torch threads (unset: torch's default, one
+per core, as each Ember actor gets while rollout and training take turns). Time the two on an
+otherwise idle machine: when other processes hold the cores, torch's threads wait on each
+other (on a loaded 2-core machine one fwd+bwd of the tiny model over 64 samples took 3 s with 2
+threads, 0.05 s with 1).
 
-Runs go to `--out` (default runs/bench_peer-<timestamp>): per task and seed, Ember's run
-directory (`ember/`) and TRL's (`trl/`: its metrics in Ember's format, spec, checkpoints), each
-with a `result.json`, and both commands' logs. `tools/bench_learning.py` runs the learning
-comparison (several tasks x seeds) on the same code.
+Runs go to `--out` (default runs/bench_peer-<timestamp>): per task (`copy-3-3`, or the config's
+file name) and seed, Ember's run directory (`ember/`) and TRL's (`trl/`: its metrics in Ember's
+format, spec, checkpoints), each with a `result.json` (records, wall time, memory), and both
+commands' logs. `tools/bench_learning.py` runs the learning comparison (several toy tasks x
+seeds) on the same code.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
-import math
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -60,6 +86,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from machine import describe_machine  # noqa: E402
+from peer_figures import (  # noqa: E402
+    FIRST,
+    LAST,
+    LAST_PROMPT_DATA,
+    NAMES,
+    RELATIVE_THRESHOLDS,
+    THRESHOLDS,
+    parse_threshold,
+    peer_rows,
+    peer_table,
+    rollout_records,
+    summarize,
+    watch_command,
+)
 
 SIDES = ("ember", "trl")
 """The two sides every comparison runs (`tools/bench_learning.py` too)."""
@@ -67,13 +107,6 @@ IN_TURN = "ember_inturn"
 """Ember's in-turn loop (`rollout.async=false`: generate, then train, as TRL does), which
 bench_peer runs beside its overlapped default unless `--no-in-turn`."""
 IN_TURN_SETS = ("rollout.async=false",)
-NAMES = {"ember": "Ember", IN_TURN: "Ember in turn", "trl": "TRL"}
-THRESHOLDS = (0.5, 0.9)
-"""Mean rewards whose first crossing is reported."""
-LAST = 20
-"""Rollouts at the end whose mean reward is reported."""
-DROP_AFTER = 50
-"""The largest fall below the running best is measured from this rollout on."""
 RESULT = "result.json"
 
 
@@ -105,24 +138,75 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     return parser
 
 
+def _threshold(text: str):
+    try:
+        return parse_threshold(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The bench's arguments, with the task, digits and rollouts defaulting to the config's."""
-    args = build_parser().parse_args(argv)
+    """The bench's arguments: the toy task, digits and rollouts default to the config's, the
+    thresholds and the last-N window to the kind of work's (toy task or prompt data)."""
+    parser = build_parser()
+    parser.add_argument(
+        "--config", default=None, help="an Ember run config (its prompts, reward and settings)"
+    )
+    parser.add_argument("--thresholds", type=_threshold, nargs="+", default=None, metavar="T",
+                        help="mean rewards (0.9) or gains over the first mean (+0.25)")  # fmt: skip
+    parser.add_argument("--first", type=int, default=FIRST, metavar="N",
+                        help=f"rollouts of the first mean reward (default {FIRST})")  # fmt: skip
+    parser.add_argument("--last", type=int, default=None, metavar="N",
+                        help=f"rollouts of the last mean reward ({LAST}; {LAST_PROMPT_DATA} on "
+                        "prompt data)")  # fmt: skip
+    args = parser.parse_args(argv)
     if args.trl_worker or args.export_init:
         return args
-    base = load_run_config(args.set)
+    if args.config is not None:
+        given = [f for f in ("task", "min_digits", "max_digits") if getattr(args, f) is not None]
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')}: the toy task's; --config runs the "
+                         "config's own work")  # fmt: skip
+        args.config = config_argument(args.config)
+    try:
+        base = load_run_config(args.set, args.config)
+    except ValueError as exc:
+        parser.error(str(exc))
     toy = base.data.toy
-    args.task = args.task or toy.task
-    args.min_digits = toy.min_digits if args.min_digits is None else args.min_digits
-    args.max_digits = toy.max_digits if args.max_digits is None else args.max_digits
+    if args.config is None or base.data.prompt_data is None:
+        args.task = args.task or toy.task
+        args.min_digits = toy.min_digits if args.min_digits is None else args.min_digits
+        args.max_digits = toy.max_digits if args.max_digits is None else args.max_digits
+    prompt_data = base.data.prompt_data is not None
     args.rollouts = base.run.num_rollouts if args.rollouts is None else args.rollouts
-    if not 1 <= args.min_digits <= args.max_digits:
+    if args.thresholds is None:
+        args.thresholds = list(RELATIVE_THRESHOLDS if prompt_data else THRESHOLDS)
+    if args.last is None:
+        args.last = LAST_PROMPT_DATA if prompt_data else LAST
+    if args.task is not None and not 1 <= args.min_digits <= args.max_digits:
         raise SystemExit(f"digits {args.min_digits}-{args.max_digits}: expected 1 <= min <= max")
-    if args.rollouts < 1:
-        raise SystemExit(f"--rollouts {args.rollouts}: expected >= 1")
+    for flag in ("rollouts", "first", "last"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} {getattr(args, flag)}: expected >= 1")
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         raise SystemExit(f"--seeds {args.seeds}: each seed once")
+    if args.config is None:
+        args.work = f"{args.task}-{args.min_digits}-{args.max_digits}"
+        args.title = f"task {args.task}, {args.min_digits}-{args.max_digits} digits"
+    else:
+        args.work = Path(args.config).stem
+        data = base.data.prompt_data or f"the toy task {toy.task} {toy.min_digits}-{toy.max_digits}"
+        args.title = f"{args.config}: {data}, reward {base.reward.reward_fn}"
     return args
+
+
+def config_argument(text: str) -> str:
+    """A `--config` file as the commands (run from the repository root) read it: relative to
+    the root when it lies below it; an example's name stays as it is."""
+    path = Path(text).resolve()
+    if not path.is_file():
+        return text
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def set_args(sets: Sequence[str]) -> list[str]:
@@ -130,32 +214,43 @@ def set_args(sets: Sequence[str]) -> list[str]:
     return [arg for s in sets for arg in ("--set", s)]
 
 
-def load_run_config(overrides: Sequence[str]) -> Any:
+def load_run_config(overrides: Sequence[str], config: str | None = None) -> Any:
+    """The resolved Ember run config: `config` (None: the default one) with the overrides."""
     from ember.config import load_config
 
-    config, _ = load_config(None, overrides=list(overrides))
-    return config
+    run_config, _ = load_config(config, overrides=list(overrides))
+    return run_config
 
 
 def ember_overrides(
-    task: str,
-    min_digits: int,
-    max_digits: int,
+    task: str | None,
+    min_digits: int | None,
+    max_digits: int | None,
     rollouts: int,
     seed: int | None,
     user_sets: Sequence[str],
+    *,
+    config: str | None = None,
 ) -> list[str]:
-    """The `--set` list of one Ember run: task, length, schedule horizon and seeds, then the
-    user's own overrides (which win)."""
-    steps = load_run_config(user_sets).train.num_steps_per_rollout
-    sets = [
-        f"data.toy.task={task}",
-        f"data.toy.min_digits={min_digits}",
-        f"data.toy.max_digits={max_digits}",
-        f"run.num_rollouts={rollouts}",
-    ]
-    if not any(s.split("=", 1)[0].strip() == "train.optimizer.lr_decay_steps" for s in user_sets):
+    """The `--set` list of one Ember run of `config` (None: the default one): the toy task and
+    its length (`task` None: the config's own work), the run's length, the schedule's horizon,
+    no evaluation and the seeds, then the user's own overrides (which win)."""
+    base = load_run_config(user_sets, config)
+    steps = base.train.num_steps_per_rollout
+    own = {s.split("=", 1)[0].strip() for s in user_sets}
+    sets = []
+    if task is not None:
+        sets += [
+            f"data.toy.task={task}",
+            f"data.toy.min_digits={min_digits}",
+            f"data.toy.max_digits={max_digits}",
+        ]
+    sets.append(f"run.num_rollouts={rollouts}")
+    decays = base.train.optimizer.lr_decay_style != "constant"
+    if decays and "train.optimizer.lr_decay_steps" not in own:
         sets.append(f"train.optimizer.lr_decay_steps={rollouts * steps}")
+    if base.run.eval_interval and "run.eval_interval" not in own:
+        sets.append("run.eval_interval=0")  # TRL evaluates nothing here
     if seed is not None:
         sets += [f"rollout.seed={seed}", f"train.seed={seed}", f"data.seed={seed}"]
     return [*sets, *user_sets]
@@ -202,16 +297,24 @@ NOTES = {
     "loss_type": "grpo: mean over each sample's tokens, then over samples (bnpo: over tokens)",
     "cosine_warmup_with_min_lr": "same warm-up (step s: lr*(s+1)/warmup); TRL's cosine decay "
     "runs one step ahead",
-    "constant_with_warmup": "TRL warms up from lr 0 (lr*s/warmup)",
+    "(constant)": "the same: Ember's warm-up (step s: lr*(s+1)/warmup), then lr; TRL's cosine "
+    "from lr to min_lr = lr (its constant_with_warmup starts from lr 0)",
     "linear": "TRL warms up from lr 0 and decays to 0, not to min_lr",
     "max_steps": "rollouts x optimizer steps per rollout; TRL's schedule decays over it",
     "(max_steps)": "differs: Ember decays over lr_decay_steps, TRL over max_steps",
     "bf16": "fp32 weights and math on both sides",
     "model": "Ember's export of its initial weights (and toy tokenizer), loaded in fp32",
+    "(model)": "the same checkpoint directory Ember loads, in fp32",
+    "processing_class": "the same tokenizer directory (chat template, stop ids)",
     "use_vllm": "TRL generates with transformers' generate() on the policy it trains",
     "train_dataset": "make_toy_prompts of the same data.toy section",
+    "(train_dataset)": "each line's prompt as TRL's `prompt` column (chat messages: "
+    "conversational, the same chat template; token ids checked against Ember's) and label",
     "seed": "same initial weights (hf_init); the sampling and shuffling streams differ",
-    "reward_funcs": "Ember's own toy_score; stopped = the completion ends with EOS",
+    "(metadata)": "each line's metadata reaches the reward as its samples' metadata",
+    "(seed)": "same initial weights (train.hf_load); the sampling and shuffling streams differ",
+    "reward_funcs": "Ember's own function through its scorer, per completion with its label; "
+    "stopped = it ends with a stop id",
     "report_to": "Ember writes metrics.jsonl, TensorBoard events and plots; TRL its log only",
     "gradient_checkpointing": "TRL's default is on, which trades time for memory",
     "disable_dropout": "the model has no dropout anyway",
@@ -236,22 +339,33 @@ UNMAPPED = {
     "rollout.async": "TRL generates and trains in turn",
     "group_sampling.dynamic_filter": "TRL keeps every group",
     "plugins": "no TRL counterpart",
+    "run.eval_interval": "TRL evaluates nothing here (the bench sets 0 unless --set gives it)",
 }
 """Ember settings without a TRL counterpart, and why; listed when the config uses them."""
+ONE_STEP_LOG_PROBS = (
+    "neither runs a scoring forward: with one optimizer step per rollout TRL takes the "
+    "policy's own log-probs as the old ones (ratio 1), Ember the engine's (the same in fp32)"
+)
 
 
 def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
     """The GRPOConfig equivalent of a resolved Ember run config, line by line.
 
+    A line's note is the NOTES entry of its TRL setting (of the schedule's name for
+    lr_scheduler_type), or of the key `add` is given instead.
+
     Raises:
         ValueError: The config asks for something the comparison cannot hold (another
-            estimator, another task or reward, a batch that does not split evenly), naming it.
+            estimator, an unknown reward, a batch that does not split evenly), naming it.
     """
+    from ember_rollout.rewards import resolve_reward
+
     rows: list[Row] = []
     kwargs: dict[str, Any] = {}
 
-    def add(ember, ember_value, trl, trl_value, note=False, *, kwarg=True):
-        text = NOTES.get(trl_value if trl == "lr_scheduler_type" else trl, "") if note else ""
+    def add(ember, ember_value, trl, trl_value, note: bool | str = False, *, kwarg=True):
+        key = note if isinstance(note, str) else trl_value if trl == "lr_scheduler_type" else trl
+        text = NOTES.get(key, "") if note else ""
         rows.append(Row(ember, ember_value, trl, trl_value, text))
         if kwarg:
             kwargs[trl] = trl_value
@@ -266,11 +380,7 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
             f"algorithm.advantage_estimator={alg.advantage_estimator!r}: the peer bench compares "
             "GRPO only (TRL's GRPOTrainer)"
         )
-    if config.data.prompt_data is not None or config.reward.reward_fn != "toy":
-        raise ValueError(
-            "data.prompt_data, reward.reward_fn: the peer bench runs the toy task and reward "
-            f"(got {config.data.prompt_data!r}, {config.reward.reward_fn!r})"
-        )
+    resolve_reward(config.reward.reward_fn)  # TRL calls it: an unknown name fails here
     group, prompts = roll.n_samples_per_prompt, roll.rollout_batch_size
     samples, steps = prompts * group, train.num_steps_per_rollout
     if samples % steps:
@@ -285,7 +395,7 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
     beta = alg.kl_loss_coef if alg.use_kl_loss else 0.0
     schedule = {
         "cosine": "cosine_warmup_with_min_lr",
-        "constant": "constant_with_warmup",
+        "constant": "cosine_warmup_with_min_lr",  # with min_lr = lr: Ember's warm-up, then lr
         "linear": "linear",
     }[opt.lr_decay_style]
     aux = train.model_overrides.get("moe_aux_loss_coeff", 0.0)
@@ -323,15 +433,22 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
     add("algorithm.loss_reduction", alg.loss_reduction, "loss_type",
         {"sample": "grpo", "token": "bnpo"}[alg.loss_reduction], True)  # fmt: skip
     unmapped("algorithm.use_tis", True, alg.use_tis)
-    unmapped("algorithm.use_rollout_log_probs", True, alg.use_rollout_log_probs)
+    if alg.use_rollout_log_probs and steps == 1:
+        rows.append(Row("algorithm.use_rollout_log_probs", True, "-", "-", ONE_STEP_LOG_PROBS))
+    else:
+        unmapped("algorithm.use_rollout_log_probs", True, alg.use_rollout_log_probs)
     add("train.optimizer.lr", opt.lr, "learning_rate", opt.lr)
     add("train.optimizer.lr_warmup_steps", opt.lr_warmup_steps, "warmup_steps", opt.lr_warmup_steps)
-    add("train.optimizer.lr_decay_style", opt.lr_decay_style, "lr_scheduler_type", schedule, True)
-    if schedule == "cosine_warmup_with_min_lr":
+    constant = opt.lr_decay_style == "constant"
+    add("train.optimizer.lr_decay_style", opt.lr_decay_style, "lr_scheduler_type", schedule,
+        "(constant)" if constant else True)  # fmt: skip
+    if constant:
+        add("(no decay: min_lr = lr)", opt.lr, "lr_scheduler_kwargs", {"min_lr_rate": 1.0})
+    elif opt.lr_decay_style == "cosine":
         add("train.optimizer.min_lr", opt.min_lr, "lr_scheduler_kwargs", {"min_lr": opt.min_lr})
     else:
         unmapped("train.optimizer.min_lr", opt.min_lr, bool(opt.min_lr))
-    if opt.lr_decay_style != "constant":
+    if not constant:
         add("train.optimizer.lr_decay_steps", opt.lr_decay_steps, "(max_steps)", rollouts * steps,
             opt.lr_decay_steps != rollouts * steps, kwarg=False)  # fmt: skip
     add("train.optimizer.weight_decay", opt.weight_decay, "weight_decay", opt.weight_decay)
@@ -341,7 +458,15 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
     add("(torch AdamW on CPU)", "adamw", "optim", "adamw_torch")
     add("train.optimizer.clip_grad", opt.clip_grad, "max_grad_norm", opt.clip_grad)
     add("train.dtype", train.dtype, "bf16", train.dtype == "bfloat16", train.dtype == "float32")
-    add("train.model (+ model_overrides)", train.model, "model", "<run>/hf_init", True, kwarg=False)
+    data, checkpoint = config.data, starts_from_checkpoint(config)
+    if checkpoint:
+        add("train.hf_load", train.hf_load, "model", train.hf_load, "(model)", kwarg=False)
+        tokenizer = _run_tokenizer(config) or train.hf_load
+        add("data.tokenizer_path", data.tokenizer_path, "processing_class", tokenizer, True,
+            kwarg=False)  # fmt: skip
+    else:
+        add("train.model (+ model_overrides)", train.model, "model", "<run>/hf_init", True,
+            kwarg=False)  # fmt: skip
     kwargs["model_init_kwargs"] = {"dtype": "float32"}
     add("train.model_overrides.moe_aux_loss_coeff", aux, "router_aux_loss_coef", aux)
     add("engine.kind", config.engine.kind, "use_vllm", False, True)
@@ -350,17 +475,29 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
         add("engine.hf.dtype", config.engine.hf.dtype, "(samples with)", train.dtype, kwarg=False)
     else:
         unmapped("engine.hf.dtype", config.engine.hf.dtype, config.engine.kind == "hf")
-    add("data.toy", _toy_text(config.data.toy), "train_dataset", "same", True, kwarg=False)
-    add("data.shuffle", config.data.shuffle, "shuffle_dataset", config.data.shuffle)
-    add("rollout.seed, train.seed, data.seed", f"{roll.seed}, {train.seed}, {config.data.seed}",
-        "seed", roll.seed if seed is None else seed, True)  # fmt: skip
-    add("reward.reward_fn", "toy", "reward_funcs", "toy_score", True, kwarg=False)
+    if data.prompt_data is None:
+        add("data.toy", _toy_text(data.toy), "train_dataset", "same", True, kwarg=False)
+    else:
+        add("data.prompt_data", data.prompt_data, "train_dataset", "same", "(train_dataset)",
+            kwarg=False)  # fmt: skip
+        if data.metadata_key is not None:
+            add("data.metadata_key", data.metadata_key, "(metadata column)", data.metadata_key,
+                "(metadata)", kwarg=False)  # fmt: skip
+    add("data.shuffle", data.shuffle, "shuffle_dataset", data.shuffle)
+    add("rollout.seed, train.seed, data.seed", f"{roll.seed}, {train.seed}, {data.seed}",
+        "seed", roll.seed if seed is None else seed, "(seed)" if checkpoint else True)  # fmt: skip
+    add("reward.reward_fn", config.reward.reward_fn, "reward_funcs",
+        f"Ember's {config.reward.reward_fn}", True, kwarg=False)  # fmt: skip
     if run.save_interval:
         add("run.save_interval", run.save_interval, "save_steps", run.save_interval * steps)
         add("run.keep_checkpoints", run.keep_checkpoints, "save_total_limit", run.keep_checkpoints)
         kwargs["save_strategy"] = "steps"
     else:
         add("run.save_interval", 0, "save_strategy", "no")
+    if run.eval_interval:
+        unmapped("run.eval_interval", run.eval_interval, True)
+    else:
+        add("run.eval_interval", 0, "eval_strategy", "no")
     add("run.tensorboard, run.plot", f"{run.tensorboard}, {run.plot}", "report_to", "none", True)
     unmapped("ray.data_parallel", config.ray.data_parallel, config.ray.data_parallel > 1)
     threads = config.ray.threads_per_actor
@@ -373,6 +510,19 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
                          ("dataloader_num_workers", 0)):  # fmt: skip
         add("-", "-", field, value, True)
     return PeerMapping(rows=rows, kwargs=kwargs, steps_per_rollout=steps, threads=threads)
+
+
+def starts_from_checkpoint(config: Any) -> bool:
+    """Whether the run starts from a transformers checkpoint as it is (`train.hf_load`, no
+    `model_overrides`), which TRL then loads itself; otherwise TRL loads Ember's export of its
+    initial weights."""
+    return config.train.hf_load is not None and not config.train.model_overrides
+
+
+def _run_tokenizer(config: Any) -> str | None:
+    from ember.config import run_tokenizer_path
+
+    return run_tokenizer_path(config)
 
 
 def _toy_text(toy: Any) -> str:
@@ -396,116 +546,17 @@ def _show(value: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Summaries (pure: records in, figures out)
-# --------------------------------------------------------------------------------------------
-
-
-def rollout_records(
-    metrics: Sequence[dict[str, Any]], start: float
-) -> list[tuple[int, float, float]]:
-    """(rollout id, seconds from `start` to the record, mean reward) of each rollout record."""
-    out = [
-        (int(m["rollout_id"]), float(m["time"]) - start, float(m["rollout/rewards"]))
-        for m in metrics
-        if m.get("kind") == "rollout"
-    ]
-    return sorted(out)
-
-
-def summarize(records: Sequence[Sequence[float]], wall_s: float | None) -> dict[str, Any]:
-    """The figures of one run from its (rollout id, seconds since start, mean reward) records."""
-    if not records:
-        raise ValueError("no rollout records: the run finished no rollout")
-    ids = [int(r[0]) for r in records]
-    times = [float(r[1]) for r in records]
-    rewards = [float(r[2]) for r in records]
-    reach: dict[str, tuple[int, float] | None] = {}
-    for threshold in THRESHOLDS:
-        hit = next((i for i, r in enumerate(rewards) if r >= threshold), None)
-        reach[str(threshold)] = None if hit is None else (ids[hit], times[hit])
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    best, drop = -math.inf, 0.0
-    for rid, reward in zip(ids, rewards, strict=True):
-        if rid >= DROP_AFTER and best > -math.inf:
-            drop = max(drop, best - reward)
-        best = max(best, reward)
-    return {
-        "rollouts": len(records),
-        "wall_s": wall_s,
-        "first_done_s": times[0],
-        "median_s_per_rollout": statistics.median(gaps) if gaps else None,
-        "last_reward": statistics.fmean(rewards[-LAST:]),
-        "reach": reach,
-        "max_drop": drop if ids[-1] >= DROP_AFTER else None,
-    }
-
-
-def spread(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
-    """Mean and sample standard deviation of the values that exist, and how many exist."""
-    have = [float(v) for v in values if v is not None]
-    if not have:
-        return None, None, 0
-    return statistics.fmean(have), statistics.stdev(have) if len(have) > 1 else 0.0, len(have)
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
-
-
-def fmt(values: Sequence[float | None], digits: int) -> str:
-    mean, std, n = spread(values)
-    if mean is None:
-        return f"- (0/{len(values)})"
-    text = f"{mean:.{digits}f}" if len(values) == 1 else f"{mean:.{digits}f} +- {std:.{digits}f}"
-    return text if n == len(values) else f"{text} ({n}/{len(values)})"
-
-
-def reach_of(summary: dict[str, Any], threshold: float, part: int) -> float | None:
-    hit = summary["reach"][str(threshold)]
-    return None if hit is None else hit[part]
-
-
-PEER_ROWS = (
-    ("whole command, wall (s)", lambda s: s["wall_s"], 1),
-    ("first rollout with reward >= 0.9", lambda s: reach_of(s, 0.9, 0), 1),
-    ("  ... its end, s after start", lambda s: reach_of(s, 0.9, 1), 1),
-    ("median seconds per rollout", lambda s: s["median_s_per_rollout"], 3),
-    ("rollout 0 done, s after start", lambda s: s["first_done_s"], 1),
-    (f"mean reward, last {LAST} rollouts", lambda s: s["last_reward"], 3),
-)
-
-
-def peer_table(summaries: dict[str, list[dict[str, Any]]]) -> str:
-    """Each side's figures (mean +- std over seeds) and, with TRL there, each Ember loop's
-    ratio to TRL of the means."""
-    sides = [s for s in ("ember", IN_TURN, "trl") if summaries.get(s)]
-    against = [s for s in sides if s != "trl"] if "trl" in sides else []
-    ratio_names = {"ember": "Ember/TRL", IN_TURN: "in turn/TRL"}
-    lines = [
-        f"{'':<34}"
-        + "".join(f"{NAMES[s]:>22}" for s in sides)
-        + "".join(f"{ratio_names[s]:>13}" for s in against)
-    ]
-    for label, get, digits in PEER_ROWS:
-        values = {s: [get(x) for x in summaries[s]] for s in sides}
-        line = f"{label:<34}" + "".join(f"{fmt(values[s], digits):>22}" for s in sides)
-        trl = spread(values["trl"])[0] if against else None
-        line += "".join(f"{ratio(spread(values[s])[0], trl):>13}" for s in against)
-        lines.append(line)
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
 # Running the two sides
 # --------------------------------------------------------------------------------------------
 
 
+def work_dir(out: Path, work: str, seed: int | None) -> Path:
+    """Where one seed of one piece of work (`copy-3-3`, a config's file name) runs."""
+    return out / work / ("seed-config" if seed is None else f"seed{seed}")
+
+
 def task_dir(out: Path, task: str, min_digits: int, max_digits: int, seed: int | None) -> Path:
-    return (
-        out
-        / f"{task}-{min_digits}-{max_digits}"
-        / ("seed-config" if seed is None else f"seed{seed}")
-    )
+    return work_dir(out, f"{task}-{min_digits}-{max_digits}", seed)
 
 
 def read_metrics_file(run_dir: Path) -> list[dict[str, Any]]:
@@ -515,72 +566,93 @@ def read_metrics_file(run_dir: Path) -> list[dict[str, Any]]:
     return list(read_metrics(run_dir))
 
 
-def _run(cmd: list[str], log: Path) -> tuple[float, float]:
-    """Run `cmd` with its output in `log`; returns (start time, wall seconds)."""
+def _run(cmd: list[str], log: Path) -> tuple[float, float, dict[str, Any]]:
+    """Run `cmd` with its output in `log`; returns (start time, wall seconds, the memory
+    report of `watch_command`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as handle:
-        start = time.time()
-        code = subprocess.call(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT)
-        wall = time.time() - start
+    code, start, wall, memory = watch_command(cmd, cwd=ROOT, log=log)
     if code != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed (exit {code}); {log} ends with:\n{tail}")
-    return start, wall
+    return start, wall, memory
 
 
-def run_ember(where: Path, sets: list[str], side: str = "ember") -> dict[str, Any]:
-    """One Ember run in `where/<side>`: the default loop, or with `side` IN_TURN the in-turn
-    loop (`IN_TURN_SETS` on top of `sets`)."""
+def run_ember(
+    where: Path, sets: list[str], side: str = "ember", config: str | None = None
+) -> dict[str, Any]:
+    """One Ember run of `config` (None: the default) in `where/<side>`: the default loop, or
+    with `side` IN_TURN the in-turn loop (`IN_TURN_SETS` on top of `sets`)."""
     run_dir = where / side
     extra = list(IN_TURN_SETS) if side == IN_TURN else []
-    cmd = ["uv", "run", "ember", "train", *set_args([*sets, *extra, f"run.dir={run_dir}"])]
-    start, wall = _run(cmd, where / f"{side}.log")
+    cmd = ["uv", "run", "ember", "train", *([config] if config else []),
+           *set_args([*sets, *extra, f"run.dir={run_dir}"])]  # fmt: skip
+    start, wall, memory = _run(cmd, where / f"{side}.log")
     records = rollout_records(read_metrics_file(run_dir), start)
-    return save_result(run_dir, side, sets, cmd, wall, records)
+    return save_result(run_dir, side, sets, cmd, wall, records, config=config, memory=memory)
 
 
-def run_trl(where: Path, sets: list[str], seed: int | None) -> dict[str, Any]:
-    config = load_run_config(sets)
+def run_trl(
+    where: Path, sets: list[str], seed: int | None, config_path: str | None = None
+) -> dict[str, Any]:
+    config = load_run_config(sets, config_path)
     mapping = trl_mapping(config, seed=seed)
-    init = where / "ember" / "hf_init"
-    if not (init / "config.json").is_file() or not (init / "tokenizer_config.json").is_file():
-        init = where / "init"
-        if not (init / "tokenizer_config.json").is_file():
-            print(f"  exporting Ember's initial weights to {init}", flush=True)
-            cmd = [sys.executable, __file__, "--export-init", str(init), *set_args(sets)]
-            _run(cmd, where / "export.log")
+    if starts_from_checkpoint(config):
+        model = config.train.hf_load
+        tokenizer = _run_tokenizer(config) or model
+    else:
+        init = where / "ember" / "hf_init"
+        if not (init / "config.json").is_file() or not (init / "tokenizer_config.json").is_file():
+            init = where / "init"
+            if not (init / "tokenizer_config.json").is_file():
+                print(f"  exporting Ember's initial weights to {init}", flush=True)
+                cmd = [sys.executable, __file__, "--export-init", str(init), *set_args(sets),
+                       *(["--config", config_path] if config_path else [])]  # fmt: skip
+                _run(cmd, where / "export.log")
+        model = tokenizer = str(init)
     trl_dir = where / "trl"
     trl_dir.mkdir(parents=True, exist_ok=True)
     spec = {
-        "model": str(init),
+        "model": model,
+        "tokenizer": tokenizer,
         "dir": str(trl_dir),
-        "toy": dataclasses.asdict(config.data.toy),
+        "config": config_path,
+        "sets": list(sets),
         "steps_per_rollout": mapping.steps_per_rollout,
         "threads": mapping.threads,
         "grpo": {**mapping.kwargs, "output_dir": str(trl_dir / "trl_output")},
     }
     (trl_dir / "spec.json").write_text(json.dumps(spec, indent=2))
     cmd = [sys.executable, __file__, "--trl-worker", str(trl_dir / "spec.json")]
-    start, wall = _run(cmd, where / "trl.log")
+    start, wall, memory = _run(cmd, where / "trl.log")
     records = rollout_records(read_metrics_file(trl_dir), start)
-    return save_result(trl_dir, "trl", sets, cmd, wall, records)
+    return save_result(trl_dir, "trl", sets, cmd, wall, records, config=config_path,
+                       memory=memory)  # fmt: skip
 
 
 def save_result(directory: Path, side: str, sets: list[str], cmd: list[str], wall: float,
-                records: list) -> dict[str, Any]:  # fmt: skip
-    """Write one finished run's figures: its Ember overrides, command, wall time and records."""
-    result = {"side": side, "sets": sets, "command": cmd, "wall_s": wall, "records": records}
+                records: list, *, config: str | None = None,
+                memory: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Write one finished run's figures: its config and overrides, command, wall time, records
+    and memory report."""
+    result = {"side": side, "config": config, "sets": sets, "command": cmd, "wall_s": wall,
+              "records": records, "memory": memory}  # fmt: skip
     (directory / RESULT).write_text(json.dumps(result))
     return result
 
 
-def load_result(directory: Path, sets: list[str] | None = None) -> dict[str, Any] | None:
-    """A finished run's figures, if there are some (and, given `sets`, for those overrides)."""
+def load_result(
+    directory: Path, sets: list[str] | None = None, config: str | None = None
+) -> dict[str, Any] | None:
+    """A finished run's figures, if there are some (and, given `sets`, for that config and
+    those overrides)."""
     path = directory / RESULT
     if not path.is_file():
         return None
     result = json.loads(path.read_text())
-    return result if sets is None or result.get("sets") == list(sets) else None
+    if sets is None:
+        return result
+    same = result.get("sets") == list(sets) and result.get("config") == config
+    return result if same else None
 
 
 REEXEC_ENV = "EMBER_BENCH_PEER_GROUP"
@@ -611,115 +683,51 @@ def run_pair(
     *,
     reuse: bool = False,
     in_turn: bool = False,
+    config: str | None = None,
+    figures: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Ember (and with `in_turn` its in-turn loop), then TRL, on the same work in `where`
-    (results already there are kept when `reuse`); returns each side's summary."""
+    (results already there are kept when `reuse`); returns each side's summary (`figures`:
+    `summarize`'s thresholds, first and last)."""
     out = {}
     sides = ("ember", IN_TURN, "trl") if in_turn else SIDES
     for side in sides:
         if only not in (None, "ember" if side == IN_TURN else side):
             continue
         directory = where / side
-        result = load_result(directory, sets) if reuse else None
+        result = load_result(directory, sets, config) if reuse else None
         if result is None:
             print(f"  {NAMES[side]}: running ({where})", flush=True)
             shutil.rmtree(directory, ignore_errors=True)  # Ember appends to a metrics file
             if side == "trl":
-                result = run_trl(where, sets, seed)
+                result = run_trl(where, sets, seed, config)
             else:
-                result = run_ember(where, sets, side)
+                result = run_ember(where, sets, side, config)
         else:
             print(f"  {side}: kept ({directory / RESULT})", flush=True)
-        out[side] = summarize(result["records"], result["wall_s"])
+        out[side] = summarize(result["records"], result["wall_s"],
+                              memory=result.get("memory"), **(figures or {}))  # fmt: skip
     return out
 
 
 # --------------------------------------------------------------------------------------------
-# The two helper processes: TRL's training and the export of Ember's initial weights
+# The export of Ember's initial weights (TRL's process: peer_trl.py)
 # --------------------------------------------------------------------------------------------
 
 
-def make_toy_reward(eos_token_id: int, sink: list[float] | None = None):
-    """TRL's reward function for the toy task: Ember's `toy_score` on each completion, which
-    counts as stopped when it ends with EOS. Appends each call's mean (one call per rollout)
-    to `sink`."""
-    from ember_rollout.toy_task import toy_score
-
-    def toy(completions, completion_ids, label, **_):
-        scores = [
-            toy_score(text, str(answer), stopped=bool(ids) and ids[-1] == eos_token_id)
-            for text, ids, answer in zip(completions, completion_ids, label, strict=True)
-        ]
-        if sink is not None:
-            sink.append(statistics.fmean(scores))
-        return scores
-
-    return toy
-
-
-def trl_worker(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    if spec["threads"]:
-        import torch
-
-        torch.set_num_threads(spec["threads"])
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from ember_rollout.config import ToyTaskConfig
-    from ember_rollout.toy_task import make_toy_prompts
-
-    steps = spec["steps_per_rollout"]
-    metrics = (Path(spec["dir"]) / "metrics.jsonl").open("w")
-    rewards: list[float] = []
-
-    class RolloutClock(TrainerCallback):
-        """One Ember-shaped record at the end of each rollout's last optimizer step."""
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step % steps == 0:
-                rid = state.global_step // steps - 1
-                record = {
-                    "kind": "rollout",
-                    "rollout_id": rid,
-                    "step": rid,
-                    "time": time.time(),
-                    "rollout/rewards": rewards[rid],
-                }
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"], padding_side="left")
-    args = GRPOConfig(**spec["grpo"])
-    expected = spec["grpo"]["per_device_train_batch_size"] * spec["grpo"]["steps_per_generation"]
-    assert args.generation_batch_size == expected, (args.generation_batch_size, expected)
-    dataset = Dataset.from_list(make_toy_prompts(ToyTaskConfig(**spec["toy"])))
-    trainer = GRPOTrainer(
-        model=spec["model"],
-        reward_funcs=make_toy_reward(tokenizer.eos_token_id, rewards),
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[RolloutClock()],
-    )
-    trainer.train()
-    metrics.close()
-
-
-def export_init(path: str, sets: list[str]) -> None:
+def export_init(path: str, sets: list[str], config_path: str | None = None) -> None:
     """Write the initial weights an Ember run with these overrides starts from, as its driver
     does (the actor's export plus the tokenizer), without running it."""
-    from ember.config import load_config
+    from ember.config import load_config, run_tokenizer_path
     from ember_megatron_backend.parallel import init_distributed
     from ember_megatron_backend.worker import MegatronWorker
     from ember_rollout.tokenizer import save_tokenizer_for_model
 
-    config, plugins = load_config(None, overrides=sets)
+    config, plugins = load_config(config_path, overrides=sets)
     init_distributed(config.train.parallel)
     worker = MegatronWorker(config.train, config.algorithm, config.rollout, plugins)
     worker.export_hf(Path(path))
-    save_tokenizer_for_model(config.data.tokenizer_path, path)
+    save_tokenizer_for_model(run_tokenizer_path(config), path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -730,39 +738,47 @@ def export_init(path: str, sets: list[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     args = parse_args(argv)
     if args.trl_worker:
+        from peer_trl import trl_worker
+
         trl_worker(args.trl_worker)
         return {}
     if args.export_init:
-        export_init(args.export_init, args.set)
+        export_init(args.export_init, args.set, args.config)
         return {}
     if args.only != "ember":
         require_trl()
     out = args.out or ROOT / "runs" / f"bench_peer-{time.strftime('%Y%m%d-%H%M%S')}"
     seeds = args.seeds or [None]
-    first = ember_overrides(
-        args.task, args.min_digits, args.max_digits, args.rollouts, seeds[0], args.set
-    )
+
+    def sets_for(seed: int | None) -> list[str]:
+        return ember_overrides(args.task, args.min_digits, args.max_digits, args.rollouts, seed,
+                               args.set, config=args.config)  # fmt: skip
+
+    first = sets_for(seeds[0])
+    # A config that already generates and trains in turn would run the same loop twice.
+    in_turn = args.in_turn and load_run_config(first, args.config).rollout.async_
     print(f"machine: {describe_machine()}")
     print(
-        f"task {args.task}, {args.min_digits}-{args.max_digits} digits, {args.rollouts} "
-        f"rollouts, seeds {args.seeds or 'of the config'}; output in {out}"
+        f"{args.title}, {args.rollouts} rollouts, seeds {args.seeds or 'of the config'}; "
+        f"output in {out}"
     )
-    print(f"Ember: uv run ember train {' '.join('--set ' + s for s in first)}")
-    print(format_mapping(trl_mapping(load_run_config(first), seed=seeds[0])))
+    print(f"Ember: uv run ember train {args.config + ' ' if args.config else ''}"
+          f"{' '.join('--set ' + s for s in first)}")  # fmt: skip
+    print(format_mapping(trl_mapping(load_run_config(first, args.config), seed=seeds[0])))
+    figures = {"thresholds": args.thresholds, "first": args.first, "last": args.last}
     summaries: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
     for seed in seeds:
-        sets = ember_overrides(
-            args.task, args.min_digits, args.max_digits, args.rollouts, seed, args.set
-        )
-        where = task_dir(out, args.task, args.min_digits, args.max_digits, seed)
-        for side, summary in run_pair(where, sets, seed, args.only, in_turn=args.in_turn).items():
+        where = work_dir(out, args.work, seed)
+        pair = run_pair(where, sets_for(seed), seed, args.only, in_turn=in_turn,
+                        config=args.config, figures=figures)  # fmt: skip
+        for side, summary in pair.items():
             summaries.setdefault(side, []).append(summary)
     print()
     print(
-        f"{args.task} {args.min_digits}-{args.max_digits} digits, {args.rollouts} rollouts, "
-        f"{len(seeds)} seed(s) ({' '.join(map(str, args.seeds)) if args.seeds else 'config'}):"
+        f"{args.title}, {args.rollouts} rollouts, {len(seeds)} seed(s) "
+        f"({' '.join(map(str, args.seeds)) if args.seeds else 'config'}):"
     )
-    print(peer_table(summaries))
+    print(peer_table(summaries, peer_rows(args.thresholds, args.first, args.last)))
     print(f"machine at the end: {describe_machine()}")
     return summaries
 
