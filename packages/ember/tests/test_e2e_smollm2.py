@@ -162,3 +162,63 @@ def test_seed_scenario_on_the_upcycled_moe_with_the_real_sglang_server(moe, tmp_
         short=False,
     )
     check_wrong_reference_stops(wrong, tmp_path / "wrong")
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(
+    not sglang_cpu.sglang_installed(), reason=f"needs SGLang: {sglang_cpu.EXTRA_HINT}"
+)
+def test_the_real_sglang_server_scores_smollm2_as_transformers_does(smollm2, tmp_path):
+    """SGLang 0.5.23 serves the imported checkpoint (tied embeddings, llama) in fp32; its
+    log-probs of its own greedy answers to chat prompts are transformers' to fp32 rounding
+    accumulated over 30 layers of different kernels (SGLang's torch_native attention against
+    transformers' SDPA): measured 1.4e-5 at most over 24 tokens, so 5e-5."""
+    import asyncio
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ember_rollout.config import SGLangEngineConfig
+    from ember_rollout.engine import GenerateRequest, SamplingParams
+    from ember_rollout.sglang_engine import SGLangEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    questions = ["What is 7 + 5? Put the final answer in \\boxed{}.", "What is 36 - 20?"]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True
+        )["input_ids"]
+        for q in questions
+    ]
+    requests = [
+        GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=12, top_k=1))
+        for p in prompts
+    ]
+    engine = SGLangEngine(
+        SGLangEngineConfig(
+            model_path=str(smollm2),
+            device="cpu",
+            dtype="float32",
+            server_args=["--log-level", "warning"],
+            launch_timeout_s=600.0,
+            log_dir=str(tmp_path / "logs"),
+        )
+    )
+
+    async def generate():
+        try:
+            return await engine.generate(requests)
+        finally:
+            await engine.shutdown()
+
+    outputs = asyncio.run(generate())
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    for prompt, result in zip(prompts, outputs, strict=True):
+        assert len(result.output_ids) > 3
+        tokens = prompt + result.output_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokens])).logits[0].double()
+        rows = logits[len(prompt) - 1 : -1].log_softmax(-1)
+        want = rows.gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+        got = torch.tensor(result.output_log_probs, dtype=torch.float64)
+        assert (got - want).abs().max() < 5e-5, (got - want).abs().max()
