@@ -172,7 +172,7 @@ def test_the_real_sglang_server_scores_smollm2_as_transformers_does(smollm2, tmp
     """SGLang 0.5.23 serves the imported checkpoint (tied embeddings, llama) in fp32; its
     log-probs of its own greedy answers to chat prompts are transformers' to fp32 rounding
     accumulated over 30 layers of different kernels (SGLang's torch_native attention against
-    transformers' SDPA): measured 1.4e-5 at most over 24 tokens, so 5e-5."""
+    transformers' SDPA): measured 1.4e-5 at most, so 5e-5."""
     import asyncio
 
     import torch
