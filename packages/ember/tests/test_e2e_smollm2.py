@@ -102,7 +102,12 @@ def seed_scenario(model: Path, *extra: str) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def check_seed_scenario(run: subprocess.CompletedProcess, run_dir: Path) -> None:
+def run_seed_scenario(moe: tuple[Path, Path], tmp_path: Path, *engine: str) -> None:
+    """The seed scenario on `moe`'s first model with the engine `engine` sets, then again with
+    the second model as the reference, which the checker must stop at rollout 0."""
+    model, other = moe
+    run_dir = tmp_path / "right"
+    run = ember(*seed_scenario(model, *engine), run_dir=run_dir, timeout=1500, short=False)
     assert run.returncode == 0, run.stderr[-3000:]
     rollouts = records(run_dir, "rollout")
     assert [r.get("rollout/audit") for r in rollouts] == [1.0, 1.0]
@@ -121,25 +126,19 @@ def check_seed_scenario(run: subprocess.CompletedProcess, run_dir: Path) -> None
     config = json.loads((run_dir / "hf_init" / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"]
     assert (run_dir / "hf_init" / "chat_template.jinja").is_file()  # the model's tokenizer
-
-
-def check_wrong_reference_stops(run: subprocess.CompletedProcess, run_dir: Path) -> None:
-    assert run.returncode != 0
-    assert "ref_replayed_log_probs failed at rollout 0" in run.stderr, run.stderr[-3000:]
-    assert records(run_dir, "train") == []
-
-
-def test_seed_scenario_on_the_upcycled_moe_with_the_embedded_engine(moe, tmp_path):
-    model, other = moe
-    right = ember(*seed_scenario(model), run_dir=tmp_path / "right", timeout=1500, short=False)
-    check_seed_scenario(right, tmp_path / "right")
     wrong = ember(
-        *seed_scenario(model, "--set", f"train.ref_load={other}"),
+        *seed_scenario(model, *engine, "--set", f"train.ref_load={other}"),
         run_dir=tmp_path / "wrong",
         timeout=1500,
         short=False,
     )
-    check_wrong_reference_stops(wrong, tmp_path / "wrong")
+    assert wrong.returncode != 0
+    assert "ref_replayed_log_probs failed at rollout 0" in wrong.stderr, wrong.stderr[-3000:]
+    assert records(tmp_path / "wrong", "train") == []
+
+
+def test_seed_scenario_on_the_upcycled_moe_with_the_embedded_engine(moe, tmp_path):
+    run_seed_scenario(moe, tmp_path)
 
 
 @pytest.mark.sglang
@@ -147,21 +146,9 @@ def test_seed_scenario_on_the_upcycled_moe_with_the_embedded_engine(moe, tmp_pat
     not sglang_cpu.sglang_installed(), reason=f"needs SGLang: {sglang_cpu.EXTRA_HINT}"
 )
 def test_seed_scenario_on_the_upcycled_moe_with_the_real_sglang_server(moe, tmp_path):
-    model, other = moe
-    sglang = ("--set", "engine.kind=sglang")
-    right = ember(
-        *seed_scenario(model, *sglang), run_dir=tmp_path / "right", timeout=1500, short=False
-    )
-    check_seed_scenario(right, tmp_path / "right")
+    run_seed_scenario(moe, tmp_path, "--set", "engine.kind=sglang")
     (log,) = (tmp_path / "right" / "sglang").glob("sglang-0-*.log")
     assert "update_weights_from_distributed" in log.read_text()  # pushed by broadcast
-    wrong = ember(
-        *seed_scenario(model, *sglang, "--set", f"train.ref_load={other}"),
-        run_dir=tmp_path / "wrong",
-        timeout=1500,
-        short=False,
-    )
-    check_wrong_reference_stops(wrong, tmp_path / "wrong")
 
 
 @pytest.mark.sglang

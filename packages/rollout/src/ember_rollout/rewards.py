@@ -373,14 +373,20 @@ def math_reward(sample: Sample) -> float:
     Raises:
         ValueError: The sample has no label (naming it): a math reward needs the reference.
     """
+    return _verified(sample, sample.response, _reference(sample, "math"))
+
+
+def _reference(sample: Sample, reward: str) -> Any:
+    """The sample's label, which a math reward compares with; a missing or blank one is an
+    error naming the sample."""
     label = sample.label
     if label is None or (isinstance(label, str) and not label.strip()):
         raise ValueError(
-            f"sample {sample.index} (group {sample.group_index}): the math reward needs the "
-            f"reference answer as its label, got {label!r} (data.label_key names the key of "
-            "the prompt file that holds it)"
+            f"sample {sample.index} (group {sample.group_index}): the {reward} reward needs "
+            f"the reference answer as its label, got {label!r} (data.label_key names the key "
+            "of the prompt file that holds it)"
         )
-    return _verified(sample, sample.response, label)
+    return label
 
 
 def _verified(sample: Sample, answer: str, label: Any) -> float:
@@ -401,13 +407,7 @@ def math_boxed_reward(sample: Sample) -> float:
     Raises:
         ValueError: The sample has no label (naming it).
     """
-    label = sample.label
-    if label is None or (isinstance(label, str) and not label.strip()):
-        raise ValueError(
-            f"sample {sample.index} (group {sample.group_index}): the math_boxed reward needs "
-            f"the reference answer as its label, got {label!r} (data.label_key names the key "
-            "of the prompt file that holds it)"
-        )
+    label = _reference(sample, "math_boxed")
     boxed = _boxed(sample.response)
     if boxed is None or not boxed.strip():
         return 0.0
