@@ -87,6 +87,8 @@ from operator import mul
 
 import torch
 
+from ember_megatron_backend import comm
+
 __all__ = [
     "apply_cpu_patches",
     "cpu_patches_applied",
@@ -297,5 +299,4 @@ def _setup_embeddings_and_output_layer(self) -> None:
     finally:
         del self._is_in_embd_group
     if any(reached):
-        weight = self.shared_embedding_or_output_weight()
-        torch.distributed.all_reduce(weight.data, group=self.embd_group)
+        comm.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
