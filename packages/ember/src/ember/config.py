@@ -539,7 +539,7 @@ def check_inputs(config: RunConfig) -> None:
                 "engine.kind=sglang launches SGLang servers, but sglang is not installed in "
                 f"this environment: {sglang_cpu.EXTRA_HINT}"
             )
-    load_prompts(config.data)
+    records = load_prompts(config.data)
     if config.run.eval_interval:
         load_eval_sets(config.run.eval_sets, config.data, prompts=config.run.eval_prompts)
     resolve_reward(config.reward.reward_fn)
@@ -561,7 +561,7 @@ def check_inputs(config: RunConfig) -> None:
             )
     # A tensor-parallel size the heads do not divide would fail in every rank, after Ray started.
     config.train.check_parallel()
-    check_prompt_lengths(config)
+    check_prompt_lengths(config, records)
 
 
 def run_tokenizer_path(config: RunConfig) -> str | None:
@@ -578,7 +578,7 @@ def run_tokenizer_path(config: RunConfig) -> str | None:
     return None
 
 
-def check_prompt_lengths(config: RunConfig) -> None:
+def check_prompt_lengths(config: RunConfig, records: Sequence[Any] | None = None) -> None:
     """Refuse, before any process starts, a prompt longer than the model's context allows.
 
     Applies where the run starts from a transformers checkpoint (`train.hf_load`) whose
@@ -586,7 +586,8 @@ def check_prompt_lengths(config: RunConfig) -> None:
     `data.tokenizer_path`) encodes the prompts, and `data.overlong_prompt` is "error": every
     prompt of `data.prompt_data` is encoded as the rollout will encode it (chat template
     included) and compared with `data.max_prompt_len`, or the context minus
-    `rollout.max_response_len`. Otherwise the engine refuses at the first rollout.
+    `rollout.max_response_len`. Otherwise the engine refuses at the first rollout. `records`:
+    the prompts already read (`check_inputs` reads the file once); None reads them.
 
     Raises:
         ValueError: One line naming the prompt (file:line), its length and the limit.
@@ -621,7 +622,7 @@ def check_prompt_lengths(config: RunConfig) -> None:
         load_tokenizer(tokenizer_dir),
         apply_chat_template=data.apply_chat_template,
     )
-    for record in load_prompts(data):
+    for record in load_prompts(data) if records is None else records:
         ids = encoder.encode(record)
         if ids is not None and len(ids) > limit:
             raise ValueError(
