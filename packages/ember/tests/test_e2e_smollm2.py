@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import generate_with_sglang
 from test_e2e import ember, records
 
 from ember_rollout import sglang_cpu
@@ -160,14 +161,10 @@ def test_the_real_sglang_server_scores_smollm2_as_transformers_does(smollm2, tmp
     log-probs of its own greedy answers to chat prompts are transformers' to fp32 rounding
     accumulated over 30 layers of different kernels (SGLang's torch_native attention against
     transformers' SDPA): measured 1.4e-5 at most, so 5e-5."""
-    import asyncio
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ember_rollout.config import SGLangEngineConfig
     from ember_rollout.engine import GenerateRequest, SamplingParams
-    from ember_rollout.sglang_engine import SGLangEngine
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     questions = ["What is 7 + 5? Put the final answer in \\boxed{}.", "What is 36 - 20?"]
@@ -181,24 +178,7 @@ def test_the_real_sglang_server_scores_smollm2_as_transformers_does(smollm2, tmp
         GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=12, top_k=1))
         for p in prompts
     ]
-    engine = SGLangEngine(
-        SGLangEngineConfig(
-            model_path=str(smollm2),
-            device="cpu",
-            dtype="float32",
-            server_args=["--log-level", "warning"],
-            launch_timeout_s=600.0,
-            log_dir=str(tmp_path / "logs"),
-        )
-    )
-
-    async def generate():
-        try:
-            return await engine.generate(requests)
-        finally:
-            await engine.shutdown()
-
-    outputs = asyncio.run(generate())
+    outputs = generate_with_sglang(smollm2, requests, tmp_path / "logs")
     hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     for prompt, result in zip(prompts, outputs, strict=True):
         assert len(result.output_ids) > 3

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from conftest import generate_with_sglang
 from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
@@ -298,15 +299,11 @@ def test_real_sglang_serves_it_as_transformers_does(dense, tmp_path):
     """SGLang 0.5.23 never ties Mixtral's output layer (srt/models/mixtral.py): the untied
     checkpoint is what makes it agree with transformers. fp32 server against fp32 transformers,
     different kernels: 1e-5 as in the rollout package's real-server tests (measured 5e-7)."""
-    import asyncio
-
     from ember_rollout import sglang_cpu
 
     if not sglang_cpu.sglang_installed():
         pytest.skip(f"needs SGLang: {sglang_cpu.EXTRA_HINT}")
-    from ember_rollout.config import SGLangEngineConfig
     from ember_rollout.engine import GenerateRequest, SamplingParams
-    from ember_rollout.sglang_engine import SGLangEngine
 
     path, _ = dense
     out = upcycle(path, tmp_path / "moe", experts=4, top_k=2, noise=0.05, router_std=0.5).path
@@ -319,24 +316,9 @@ def test_real_sglang_serves_it_as_transformers_does(dense, tmp_path):
         )
         for p in prompts
     ]
-    engine = SGLangEngine(
-        SGLangEngineConfig(
-            model_path=str(out),
-            device="cpu",
-            dtype="float32",
-            server_args=["--enable-return-routed-experts", "--log-level", "warning"],
-            launch_timeout_s=600.0,
-            log_dir=str(tmp_path / "logs"),
-        )
+    outputs = generate_with_sglang(
+        out, requests, tmp_path / "logs", "--enable-return-routed-experts"
     )
-
-    async def generate():
-        try:
-            return await engine.generate(requests)
-        finally:
-            await engine.shutdown()
-
-    outputs = asyncio.run(generate())
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     for prompt, result in zip(prompts, outputs, strict=True):
         tokens = prompt + result.output_ids
