@@ -131,6 +131,10 @@ def test_cpu_dry_run_passes_every_part_with_its_figures(tmp_path):
     offload, ipc, broadcast = (figures[k] for k in ("offload_checkpoint", "ipc", "broadcast_hf"))
     actor_bytes = ipc["bucket_bytes"]
     assert offload["optimizer"] == "torch_adamw" and offload["offload_device"] == "cpu"
+    # The CPU's AdamW went through megatron-core's ChainedOptimizer, as a GPU run's optimizer
+    # does: its two moments and step for every actor parameter were perturbed through it.
+    assert offload["optimizer_class"] == "ChainedOptimizer"
+    assert offload["optimizer_state_tensors_perturbed"] == 3 * offload["parameters"]
     assert offload["freed_weight_bytes"] == 2 * actor_bytes
     # AdamW's two moments and the fp32 gradient buffer: three actor-sized storages, plus steps.
     assert 3 * actor_bytes <= offload["freed_training_state_bytes"] < 3 * actor_bytes + 4096
@@ -152,6 +156,43 @@ def test_cpu_dry_run_passes_every_part_with_its_figures(tmp_path):
     assert broadcast["buckets"] >= max(2, -(-broadcast["broadcast_bytes"] // (256 << 10)))
     assert broadcast["served_version"] == "1" and broadcast["mismatched"] == []
     assert broadcast["engine_device"] == "cpu"
+
+
+def load_device_check_parts():
+    load_device_check()  # puts tools/ on sys.path
+    import device_check_parts
+
+    return device_check_parts
+
+
+def test_the_offload_part_reaches_optimizer_state_as_megatron_cores_optimizer_offers_it():
+    """On a GPU the optimizer is megatron-core 0.16.1's `ChainedOptimizer`
+    (`get_megatron_optimizer`, optimizer/__init__.py 689), whose `state` is a `ProxyDict`
+    with `items()` and no `values()` (optimizer/optimizer.py 1038-1073, 1125-1131). The real
+    class, built here on the CPU around torch's AdamW as the dry run builds it, must take the
+    offload part's perturbation and hand its state dict through unchanged."""
+    import torch
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, ProxyDict
+
+    parts = load_device_check_parts()
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2))]
+    adamw = torch.optim.AdamW(params, lr=0.1)
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    adamw.step()
+    chained = parts.as_chained_optimizer(adamw)
+    assert isinstance(chained, ChainedOptimizer) and parts.as_chained_optimizer(chained) is chained
+    assert isinstance(chained.state, ProxyDict) and not hasattr(chained.state, "values")
+    before = {id(p): {k: v.clone() for k, v in adamw.state[p].items()} for p in params}
+
+    # step, exp_avg and exp_avg_sq of both parameters (torch keeps `step` as a float tensor).
+    assert parts.perturb_optimizer_state(chained, by=1.0) == 3 * len(params)
+    for p in params:
+        for key, value in adamw.state[p].items():
+            assert torch.equal(value, before[id(p)][key] + 1.0), key
+    # One chained optimizer: its state dict is the inner one's, and loads back into it.
+    assert chained.state_dict().keys() == adamw.state_dict().keys() == {"state", "param_groups"}
+    assert chained.param_groups == adamw.param_groups
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):

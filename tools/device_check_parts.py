@@ -5,7 +5,10 @@ engines, on one GPU (`tools/device_check.py` runs them; each has a CPU dry-run f
   a GPU) offloads both parts, writes a checkpoint from its host copies while offloaded (what a
   colocated run's save does), reloads, is perturbed, and loads the checkpoint: weights and
   optimizer state must come back bit for bit. On a GPU it also records the device memory the
-  offload freed, and the seconds of each step.
+  offload freed, and the seconds of each step. The dry run's torch AdamW goes into
+  megatron-core's own `ChainedOptimizer` (what `get_megatron_optimizer` returns on a GPU)
+  before the offload, so the offload, the checkpoint and the perturbation reach the state
+  through the interface the GPU run has: a `ProxyDict` with `items()` and no `values()`.
 - ipc: one flattened bucket of the actor's weights pickled as SGLang's
   /update_weights_from_tensor takes it (`serialize_flattened_bucket`: CUDA IPC handles, the
   device named by UUID), opened in a second, spawned process that maps the UUID back to its own
@@ -67,6 +70,37 @@ def _nest_diffs(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [where or "."]
 
 
+def as_chained_optimizer(optimizer: Any) -> Any:
+    """`optimizer` inside megatron-core's `ChainedOptimizer`, unless it is one already.
+
+    megatron-core 0.16.1 `get_megatron_optimizer` (optimizer/__init__.py 689) always returns a
+    ChainedOptimizer, whose `state` is a `ProxyDict` over its optimizers' states
+    (optimizer/optimizer.py 1038-1073, 1125-1131) and whose single-optimizer `state_dict` and
+    `load_state_dict` are the inner optimizer's (1178-1182, 1216-1220). It builds on the CPU
+    around a torch optimizer, so the dry run's AdamW can stand behind the same interface.
+    """
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    return optimizer if isinstance(optimizer, ChainedOptimizer) else ChainedOptimizer([optimizer])
+
+
+def perturb_optimizer_state(optimizer: Any, by: float = 1.0) -> int:
+    """Add `by` to every floating-point tensor of `optimizer.state`; returns how many moved.
+
+    Through `state.items()`: megatron-core's ChainedOptimizer.state is a ProxyDict, which has
+    `items()` but no `values()` (megatron-core 0.16.1 optimizer/optimizer.py 1038-1073).
+    """
+    import torch
+
+    moved = 0
+    for _, state in optimizer.state.items():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                value.add_(by)
+                moved += 1
+    return moved
+
+
 def _device_bytes(device: str) -> int | None:
     import torch
 
@@ -86,6 +120,9 @@ def part_offload_checkpoint(part: Any, sizes: Any) -> None:
     ensure_distributed()
     worker = megatron_worker(dtype=sizes.dtype, model_overrides=sizes.model_overrides)
     worker.train(0, worker.prepare(0, synthetic_samples(0, **model_shape(sizes))))
+    if sizes.device != "cuda":
+        # The step is taken; from here on the CPU's AdamW answers as megatron-core's does.
+        worker.actor_optimizer.optimizer = as_chained_optimizer(worker.actor_optimizer.optimizer)
     params = [p.detach().to("cpu", copy=True) for p in worker.actor.parameters()]
     optimizer = _nest_to_cpu(worker.actor_optimizer.state_dict())
     offload = TrainerOffload(worker, device_type=sizes.device)
@@ -109,10 +146,7 @@ def part_offload_checkpoint(part: Any, sizes: Any) -> None:
         with torch.no_grad():
             for p in worker.actor.parameters():
                 p.add_(1.0)
-        for state in worker.actor_optimizer.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    value.add_(1.0)
+        perturbed = perturb_optimizer_state(worker.actor_optimizer.optimizer)
         started = time.perf_counter()
         worker.load_checkpoint(tmp)
         load_s = time.perf_counter() - started
@@ -139,6 +173,7 @@ def part_offload_checkpoint(part: Any, sizes: Any) -> None:
         reload_seconds=reload_s,
         load_seconds=load_s,
         parameters=len(params),
+        optimizer_state_tensors_perturbed=perturbed,
         parameters_differing_after_load=len(weight_diffs),
         optimizer_state_differences=state_diffs[:5],
     )
@@ -148,9 +183,12 @@ def part_offload_checkpoint(part: Any, sizes: Any) -> None:
             before - after >= freed_state + freed_weights - (1 << 20),
             f"device bytes {before} -> {after}",
         )
+    chained = type(worker.actor_optimizer.optimizer).__name__
+    part.expect(chained == "ChainedOptimizer", f"the optimizer is a {chained}")
     part.expect(freed_state > 0 and freed_weights > 0, f"freed {freed_state}, {freed_weights}")
     part.expect(empty and still_empty, "parameters held device bytes while offloaded")
     part.expect(restored == freed_state + freed_weights, f"restored {restored}")
+    part.expect(perturbed > 0, "no optimizer state tensor was perturbed before the load")
     part.expect(not weight_diffs, f"parameters {weight_diffs[:5]} differ after the load")
     part.expect(not state_diffs, f"optimizer state differs at {state_diffs[:5]}")
 
