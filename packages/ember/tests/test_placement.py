@@ -257,7 +257,8 @@ def test_engine_shares_pack_onto_gpus_ranks_never_do_and_bad_shares_name_the_key
     assert [s.bundle for s in layout.engines] == [0, 0, 0, 0, 1]
     assert "4 engines per GPU = 2 GPUs" in layout.arithmetic[1]
     # One rank may take a share of its GPU; two on one GPU would be one NCCL group on one
-    # device, which NCCL refuses (init.cc: "Duplicate GPU detected").
+    # device, which NCCL refuses (2.30.7 src/init.cc 1057: "Multiple Ranks are using the same
+    # GPU/Partition").
     assert plan_layout(config_of("ray.colocate=false", "ray.gpus_per_rank=0.25")).train
     bad = [
         (
@@ -284,28 +285,50 @@ def test_engine_shares_pack_onto_gpus_ranks_never_do_and_bad_shares_name_the_key
             config_of(*overrides)
 
 
-def test_launched_sglang_servers_sharing_a_gpu_need_memory_fractions_that_fit():
+def test_launched_sglang_servers_packed_onto_one_gpu_are_refused_in_one_line():
+    """Two launched SGLang servers on one GPU cannot run, whatever their memory fractions:
+    sglang 0.5.23 sizes each KV pool from the memory free before the others loaded
+    (mem_cache/kv_cache_configurator.py 3007, 3038; distributed/bootstrap.py 207), so the
+    next server raises "Loaded weights leave no GPU memory for the KV cache" (3043-3059), and
+    with a GPU trainer NCCL 2.30.7 refuses two ranks of the weight group on one GPU
+    (src/init.cc 1057)."""
     packed = [
         "ray.colocate=false", "ray.num_engines=3", "ray.gpus_per_engine=0.3",
         "engine.kind=sglang", "engine.sglang.model_path=/m",
     ]  # fmt: skip
-    with pytest.raises(ValueError, match=re.escape(
-        "engine.sglang.mem_fraction_static=None: ray.gpus_per_engine=0.3 puts 3 launched SGLang "
-        "servers on one GPU, which needs a fraction of at most 1/3 = 0.333 per server"
-    )):  # fmt: skip
-        config_of(*packed)
-    with pytest.raises(ValueError, match=r"mem_fraction_static=0.4: .* puts 3 launched"):
-        config_of(*packed, "engine.sglang.mem_fraction_static=0.4")
-    layout = plan_layout(config_of(*packed, "engine.sglang.mem_fraction_static=0.3"))
-    assert [s.bundle for s in layout.engines] == [0, 0, 0]
-    # Two engines at 0.3 fit three to a GPU, but only two exist to share it.
-    config_of(
-        *packed[:1], "ray.num_engines=2", *packed[2:], "engine.sglang.mem_fraction_static=0.5"
+    refusal = (
+        "ray.gpus_per_engine=0.3: with ray.colocate=false it puts 3 of the ray.num_engines=3 "
+        "launched SGLang servers on one GPU, which cannot run (sglang sizes each server's KV "
+        "pool from the GPU memory free before the others loaded, so the next finds none, and "
+        "NCCL refuses two ranks of the weight group on one GPU); give each engine a GPU "
+        "(ray.gpus_per_engine=1, or a share above 0.5), or attach servers you started "
+        "(engine.sglang.urls)"
     )
-    # One server per GPU, attached servers and the embedded engine need no fraction.
-    config_of(*packed[:1], "ray.num_engines=1", *packed[2:])
-    config_of(*packed[:4], "engine.sglang.urls=[http://127.0.0.1:1]")
-    config_of(*packed[:3])
+    with pytest.raises(ValueError, match=f"^{re.escape(refusal)}$"):
+        config_of(*packed)
+    # A memory fraction that adds up to one GPU does not make it work: the pool is sized from
+    # the memory free, not from the fraction alone.
+    for fraction in ("0.3", "0.1"):
+        with pytest.raises(ValueError, match=r"puts 3 of the ray.num_engines=3 launched"):
+            config_of(*packed, f"engine.sglang.mem_fraction_static={fraction}")
+    # Two engines at 0.3 (or 0.5) share a GPU as well, with a CPU trainer too.
+    for share in ("0.3", "0.5"):
+        with pytest.raises(ValueError, match=r"puts 2 of the ray.num_engines=2 launched"):
+            config_of(*packed[:1], "ray.num_engines=2", f"ray.gpus_per_engine={share}", *packed[3:])
+    with pytest.raises(ValueError, match=r"puts 3 of the ray.num_engines=3 launched"):
+        config_of(*packed, "ray.gpus_per_rank=1")
+    # One server per GPU: a lone engine's share, or shares above 0.5.
+    layout = plan_layout(config_of(*packed[:1], "ray.num_engines=1", *packed[2:]))
+    assert layout.bundles == {"rollout": [1]}
+    layout = plan_layout(config_of(*packed[:2], "ray.gpus_per_engine=0.6", *packed[3:]))
+    assert [s.bundle for s in layout.engines] == [0, 1, 2]
+    # Attached servers and the embedded engine still pack three to a GPU.
+    for overrides in (
+        [*packed[:4], "engine.sglang.urls=[http://127.0.0.1:1]"],
+        packed[:3],
+    ):
+        layout = plan_layout(config_of(*overrides))
+        assert [s.bundle for s in layout.engines] == [0, 0, 0]
 
 
 def test_colocated_gpu_layouts_refuse_what_cannot_share():

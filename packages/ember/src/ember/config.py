@@ -141,8 +141,10 @@ class RaySection:
     gpus_per_engine: float = 0.0
     """GPUs per rollout engine actor: 0 generates on CPU, a fraction below 1 is a share of one
     GPU, a whole number N gives the engine N GPUs of one node (SGLang tensor parallelism).
-    Launched SGLang servers packed onto one GPU (shares of 0.5 or less, colocate: false) need
-    `engine.sglang.mem_fraction_static`, at most 1 over the servers sharing a GPU."""
+    Shares of 0.5 or less with colocate: false pack engines onto one GPU: embedded engines and
+    attached SGLang servers only; two launched SGLang servers on one GPU are refused (sglang
+    sizes each one's KV pool from memory the others are still filling, and NCCL refuses two
+    ranks of the weight group on one GPU)."""
     threads_per_actor: int | None = None
     """torch threads of each actor; None divides this machine's cores between them."""
     placement_timeout_s: float = 120.0
@@ -190,9 +192,10 @@ class RaySection:
             )
         colocated = self.colocate and self.gpus_per_rank > 0 and self.gpus_per_engine > 0
         if not colocated and 0 < self.gpus_per_rank < 1 and self.data_parallel > 1:
-            # NCCL src/init.cc (initTransportsRank): two ranks of one communicator on one
-            # device fail with "Duplicate GPU detected" (ncclInvalidUsage), and GPU ranks
-            # train over NCCL. Only a colocated layout shares a rank's GPU, with an engine.
+            # NCCL 2.30.7 src/init.cc 1057 (initTransportsRank): two ranks of one communicator
+            # on one device fail with "Multiple Ranks are using the same GPU/Partition"
+            # (ncclInvalidUsage), and GPU ranks train over NCCL. Only a colocated layout shares
+            # a rank's GPU, with an engine.
             per_gpu = int(1 / self.gpus_per_rank + 1e-9)
             check(
                 per_gpu < 2,

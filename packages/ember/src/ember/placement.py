@@ -7,8 +7,8 @@ Each role that uses GPUs gets one Ray placement group whose bundles hold whole G
   before any of this runs; a single rank may take a share of its GPU).
 - `rollout`: one bundle of N GPUs per engine with `ray.gpus_per_engine` N >= 1 (a bundle never
   spans nodes, so an engine's SGLang server sees all its GPUs on one node); shares below 1 are
-  packed `floor(1 / share)` engines to a bundle (launched SGLang servers only with
-  `engine.sglang.mem_fraction_static` set so that theirs fit in one GPU).
+  packed `floor(1 / share)` engines to a bundle (embedded engines and attached SGLang servers:
+  two launched SGLang servers on one GPU are refused, `_check_packed_servers` says why).
 - `colocated` (`ray.colocate` with GPUs on both sides) replaces the two: one bundle per GPU,
   and training rank i and engine i each take their share of bundle i.
 
@@ -122,8 +122,9 @@ def plan_layout(config: RunConfig) -> Layout:
 
     Raises:
         ValueError: A colocated GPU layout that cannot work as configured (one-step-off-policy
-            rollouts, or launched SGLang servers without the memory saver), or launched SGLang
-            servers whose GPU count differs from the engine's; names the keys.
+            rollouts, or launched SGLang servers without the memory saver), launched SGLang
+            servers whose GPU count differs from the engine's, or two launched SGLang servers
+            packed onto one GPU; names the keys.
     """
     ray_cfg = config.ray
     dp, gpr = ray_cfg.data_parallel, ray_cfg.gpus_per_rank
@@ -132,7 +133,7 @@ def plan_layout(config: RunConfig) -> Layout:
     train = engines = None
     arithmetic: list[str] = []
     _check_engine_gpus(config)
-    _check_shared_servers(config)
+    _check_packed_servers(config)
     if ray_cfg.colocate and gpr > 0 and gpe > 0:
         _check_colocated(config)
         n = max(dp, ne)
@@ -183,27 +184,37 @@ def _check_engine_gpus(config: RunConfig) -> None:
         )
 
 
-def _check_shared_servers(config: RunConfig) -> None:
-    """Launched SGLang servers that share one GPU must each be told their memory share."""
+def _check_packed_servers(config: RunConfig) -> None:
+    """Refuse two or more launched SGLang servers on one GPU (`colocate: false`, shares of 0.5
+    or less).
+
+    Neither the memory nor the weight group can work there:
+    - sglang 0.5.23 sizes a server's KV pool as the GPU memory free after its own weights load
+      minus `(1 - mem_fraction_static)` of the memory free before they did
+      (mem_cache/kv_cache_configurator.py 3007 and 3038; the "before" is read at
+      distributed/bootstrap.py 207). Servers started together each read the whole GPU as
+      "before", so the first pool takes all but that reserve and the next server finds less
+      free than its own reserve: "Loaded weights leave no GPU memory for the KV cache"
+      (3043-3059), whatever fraction each is given (or a tiny pool, if it measured before
+      the first pool was made).
+    - with the trainer on GPUs the weights travel over NCCL, with consecutive ranks of one
+      communicator for these servers; NCCL 2.30.7 refuses two ranks on one GPU (src/init.cc
+      1057: "Multiple Ranks are using the same GPU/Partition", unless
+      NCCL_MULTI_RANK_GPU_ENABLE=1).
+    """
     engine, ray_cfg = config.engine, config.ray
     gpe, ne = ray_cfg.gpus_per_engine, ray_cfg.num_engines
     if engine.kind != "sglang" or engine.sglang.urls or not 0 < gpe < 1 or colocated_on_gpu(config):
         return
     per_gpu = min(_per_gpu(gpe), ne)
-    if per_gpu < 2:
-        return
-    # sglang 0.5.23 sizes a server's static memory (weights + KV pool) from the GPU memory free
-    # when it starts (distributed/bootstrap.py 207, mem_cache/kv_cache_configurator.py 3007):
-    # without --mem-fraction-static it takes all but a reserve (arg_groups/memory_hook.py
-    # 281-326, 0.9 and more of an H200), and servers started together each count the memory
-    # the others are about to take.
-    fraction = engine.sglang.mem_fraction_static
-    if fraction is None or fraction * per_gpu > 1 + 1e-9:
+    if per_gpu >= 2:
         raise ValueError(
-            f"engine.sglang.mem_fraction_static={fraction}: ray.gpus_per_engine={gpe:g} puts "
-            f"{per_gpu} launched SGLang servers on one GPU, which needs a fraction of at most "
-            f"1/{per_gpu} = {1 / per_gpu:.3g} per server (each would otherwise size its memory "
-            "pool from the whole GPU)"
+            f"ray.gpus_per_engine={gpe:g}: with ray.colocate=false it puts {per_gpu} of the "
+            f"ray.num_engines={ne} launched SGLang servers on one GPU, which cannot run (sglang "
+            "sizes each server's KV pool from the GPU memory free before the others loaded, so "
+            "the next finds none, and NCCL refuses two ranks of the weight group on one GPU); "
+            "give each engine a GPU (ray.gpus_per_engine=1, or a share above 0.5), or attach "
+            "servers you started (engine.sglang.urls)"
         )
 
 
