@@ -666,6 +666,22 @@ def test_kept_results_are_reused_only_for_the_same_overrides(tmp_path, monkeypat
     assert ran == [["a=2"]] and again["ember"]["wall_s"] == 50.0
 
 
+def test_keep_flag_reuses_the_runs_already_in_out(tmp_path, monkeypatch, arith):
+    calls = []
+
+    def fake_pair(where, sets, seed, only, **kw):
+        calls.append(kw["reuse"])
+        return {}
+
+    monkeypatch.setattr(bench_peer, "run_pair", fake_pair)
+    monkeypatch.setattr(bench_peer, "trl_mapping", lambda *a, **k: [])
+    monkeypatch.setattr(bench_peer, "format_mapping", lambda rows: "")
+    base = ["--config", arith, "--only", "ember", "--out", str(tmp_path), "--rollouts", "2"]
+    bench_peer.main(base)
+    bench_peer.main([*base, "--keep"])
+    assert calls == [False, True]
+
+
 def test_task_specs():
     assert bench_learning.parse_task("copy:3") == ("copy", 3, 3)
     assert bench_learning.parse_task("reverse:2-4") == ("reverse", 2, 4)

@@ -4,7 +4,7 @@
         [--min-digits N] [--max-digits N] [--rollouts N] [--seeds S ...] [--only ember|trl]
         [--out DIR] [--set key=value ...]
     uv run python tools/bench_peer.py --config CONFIG [--rollouts N] [--seeds S ...] ...
-    either: [--thresholds T ...] [--first N] [--last N] [--no-in-turn]
+    either: [--thresholds T ...] [--first N] [--last N] [--no-in-turn] [--keep]
 
 TRL lives in the `peer` dependency group, which the default install leaves out; when it is
 missing, the bench runs itself again through `uv run --group peer`, which installs it. Both
@@ -65,7 +65,9 @@ threads, 0.05 s with 1).
 Runs go to `--out` (default runs/bench_peer-<timestamp>): per task (`copy-3-3`, or the config's
 file name) and seed, Ember's run directory (`ember/`) and TRL's (`trl/`: its metrics in Ember's
 format, spec, checkpoints), each with a `result.json` (records, wall time, memory), and both
-commands' logs. `tools/bench_learning.py` runs the learning comparison (several toy tasks x
+commands' logs. With `--keep`, a run already in `--out` with the same config and overrides is
+not run again: its `result.json` goes into the table, so a long comparison can be run a side or
+a seed at a time (`--only`, `--seeds`) and printed whole at the end. `tools/bench_learning.py` runs the learning comparison (several toy tasks x
 seeds) on the same code.
 """
 
@@ -156,6 +158,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="mean rewards (0.9) or gains over the first mean (+0.25)")  # fmt: skip
     parser.add_argument("--first", type=int, default=FIRST, metavar="N",
                         help=f"rollouts of the first mean reward (default {FIRST})")  # fmt: skip
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the runs already in --out with the same overrides")  # fmt: skip
     parser.add_argument("--last", type=int, default=None, metavar="N",
                         help=f"rollouts of the last mean reward ({LAST}; {LAST_PROMPT_DATA} on "
                         "prompt data)")  # fmt: skip
@@ -769,8 +773,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     summaries: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
     for seed in seeds:
         where = work_dir(out, args.work, seed)
-        pair = run_pair(where, sets_for(seed), seed, args.only, in_turn=in_turn,
-                        config=args.config, figures=figures)  # fmt: skip
+        pair = run_pair(where, sets_for(seed), seed, args.only, reuse=args.keep,
+                        in_turn=in_turn, config=args.config, figures=figures)  # fmt: skip
         for side, summary in pair.items():
             summaries.setdefault(side, []).append(summary)
     print()
