@@ -67,8 +67,9 @@ file name) and seed, Ember's run directory (`ember/`) and TRL's (`trl/`: its met
 format, spec, checkpoints), each with a `result.json` (records, wall time, memory), and both
 commands' logs. With `--keep`, a run already in `--out` with the same config and overrides is
 not run again: its `result.json` goes into the table, so a long comparison can be run a side or
-a seed at a time (`--only`, `--seeds`) and printed whole at the end. `tools/bench_learning.py` runs the learning comparison (several toy tasks x
-seeds) on the same code.
+a seed at a time (`--only`, `--seeds`) and printed whole at the end.
+`tools/bench_learning.py` runs the learning comparison (several toy tasks x seeds) on the same
+code.
 """
 
 from __future__ import annotations
