@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
-from ember.config import load_config, weight_transport
+from ember.config import load_config, weight_group_backend, weight_transport
 
 SGLANG = ["engine.kind=sglang"]
 COLOCATED_GPUS = [
@@ -62,3 +65,79 @@ def test_defaults_follow_the_engine_and_the_placement():
 def test_impossible_combinations_fail_naming_weights_transport(overrides, message):
     with pytest.raises(ValueError, match=rf"^{message}"):
         load_config("default", overrides=overrides)
+
+
+GPU_TRAINER = ["ray.gpus_per_rank=1"]
+GPU_ENGINES = ["ray.gpus_per_engine=1", "ray.colocate=false"]
+ATTACHED = ["engine.sglang.urls=[http://127.0.0.1:1]"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "trainer_on_gpu", "backend"),
+    [
+        # Launched servers on GPUs of their own, fed by a GPU trainer: NCCL.
+        ([*SGLANG, *GPU_TRAINER, *GPU_ENGINES], True, "nccl"),
+        # An engine actor granted no GPU sees none, so its launched server runs on the CPU.
+        ([*SGLANG, *GPU_TRAINER], True, "gloo"),
+        ([*SGLANG, *GPU_TRAINER, *GPU_ENGINES, "engine.sglang.device=cpu"], True, "gloo"),
+        # Attached servers: on GPUs unless the device says cpu.
+        ([*SGLANG, *ATTACHED], True, "nccl"),
+        ([*SGLANG, *ATTACHED, "engine.sglang.device=cpu"], True, "gloo"),
+        # A CPU trainer, and the embedded engine, always use gloo.
+        ([*SGLANG, *GPU_ENGINES], False, "gloo"),
+        ([*GPU_TRAINER, *GPU_ENGINES], True, "gloo"),
+    ],
+)
+def test_the_weight_group_backend_follows_both_ends_devices(overrides, trainer_on_gpu, backend):
+    config, _ = load_config("default", overrides=["rollout.async=false", *overrides])
+    assert weight_group_backend(config, trainer_on_gpu=trainer_on_gpu) == backend
+
+
+class _Call:
+    """A Ray actor method stand-in: `.remote(...)` records the call and returns a ref."""
+
+    def __init__(self, calls: list[tuple[Any, ...]], result: Any) -> None:
+        self.calls, self.result = calls, result
+
+    def remote(self, *args: Any) -> Any:
+        self.calls.append(args)
+        return self.result
+
+
+def test_a_gpu_trainer_forms_a_gloo_group_with_a_cpu_sglang_server(monkeypatch):
+    """The sending rank's `_join_engines` on a GPU, with the SGLang engine granted no GPU (its
+    launched server runs on the CPU): trainer and server must both be told gloo. NCCL there
+    fails in torch's ProcessGroupNCCL constructor on the server ("ProcessGroupNCCL is only
+    supported with GPUs, no GPUs found!"), at the first push."""
+    import ember.actors
+    import ember_megatron_backend.parallel
+    import ember_megatron_backend.weight_sync
+
+    config, _ = load_config(
+        "default", overrides=["rollout.async=false", *SGLANG, "ray.gpus_per_rank=1"]
+    )
+    created: list[dict[str, Any]] = []
+    fake_ray = SimpleNamespace(
+        get=lambda refs: refs,
+        wait=lambda pending, num_returns, timeout=None: (pending[:1], pending[1:]),
+        util=SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1"),
+    )
+    monkeypatch.setattr(ember.actors, "ray", fake_ray)
+    monkeypatch.setattr(ember_megatron_backend.parallel, "uses_gpu", lambda: True)
+    monkeypatch.setattr(
+        ember_megatron_backend.weight_sync.WeightGroup,
+        "create",
+        classmethod(lambda cls, **kwargs: created.append(kwargs) or "group"),
+    )
+    joins: list[tuple[Any, ...]] = []
+    engine = SimpleNamespace(
+        weight_group_size=_Call([], 1), join_weights_group=_Call(joins, "joined")
+    )
+    cls = ember.actors.TrainRank.__ray_actor_class__
+    rank = cls.__new__(cls)
+    rank.config = config
+
+    assert rank._join_engines([engine]) == "group"
+    assert [kw["backend"] for kw in created] == ["gloo"] and created[0]["world_size"] == 2
+    (join,) = joins  # address, port, rank offset, world size, group name, backend
+    assert join[2:4] == (1, 2) and join[5] == "gloo"

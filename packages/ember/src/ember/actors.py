@@ -245,6 +245,7 @@ class TrainRank:
     def _join_engines(self, engines: list[Any]) -> Any:
         """Form a weight group with `engines`: this rank hosts the rendezvous on its node and
         takes rank 0, each engine its `weight_group_size` ranks after the previous one's."""
+        from ember.config import weight_group_backend
         from ember_megatron_backend.parallel import free_port, uses_gpu
         from ember_megatron_backend.weight_sync import WeightGroup
 
@@ -252,7 +253,8 @@ class TrainRank:
         world = 1 + sum(sizes)
         address = ray.util.get_node_ip_address()
         port = free_port("0.0.0.0")
-        backend = "nccl" if self.config.engine.kind == "sglang" and uses_gpu() else "gloo"
+        # From both ends' devices: NCCL only when the servers are on GPUs too.
+        backend = weight_group_backend(self.config, trainer_on_gpu=uses_gpu())
         name = f"ember-weights-{uuid.uuid4().hex[:12]}"
         offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]
         joins = [

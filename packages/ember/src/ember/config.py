@@ -218,12 +218,12 @@ class WeightsSection:
     transport: str = "auto"
     """broadcast: the training rank that holds the gathered weights broadcasts them in
     flattened buckets over a process group it forms with the engines (gloo into the embedded
-    `hf` engine; to SGLang servers NCCL when the trainer is on GPUs, gloo otherwise). ipc:
-    buckets handed to SGLang servers on the training ranks' GPUs as CUDA IPC handles (SGLang
-    with `ray.colocate: true` on GPUs; rank i feeds engine i). disk: an HF checkpoint under the
-    run directory that every engine loads (a debugging fallback; attached servers must see the
-    path). auto: ipc for SGLang colocated on GPUs, broadcast otherwise (disk for an engine
-    kind that cannot join a weight group)."""
+    `hf` engine; to SGLang servers NCCL when the trainer and the servers are both on GPUs,
+    gloo otherwise). ipc: buckets handed to SGLang servers on the training ranks' GPUs as CUDA
+    IPC handles (SGLang with `ray.colocate: true` on GPUs; rank i feeds engine i). disk: an HF
+    checkpoint under the run directory that every engine loads (a debugging fallback; attached
+    servers must see the path). auto: ipc for SGLang colocated on GPUs, broadcast otherwise
+    (disk for an engine kind that cannot join a weight group)."""
     bucket_mb: int = 512
     """MiB of flattened tensors per bucket (broadcast and ipc): beyond the model, the sending
     rank holds about two buckets' worth at a time."""
@@ -515,6 +515,33 @@ def weight_transport(config: RunConfig) -> str:
                 f"{ray.num_engines} > ray.data_parallel={ray.data_parallel}; use broadcast"
             )
     return transport
+
+
+def sglang_servers_on_gpu(config: RunConfig) -> bool:
+    """Whether the SGLang engines' servers compute on GPUs: `engine.sglang.device`, with auto
+    resolved as a launched server resolves it (cuda when its engine actor sees a GPU, which it
+    does only when Ray granted one: `ray.gpus_per_engine` > 0), and attached servers (`urls`)
+    taken to be on GPUs unless the device says cpu."""
+    sglang = config.engine.sglang
+    if sglang.device != "auto":
+        return sglang.device == "cuda"
+    return bool(sglang.urls) or config.ray.gpus_per_engine > 0
+
+
+def weight_group_backend(config: RunConfig, *, trainer_on_gpu: bool) -> str:
+    """The torch.distributed backend of the weight group the sending rank forms with the
+    engines (`weights.transport: broadcast`): nccl only when both ends are on GPUs, else gloo.
+
+    NCCL needs a GPU in every member: a CPU SGLang server's `/init_weights_update_group` with
+    nccl fails in torch's ProcessGroupNCCL constructor ("ProcessGroupNCCL is only supported
+    with GPUs, no GPUs found!", torch 2.14.1 torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp),
+    which sglang 0.5.23 reports as a failed init (model_runner_components/weight_updater.py
+    131-144); gloo runs on both devices (measured against the real server on CPU). The
+    embedded engine always receives over gloo.
+    """
+    if config.engine.kind == "sglang" and trainer_on_gpu and sglang_servers_on_gpu(config):
+        return "nccl"
+    return "gloo"
 
 
 def check_inputs(config: RunConfig) -> None:

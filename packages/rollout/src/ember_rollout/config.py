@@ -197,7 +197,9 @@ class SGLangEngineConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where launched servers run: cuda, or cpu (the real SGLang server on a machine without a
     GPU: sglang's CPU engine with Ember's stand-ins for its CUDA-only kernels, see
-    `ember_rollout.sglang_cpu`); auto picks cuda when this process sees a GPU."""
+    `ember_rollout.sglang_cpu`); auto picks cuda when this process sees a GPU. For attached
+    servers (`urls`) it says where they run (auto: on GPUs). The trainer's weight group with
+    the servers is NCCL only when both are on GPUs, gloo otherwise."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Launched servers' --dtype. auto is SGLang's own rule, which serves a float32 checkpoint
     in float16; float32 keeps an fp32 trainer's policy exactly."""
