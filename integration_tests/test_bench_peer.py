@@ -671,7 +671,8 @@ def test_keep_flag_reuses_the_runs_already_in_out(tmp_path, monkeypatch, arith):
 
     def fake_pair(where, sets, seed, only, **kw):
         calls.append(kw["reuse"])
-        return {}
+        records = [(0, 10.0, 0.1), (1, 20.0, 0.3)]
+        return {"ember": bench_peer.summarize(records, 30.0, **kw["figures"])}
 
     monkeypatch.setattr(bench_peer, "run_pair", fake_pair)
     monkeypatch.setattr(bench_peer, "trl_mapping", lambda *a, **k: [])
@@ -680,6 +681,29 @@ def test_keep_flag_reuses_the_runs_already_in_out(tmp_path, monkeypatch, arith):
     bench_peer.main(base)
     bench_peer.main([*base, "--keep"])
     assert calls == [False, True]
+    curves = tmp_path / "arith" / "curves.png"  # the work is the config's file name
+    assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_curves_draw_each_seed_and_the_mean_of_each_side(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    drawn = []
+    real_plot = matplotlib.axes.Axes.plot
+
+    def plot(self, xs, ys, *args, **kwargs):
+        drawn.append((kwargs.get("label"), list(xs), list(ys)))
+        return real_plot(self, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    runs = {
+        "ember": [{"rewards": [0.0, 0.5, 1.0]}, {"rewards": [0.2, 0.3]}],
+        "trl": [{"rewards": [0.1, 0.1, 0.1]}],
+    }
+    bench_peer.plot_curves(runs, tmp_path / "c.png", "t")
+    means = {label: ys for label, _, ys in drawn if label}
+    assert means == {"Ember (mean of 2 seeds)": [0.1, 0.4], "TRL (mean of 1 seed)": [0.1] * 3}
+    assert len(drawn) == 5 and (tmp_path / "c.png").is_file()
 
 
 def test_task_specs():

@@ -67,7 +67,8 @@ file name) and seed, Ember's run directory (`ember/`) and TRL's (`trl/`: its met
 format, spec, checkpoints), each with a `result.json` (records, wall time, memory), and both
 commands' logs. With `--keep`, a run already in `--out` with the same config and overrides is
 not run again: its `result.json` goes into the table, so a long comparison can be run a side or
-a seed at a time (`--only`, `--seeds`) and printed whole at the end.
+a seed at a time (`--only`, `--seeds`) and printed whole at the end. The bench draws every
+side's mean reward per rollout, each seed and their mean, in `<out>/<work>/curves.png`.
 `tools/bench_learning.py` runs the learning comparison (several toy tasks x seeds) on the same
 code.
 """
@@ -99,6 +100,7 @@ from peer_figures import (  # noqa: E402
     parse_threshold,
     peer_rows,
     peer_table,
+    plot_curves,
     rollout_records,
     summarize,
     watch_command,
@@ -784,6 +786,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         f"({' '.join(map(str, args.seeds)) if args.seeds else 'config'}):"
     )
     print(peer_table(summaries, peer_rows(args.thresholds, args.first, args.last)))
+    curves = plot_curves(summaries, out / args.work / "curves.png", args.title)
+    print(f"curves: {curves}")
     print(f"machine at the end: {describe_machine()}")
     return summaries
 

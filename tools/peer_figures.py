@@ -124,6 +124,7 @@ def summarize(
         "median_s_per_rollout": statistics.median(gaps) if gaps else None,
         "first_reward": first_reward,
         "last_reward": statistics.fmean(rewards[-last:]),
+        "rewards": rewards,
         "levels": levels,
         "reach": reach,
         "max_drop": drop if ids[-1] >= DROP_AFTER else None,
@@ -213,6 +214,40 @@ def peer_table(
 # --------------------------------------------------------------------------------------------
 # Memory of a running command
 # --------------------------------------------------------------------------------------------
+
+
+COLORS = {"ember": "tab:red", "ember_inturn": "tab:orange", "trl": "tab:blue"}
+
+
+def plot_curves(summaries: dict[str, list[dict[str, Any]]], path: Path, title: str) -> Path:
+    """One PNG of every side's mean reward per rollout: each seed a thin line, the mean over
+    seeds a thick one (over the rollouts every seed reached)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for side, name in NAMES.items():
+        runs = [s["rewards"] for s in summaries.get(side, []) if s.get("rewards")]
+        if not runs:
+            continue
+        for rewards in runs:
+            ax.plot(range(len(rewards)), rewards, color=COLORS[side], alpha=0.25, lw=0.8)
+        horizon = min(map(len, runs))
+        mean = [statistics.fmean(r[i] for r in runs) for i in range(horizon)]
+        label = f"{name} (mean of {len(runs)} seed{'s' if len(runs) > 1 else ''})"
+        ax.plot(range(horizon), mean, color=COLORS[side], lw=2.0, label=label)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("rollout")
+    ax.set_ylabel("mean reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _title(proc: Any) -> str:
