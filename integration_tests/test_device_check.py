@@ -231,6 +231,108 @@ def _name(requirement: str) -> str:
     return re.split(r"[\s;<>=!~\[(]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _image_versions() -> dict[str, str | None]:
+    """tools/device_image.txt: each package of the runner's image, with its version where one
+    was read there (NAME==VERSION), else None."""
+    image = {}
+    for line in (ROOT / "tools/device_image.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.strip().partition("==")
+            image[_canonical(name)] = version or None
+    return image
+
+
+def _carried_versions() -> tuple[list[str], dict[str, str]]:
+    """The names tools/device_wheels.sh downloads at their uv.lock versions, and the version of
+    every wheel it carries (locked ones from uv.lock, the build backend's as pinned there)."""
+    script = (ROOT / "tools/device_wheels.sh").read_text()
+    arrays = dict(re.findall(r"^(LOCKED|BUILD_BACKEND)=\((.*)\)$", script, re.MULTILINE))
+    lock = {p["name"]: p for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
+    locked = [_canonical(w) for w in shlex.split(arrays["LOCKED"])]
+    carried = {name: lock[name]["version"] for name in locked}
+    for pin in shlex.split(arrays["BUILD_BACKEND"]):
+        name, _, version = pin.partition("==")
+        carried[_canonical(name)] = version
+    return locked, carried
+
+
+HATCHLING_REQUIRES = (
+    "packaging>=24.2",
+    "pathspec>=0.10.1",
+    "pluggy>=1.0.0",
+    "tomli>=1.2.2; python_version < '3.11'",
+    "tomlkit>=0.11.1",
+    "trove-classifiers",
+)
+"""hatchling 1.33.0's Requires-Dist (its wheel's METADATA). It builds Ember's packages on the
+runner before any requirement can be checked there, so each of these must be met by a version
+known here; packaging >= 24.2 for `packaging.licenses` (hatchling metadata/core.py 702)."""
+RUNNER = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "os_name": "posix",
+    "extra": "",
+}
+"""Marker environment of the runner's Python."""
+
+
+def test_carried_and_image_versions_meet_every_bounded_requirement():
+    """Each requirement of what the GPU form builds and installs (hatchling, ember's packages,
+    the carried wheels), with its version bounds, against the version the runner will hold:
+    the carried wheel's, else the image's as read there. A bound on an image package whose
+    version was never read is left to `tools/device_check.sh --requirements-only`, the GPU
+    run's first command, only where that check covers it: stated by one of
+    device_check.DISTRIBUTIONS (today aiohttp, pyyaml, regex and tqdm), never by the build
+    backend, which runs before it. Without packaging carried, hatchling 1.33 (packaging >=
+    24.2) would rest on the image's unread packaging and the build would stop there."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    device_check = load_device_check()
+    image = _image_versions()
+    locked, carried = _carried_versions()
+    members = {
+        "ember-core": "packages/core",
+        "ember-megatron-backend": "packages/megatron_backend",
+        "ember-rollout": "packages/rollout",
+        "ember-r3-routing": "plugins/r3_routing",
+        "ember-ci-kl-checker": "plugins/ci_kl_checker",
+    }
+    requirements = [("hatchling", Requirement(line)) for line in HATCHLING_REQUIRES]
+    for member, folder in members.items():
+        project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
+        requirements += [(member, Requirement(r)) for r in project["dependencies"]]
+    for name in locked:  # the locked environment holds the very versions carried
+        assert metadata.version(name) == carried[name], name
+        requirements += [(name, Requirement(r)) for r in metadata.requires(name) or []]
+
+    checked_there = set(device_check.DISTRIBUTIONS)
+    unmet, unread = [], []
+    for by, req in requirements:
+        name = _canonical(req.name)
+        if name in members or (req.marker is not None and not req.marker.evaluate(RUNNER)):
+            continue
+        version = carried.get(name) or image.get(name)
+        if version is None:
+            if str(req.specifier) and by not in checked_there:
+                unread.append(f"{by} needs {req}")
+        elif not req.specifier.contains(version, prereleases=True):
+            unmet.append(f"{by} needs {req}: {version} on the runner")
+    assert unmet == []
+    # Record the image's version in tools/device_image.txt, or carry the package.
+    assert unread == [], "bounds on image packages of unread version, checked nowhere first"
+
+
 def test_the_carried_wheels_complete_the_runner_image():
     """Every requirement of what the GPU form installs is in the runner's image or carried by
     device_wheels.sh: the environment part fails on any unmet one, and the runner has no

@@ -7,13 +7,14 @@
 #                                        # in the locked environment, nothing installed
 #   tools/device_check.sh --requirements-only  # the GPU form's install, then only its
 #                                        # requirement check (no GPU needed): whether the
-#                                        # carried wheels complete the image
+#                                        # carried wheels complete the image; the first
+#                                        # command on a runner, before the check itself
 #
 # On the GPU it first installs, without network and into a scratch folder put first on
 # PYTHONPATH, the wheels of .device_wheels/ (tools/device_wheels.sh fills it on a machine with
-# network: megatron-core and transformers at their uv.lock versions, and the workspace's build
-# backend), then ember's own packages from this checkout with that backend; their entry points
-# are how the check finds the plugins.
+# network: megatron-core, transformers, packaging and the rest at their uv.lock versions, and
+# the workspace's build backend), then ember's own packages from this checkout with that
+# backend; their entry points are how the check finds the plugins.
 #
 # Results: device_check.json and device_check.log in $OUT (the GPU runner's output folder;
 # runs/device_check/ where it is unset), or the JSON named by --out with the log beside it.

@@ -8,8 +8,15 @@
 #   - math-verify with the two requirements of its that the image lacks (latex2sympy2-extended,
 #     antlr4-python3-runtime; sympy is there), also locked: ember-rollout requires it, and the
 #     check's environment part fails on any unmet requirement of the packages it installs;
-#   - hatchling, the build backend of every workspace member, with the two requirements of its
-#     that the image lacks (uv.lock records no build backends, so these are pinned here).
+#   - packaging and pluggy, locked too: the image has both, at versions never read there, and
+#     the build below needs packaging >= 24.2 (hatchling 1.33 imports packaging.licenses,
+#     metadata/core.py 702; megatron-core 0.16.1 needs it too) and pluggy >= 1.0 before any
+#     requirement can be checked;
+#   - hatchling, the build backend of every workspace member, with the requirements of its
+#     that the image lacks or holds at an unread version (uv.lock records no build backends,
+#     so these are pinned here).
+# tools/device_image.txt lists the image's packages, with the versions that were read there;
+# integration_tests/test_device_check.py checks every requirement against them and these.
 # Everything else the check imports is in the image. It prints the folder's size: the wheels
 # travel with the working tree, 64 MiB in all.
 # Settings: PYTHON (python3, >= 3.11, with pip; else `uvx pip`), EMBER_DEVICE_WHEELS.
@@ -18,8 +25,8 @@ cd "$(dirname "$0")/.."
 
 python="${PYTHON:-python3}"
 dest="${EMBER_DEVICE_WHEELS:-.device_wheels}"
-LOCKED=(megatron-core transformers math-verify latex2sympy2-extended antlr4-python3-runtime)
-BUILD_BACKEND=(hatchling==1.33.0 trove-classifiers==2026.9.21.13 tomlkit==0.15.2)
+LOCKED=(megatron-core transformers math-verify latex2sympy2-extended antlr4-python3-runtime packaging pluggy)
+BUILD_BACKEND=(hatchling==1.33.0 trove-classifiers==2026.9.21.13 tomlkit==0.15.2 pathspec==1.1.1)
 LIMIT_MIB=64
 
 if "$python" -m pip --version >/dev/null 2>&1; then
