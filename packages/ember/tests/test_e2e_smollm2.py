@@ -189,3 +189,56 @@ def test_the_real_sglang_server_scores_smollm2_as_transformers_does(smollm2, tmp
         want = rows.gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
         got = torch.tensor(result.output_log_probs, dtype=torch.float64)
         assert (got - want).abs().max() < 5e-5, (got - want).abs().max()
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(
+    not sglang_cpu.sglang_installed(), reason=f"needs SGLang: {sglang_cpu.EXTRA_HINT}"
+)
+def test_the_dense_example_trains_on_the_real_sglang_server_with_pushed_tied_weights(
+    smollm2, tmp_path
+):
+    """The dense example on SGLang with the CI checks: the trainer's update reaches the server
+    by broadcast (SGLang's llama ties `lm_head` to the pushed embedding), so at rollout 1 the
+    engine samples from the updated weights as the trainer scores them."""
+    run_dir = tmp_path / "run"
+    run = ember(
+        str(ROOT / "examples" / "smollm2-arith.yaml"),
+        "--plugins", "ci_kl_checker",
+        "--set", "ci.test=true",
+        "--set", "engine.kind=sglang",
+        "--set", f"train.hf_load={smollm2}",
+        "--set", f"data.prompt_data={ROOT / 'examples' / 'data' / 'arith-train.jsonl'}",
+        "--set", "algorithm.use_kl_loss=true",
+        "--set", "ci_kl_checker.audit_interval=1",
+        "--set", "rollout.rollout_batch_size=2",
+        "--set", "rollout.n_samples_per_prompt=2",
+        "--set", "rollout.max_response_len=12",
+        "--set", "run.num_rollouts=2",
+        "--set", "run.save_interval=0",
+        "--set", "run.eval_interval=0",
+        # An update that moves the weights whatever the four rewards are.
+        "--set", "algorithm.entropy_coef=0.01",
+        "--set", "train.optimizer.lr=1e-4",
+        "--set", "train.optimizer.lr_warmup_steps=0",
+        run_dir=run_dir,
+        timeout=1500,
+        short=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rollouts = records(run_dir, "rollout")
+    assert [r.get("rollout/audit") for r in rollouts] == [1.0, 1.0]
+    assert all(r["rollout/train_rollout_logprob_max_abs_diff"] < 1e-4 for r in rollouts)
+    assert rollouts[0]["rollout/log_probs_ref_max_abs_diff"] < 1e-8
+    # The update moved the actor away from the reference (the initial weights) by far more than
+    # engine and trainer differ at rollout 1: the engine sampled from the pushed weights.
+    assert rollouts[1]["rollout/log_probs_ref_max_abs_diff"] > 1e-3
+    assert [s["train/ppo_kl"] for s in records(run_dir, "train")] == [0.0, 0.0]
+    output = run.stderr + run.stdout
+    for check in ("train_rollout_mismatch_max", "first_step_ppo_kl"):
+        assert re.search(rf"audit rollout 1\b[^\n]*: {check} passed: ", output)
+    assert re.search(r"audit rollout 0\b[^\n]*: first_rollout_ref_log_probs passed: ", output)
+    (log,) = (run_dir / "sglang").glob("sglang-0-*.log")
+    assert "update_weights_from_distributed" in log.read_text()
+    config = json.loads((run_dir / "hf_init" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
