@@ -61,9 +61,11 @@ def test_an_offloaded_rank_writes_a_checkpoint_that_loads_bit_for_bit(rank, tmp_
     rank.prepare(0, samples(worker.model_config.vocab_size))
     rank.train(0)
     params = [p.detach().clone() for p in worker.actor.parameters()]
+    # items(), as the offload does: on a GPU `optimizer.state` is megatron-core 0.16.1's
+    # ChainedOptimizer ProxyDict, which has no values() (optimizer/optimizer.py 1038-1073).
     moments = [
         t.clone()
-        for s in worker.actor_optimizer.optimizer.state.values()
+        for _, s in worker.actor_optimizer.optimizer.state.items()
         for t in s.values()
         if isinstance(t, torch.Tensor)
     ]
@@ -83,7 +85,7 @@ def test_an_offloaded_rank_writes_a_checkpoint_that_loads_bit_for_bit(rank, tmp_
         assert torch.equal(a, b)
     loaded = [
         t
-        for s in worker.actor_optimizer.optimizer.state.values()
+        for _, s in worker.actor_optimizer.optimizer.state.items()
         for t in s.values()
         if isinstance(t, torch.Tensor)
     ]

@@ -26,10 +26,12 @@ def _params(worker: MegatronWorker) -> list[torch.Tensor]:
 
 
 def _state(worker: MegatronWorker) -> list[torch.Tensor]:
+    # items(), as the offload does: on a GPU `optimizer.state` is megatron-core 0.16.1's
+    # ChainedOptimizer ProxyDict, which has no values() (optimizer/optimizer.py 1038-1073).
     return [
         t
         for o in (worker.actor_optimizer, worker.critic_optimizer)
-        for s in o.optimizer.state.values()
+        for _, s in o.optimizer.state.items()
         for t in s.values()
         if isinstance(t, torch.Tensor)
     ]
