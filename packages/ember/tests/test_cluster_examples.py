@@ -254,3 +254,40 @@ def test_qwen3_30b_a3b_figures(tmp_path):
     assert round(per_gpu * 18 / 1e9) == 93 and round(per_gpu * 2 / 1e9) == 10
     assert round(training_bytes_per_gpu(config) / 1e9) == 103
     assert round((dense + expert) * 2 / 1e9) == 61  # the bf16 weights SGLang serves
+
+
+SHAPE_FROM_CHECKPOINT = [
+    n
+    for n in EXAMPLES
+    if (yaml.safe_load((EXAMPLES_DIR / f"{n}.yaml").read_text()).get("train") or {}).get("hf_load")
+]
+"""The examples that read their model's shape from `train.hf_load`."""
+
+
+@pytest.mark.parametrize("name", SHAPE_FROM_CHECKPOINT)
+def test_an_example_whose_checkpoint_is_not_there_names_train_hf_load(name, tmp_path, monkeypatch):
+    """Loaded as shipped where its checkpoint is not (a placeholder path, or a model not
+    imported yet), an example stops at one line naming `train.hf_load` and the path, whoever
+    reads the shape first: the r3_routing plugin while the config loads, or the trainer later.
+    Never at transformers' hub lookup, which takes a missing path for a repo id."""
+    monkeypatch.chdir(tmp_path)  # relative checkpoint paths (models/...) are not there
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = yaml.safe_load((EXAMPLES_DIR / f"{name}.yaml").read_text())["train"]["hf_load"]
+    try:
+        config, _ = load_config(str(EXAMPLES_DIR / f"{name}.yaml"))
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        with pytest.raises(ValueError) as raised:
+            config.train.model_config()
+        message = str(raised.value)
+    assert message == f"train.hf_load={path!r}: no such directory"
+
+
+def test_a_checkpoint_directory_without_config_json_is_named(tmp_path, monkeypatch):
+    from ember_megatron_backend.config import BackendConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^train.hf_load='empty': no config.json there \("):
+        BackendConfig(hf_load="empty").model_config()

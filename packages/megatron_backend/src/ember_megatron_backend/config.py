@@ -202,7 +202,8 @@ class BackendConfig:
         """The model shape: preset (or hf_load's config.json) with `model_overrides` applied.
 
         Raises:
-            ValueError: naming `model_overrides` and the field for a bad override value.
+            ValueError: naming `model_overrides` and the field for a bad override value, or
+                `train.hf_load` when it is not a directory holding a config.json.
         """
         from ember_core.config import from_dict
 
@@ -213,7 +214,19 @@ class BackendConfig:
 
             from ember_megatron_backend.hf_layout import model_config_from_hf
 
-            base = model_config_from_hf(AutoConfig.from_pretrained(self.hf_load))
+            # A path that is not there would reach transformers' hub lookup (a traceback about
+            # repo ids, or a download attempt): name the key instead. Plugins read the shape
+            # while the config loads, before `ember train` checks its inputs.
+            root = Path(self.hf_load)
+            if not root.is_dir():
+                raise ValueError(f"train.hf_load={self.hf_load!r}: no such directory")
+            if not (root / "config.json").is_file():
+                raise ValueError(
+                    f"train.hf_load={self.hf_load!r}: no config.json there (the model's shape "
+                    "is read from a transformers checkpoint directory)"
+                )
+            config = AutoConfig.from_pretrained(self.hf_load, local_files_only=True)
+            base = model_config_from_hf(config)
         else:
             base = ModelConfig.preset("tiny-moe")
         if not self.model_overrides:
