@@ -72,9 +72,7 @@ def run_sets(*extra: str) -> list[str]:
     return bench_peer.ember_overrides("copy", 3, 3, 200, None, [*SETS, *extra])
 
 
-# --------------------------------------------------------------------------------------------
-# The batch
-# --------------------------------------------------------------------------------------------
+# -- the batch -------------------------------------------------------------------------------------
 
 
 def fixed_batch(tokenizer: Any, max_len: int) -> tuple[list[list[int]], list[float]]:
@@ -122,12 +120,8 @@ class Run:
     """The parameters before the first step."""
     metrics: list[dict[str, float]] = field(default_factory=list)
     """Ember's train/* metrics per step."""
-
-
-@dataclass
-class TrlRun(Run):
     samples: list[Any] = field(default_factory=list)
-    """The batch as Ember's samples, in the order TRL trained on them."""
+    """TRL's run: the batch as Ember's samples, in the order TRL trained on them."""
 
 
 @contextlib.contextmanager
@@ -141,9 +135,21 @@ def wrapped(owner: Any, name: str, make: Any):
         setattr(owner, name, original)
 
 
-# --------------------------------------------------------------------------------------------
-# The two sides
-# --------------------------------------------------------------------------------------------
+def then(record: Any) -> Any:
+    """For `wrapped`: call the original, then `record(result)`."""
+
+    def make(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            record(out)
+            return out
+
+        return call
+
+    return make
+
+
+# -- the two sides ---------------------------------------------------------------------------------
 
 
 class Sides:
@@ -159,7 +165,7 @@ class Sides:
         config = bench_peer.load_run_config(run_sets())
         self.responses, self.rewards = fixed_batch(self.tokenizer, config.rollout.max_response_len)
         self.mirror = AutoModelForCausalLM.from_pretrained(self.hf_init, dtype=torch.float32)
-        self._trl: dict[Any, TrlRun] = {}
+        self._trl: dict[Any, Run] = {}
         self._ember: dict[Any, Run] = {}
 
     def as_hf(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -178,7 +184,7 @@ class Sides:
     # -- TRL ---------------------------------------------------------------------------------
 
     def trl(self, sets: tuple[str, ...] = (), changes: tuple[tuple[str, Any], ...] = (),
-            steps: int = STEPS) -> TrlRun:  # fmt: skip
+            steps: int = STEPS) -> Run:  # fmt: skip
         """TRL's GRPOTrainer on the batch with the bench's GRPOConfig for `sets` (`changes`
         on top: TRL's side only), `steps` optimizer steps."""
         config = bench_peer.load_run_config(run_sets(*sets))
@@ -188,7 +194,7 @@ class Sides:
             self._trl[key] = self._run_trl(config, kwargs, steps)
         return self._trl[key]
 
-    def _run_trl(self, config: Any, kwargs: dict[str, Any], steps: int) -> TrlRun:
+    def _run_trl(self, config: Any, kwargs: dict[str, Any], steps: int) -> Run:
         from datasets import Dataset
         from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
@@ -232,23 +238,10 @@ class Sides:
 
             return fixed
 
-        def log_probs(original):
-            def record(*a, **k):
-                out = original(*a, **k)
-                if torch.is_grad_enabled():  # the training forward, not the old-policy one
-                    seen["log_probs"].append(out[0].detach().clone())
-                    seen["entropy"].append(out[1].detach().clone())
-                return out
-
-            return record
-
-        def loss(original):
-            def record(*a, **k):
-                out = original(*a, **k)
-                seen["loss"].append(float(out.detach()))
-                return out
-
-            return record
+        def log_probs(out):
+            if torch.is_grad_enabled():  # the training forward, not the old-policy one
+                seen["log_probs"].append(out[0].detach().clone())
+                seen["entropy"].append(out[1].detach().clone())
 
         def clip(original):
             def record(model):
@@ -267,7 +260,10 @@ class Sides:
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(wrapped(trainer, "_generate_single_turn", sampler))
-            stack.enter_context(wrapped(trainer, "_get_per_token_logps_and_entropies", log_probs))
+            stack.enter_context(
+                wrapped(trainer, "_get_per_token_logps_and_entropies", then(log_probs))
+            )
+            loss = then(lambda out: seen["loss"].append(float(out.detach())))
             stack.enter_context(wrapped(trainer, "compute_loss", loss))
             stack.enter_context(wrapped(trainer, "_clip_grad_norm", clip))
             trainer.train()
@@ -303,11 +299,11 @@ class Sides:
             if k < steps:
                 runs.append(Step(lps, ents, seen["loss"][k], seen["grads"][k], seen["norm"][k],
                                  seen["lr"][k], seen["params"][k]))  # fmt: skip
-        return TrlRun(torch.cat(advantages), runs, initial=initial, samples=samples)
+        return Run(torch.cat(advantages), runs, initial=initial, samples=samples)
 
     # -- Ember -------------------------------------------------------------------------------
 
-    def ember(self, sets: tuple[str, ...] = (), trl: TrlRun | None = None,
+    def ember(self, sets: tuple[str, ...] = (), trl: Run | None = None,
               std_eps: float = TRL_STD_EPS) -> Run:  # fmt: skip
         """Ember's trainer on `trl`'s samples (default: TRL's run with the same `sets`), with
         `std_eps` added to the group std."""
@@ -317,7 +313,7 @@ class Sides:
             self._ember[key] = self._run_ember(list(sets), trl, std_eps)
         return self._ember[key]
 
-    def _run_ember(self, sets: list[str], trl: TrlRun, std_eps: float) -> Run:
+    def _run_ember(self, sets: list[str], trl: Run, std_eps: float) -> Run:
         import copy
 
         from ember_core.algorithms import advantages as advantages_module
@@ -330,14 +326,6 @@ class Sides:
         initial = self.as_hf(dict(worker.hf_weights()))
         heads: list[Any] = []
         seen: dict[str, list[Any]] = {"grads": [], "params": []}
-
-        def head(original):
-            def record(*a, **k):
-                out = original(*a, **k)
-                heads.append(out)
-                return out
-
-            return record
 
         def step(original):
             def record(step_index):
@@ -358,7 +346,7 @@ class Sides:
         samples = copy.deepcopy(trl.samples)
         with contextlib.ExitStack() as stack:
             stack.enter_context(wrapped(advantages_module, "GROUP_STD_EPS", lambda _: std_eps))
-            stack.enter_context(wrapped(worker_module, "policy_head", head))
+            stack.enter_context(wrapped(worker_module, "policy_head", then(heads.append)))
             stack.enter_context(wrapped(worker.actor_optimizer, "step", step))
             batch = worker.prepare(0, samples)
             metrics = worker.train(0, batch)
@@ -372,9 +360,7 @@ class Sides:
         return run
 
 
-# --------------------------------------------------------------------------------------------
-# Comparison
-# --------------------------------------------------------------------------------------------
+# -- comparison ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -421,7 +407,7 @@ def largest(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[flo
     return float((a[name] - b[name]).abs().max()), name
 
 
-def gaps(trl: TrlRun, ember: Run) -> Gaps:
+def gaps(trl: Run, ember: Run) -> Gaps:
     """Step by step, over the steps both ran."""
     out = Gaps(float((trl.advantages - ember.advantages).abs().max()), [], [], [], [], [], [], [])
     for t, e in zip(trl.steps, ember.steps, strict=False):
@@ -452,9 +438,7 @@ def sides(tmp_path_factory):
         destroy_distributed()
 
 
-# --------------------------------------------------------------------------------------------
-# Tests
-# --------------------------------------------------------------------------------------------
+# -- tests -----------------------------------------------------------------------------------------
 
 PARITY_CASES = {
     # The bench's in-turn config: per-sample token mean (TRL's grpo), the ratio against the
