@@ -25,6 +25,9 @@ PARTS = [
     "offload_checkpoint",
     "ipc",
     "broadcast_hf",
+    "tied_llama",
+    "upcycled_mixtral",
+    "pp_tied",
 ]
 
 
@@ -54,6 +57,7 @@ def test_cpu_dry_run_passes_every_part_with_its_figures(tmp_path):
     assert list(results["parts"]) == PARTS
     for name, part in results["parts"].items():
         assert part["passed"] and not part["failures"] and part["error"] is None, name
+        assert part["skipped"] is None, name  # the CPU runs every part, two stages included
         assert part["seconds"] > 0, name
     log = (tmp_path / "check" / "device_check.log").read_text()
     assert "device check (cpu-dry-run): PASSED" in log
@@ -157,6 +161,50 @@ def test_cpu_dry_run_passes_every_part_with_its_figures(tmp_path):
     assert broadcast["served_version"] == "1" and broadcast["mismatched"] == []
     assert broadcast["engine_device"] == "cpu"
 
+    # The model parts: tiny-llama (vocabulary 256, tied) and its upcycle, float32 on both sides.
+    # Their log-prob gaps are float32 rounding through two layers of different kernels, about
+    # 3e-6 as measured; 1e-4 (the parts' own bar) fails on any wrong or stale weight, which
+    # moves them by 1e-3 and more (the stale engine below: about 0.5).
+    tied, moe, pp = (figures[k] for k in ("tied_llama", "upcycled_mixtral", "pp_tied"))
+    assert tied["model"] == "llama" and tied["optimizer"] == "torch_adamw"
+    # One shared parameter: no output-layer weight, and on one stage megatron-core marks it for
+    # the DDP hook to take its summed gradient (zero_out_wgrad).
+    assert tied["share_embeddings_and_output_weights"] is True
+    assert tied["output_layer_parameters"] == [] and tied["zero_out_wgrad"] is True
+    assert tied["pushed_lm_head"] is False and tied["pushed_embedding"] is True
+    assert tied["tie_word_embeddings"] is True and tied["checkpoint_lm_head"] is False
+    # Tokens below 64 in the step: the other 192 rows moved through the output layer alone.
+    assert tied["unseen_rows"] == tied["unseen_rows_moved"] == 256 - 64
+    assert tied["engine_head_tied"] is True and tied["engine_head_is_trained_embedding"] is True
+    assert tied["served_version"] == "1" and tied["broadcast_buckets"] >= 2
+    assert 0 < tied["response_tokens"] <= 4 * 4 * 8
+    assert tied["max_abs_logprob_diff"] < 1e-4
+    assert tied["max_abs_logprob_diff_stale_engine"] > 1e-2
+
+    assert (moe["model"], moe["experts"], moe["topk"]) == ("mixtral", 4, 2)
+    # Identical experts compute the dense MLP whatever the router picks.
+    assert moe["zero_noise_max_abs_logprob_diff"] < 1e-4
+    assert moe["tie_word_embeddings"] is False and moe["pushed_lm_head"] is True
+    assert moe["lm_head_starts_as_embedding"] is True
+    assert moe["lm_head_and_embedding_apart_after_step"] is True
+    assert moe["engine_head_is_pushed_head"] and moe["engine_embedding_is_pushed_embedding"]
+    assert moe["served_version"] == "1" and moe["samples"] == 4 * 4
+    assert moe["routed_experts_returned"] is True and moe["replay_agreement"] == 1.0
+    assert 0.0 <= moe["routing_agreement_without_replay"] <= 1.0
+    assert moe["max_abs_logprob_diff_with_replay"] < 1e-4
+
+    assert pp["stages"] == [[True, False], [False, True]] and pp["devices"] == ["cpu", "cpu"]
+    assert pp["copies_equal_at_build"] is True and pp["copies_equal_after_step"] is True
+    # The first stage's unseen rows get their gradient from the last stage's output layer.
+    assert pp["unseen_rows"] == pp["first_stage_unseen_rows_moved"] == 256 - 64
+    assert pp["last_stage_unseen_rows_moved"] == 256 - 64
+    # Both stages push what the one-stage model pushes: the embedding once, no lm_head.
+    assert pp["pushed_tensors"] == tied["pushed_tensors"] and pp["pushed_embedding_times"] == 1
+    assert pp["pushed_lm_head"] is False and pp["same_names_on_both_stages"] is True
+    assert pp["tie_word_embeddings"] is True and pp["checkpoint_lm_head"] is False
+    assert pp["same_log_probs_on_both_stages"] is True
+    assert pp["max_abs_logprob_diff_export"] < 1e-4
+
 
 def load_device_check_parts():
     load_device_check()  # puts tools/ on sys.path
@@ -193,6 +241,29 @@ def test_the_offload_part_reaches_optimizer_state_as_megatron_cores_optimizer_of
     # One chained optimizer: its state dict is the inner one's, and loads back into it.
     assert chained.state_dict().keys() == adamw.state_dict().keys() == {"state", "param_groups"}
     assert chained.param_groups == adamw.param_groups
+
+
+def test_two_pipeline_stages_on_one_gpu_are_skipped_with_the_reason(monkeypatch):
+    """NCCL puts one rank per GPU, so pp_tied cannot run its two stages on a one-GPU runner:
+    it says so and starts nothing (the run would otherwise record the stages' figures)."""
+    import torch
+
+    device_check = load_device_check()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    sizes = device_check.Sizes(
+        device="cuda",
+        dtype="bfloat16",
+        prompts=1,
+        samples_per_prompt=1,
+        response_len=1,
+        logprob_tolerance=1.0,
+    )
+    result = device_check.run_part(device_check.PARTS["pp_tied"], sizes)
+    assert result["passed"] and result["error"] is None and result["figures"] == {}
+    assert result["skipped"].startswith("PP = 2 needs two GPUs, one rank each")
+    assert "1 visible" in result["skipped"]
+    lines = device_check.summary_lines({"mode": "gpu", "passed": True, "parts": {"pp": result}})
+    assert lines[1].startswith("  skip pp (") and lines[2] == f"    skipped: {result['skipped']}"
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):

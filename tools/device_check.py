@@ -19,7 +19,14 @@ does not stop the others; its traceback goes into the JSON):
 - offload_checkpoint, ipc, broadcast_hf: what a colocated run hands between the trainer and
   the engines (offload, checkpoint while offloaded, load bit for bit; a weight bucket as CUDA
   IPC handles opened in a second process; a gloo broadcast into the hf engine), described in
-  `tools/device_check_parts.py`.
+  `tools/device_check_parts.py`;
+- tied_llama, upcycled_mixtral, pp_tied: the dense llama family with tied embeddings (one
+  pipeline stage, then two) and a Mixtral sparse-upcycled from it, trained and pushed by
+  broadcast into the engine, float32 on both sides so that their log-probs agree to 1e-4 per
+  token, described in `tools/device_check_models.py` (with the upstream lines each guards).
+
+A part the machine cannot run (pp_tied with fewer than two GPUs) records why and is skipped;
+it does not fail the check.
 
 On a GPU (the default) Megatron runs in bf16 on cuda:0 and the model is the GPU tests' served
 shape. `--cpu-dry-run` runs the same code on the CPU with CUDA hidden: Megatron in fp32 (the
@@ -121,6 +128,11 @@ class Part:
     def __init__(self) -> None:
         self.figures: dict[str, Any] = {}
         self.failures: list[str] = []
+        self.skipped: str | None = None
+
+    def skip(self, reason: str) -> None:
+        """Note that this machine cannot run the part, and why (the part then returns)."""
+        self.skipped = reason
 
     def record(self, **figures: Any) -> None:
         self.figures.update(figures)
@@ -441,6 +453,16 @@ def _handoff_parts() -> dict[str, Callable[[Part, Sizes], None]]:
     }
 
 
+def _model_parts() -> dict[str, Callable[[Part, Sizes], None]]:
+    import device_check_models as models
+
+    return {
+        "tied_llama": models.part_tied_llama,
+        "upcycled_mixtral": models.part_upcycled_mixtral,
+        "pp_tied": models.part_pp_tied,
+    }
+
+
 PARTS: dict[str, Callable[[Part, Sizes], None]] = {
     "environment": part_environment,
     "train": part_train,
@@ -448,6 +470,7 @@ PARTS: dict[str, Callable[[Part, Sizes], None]] = {
     "export": part_export,
     "r3": part_r3,
     **_handoff_parts(),
+    **_model_parts(),
 }
 
 
@@ -470,6 +493,7 @@ def run_part(fn: Callable[[Part, Sizes], None], sizes: Sizes) -> dict[str, Any]:
         "figures": part.figures,
         "failures": part.failures,
         "error": error,
+        "skipped": part.skipped,
     }
 
 
@@ -482,8 +506,10 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         figures = ", ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in scalars.items()
         )
-        verdict = "pass" if result["passed"] else "FAIL"
+        verdict = "FAIL" if not result["passed"] else "skip" if result["skipped"] else "pass"
         lines.append(f"  {verdict} {name} ({result['seconds']:.1f} s): {figures}")
+        if result["skipped"]:
+            lines.append(f"    skipped: {result['skipped']}")
         lines += [f"    failed: {what}" for what in result["failures"]]
         if result["error"]:
             lines.append(f"    error: {result['error'].strip().splitlines()[-1]}")

@@ -312,13 +312,75 @@ def _spans(bucket: Any) -> list[tuple[int, int]]:
     return spans
 
 
+BROADCAST_BUCKET_BYTES = 256 << 10
+"""Bucket size of the check's broadcasts: small, so that every model takes several."""
+
+
+async def push_by_broadcast(
+    engine: Any, weights: Any, *, version: str, dtype: Any, group_name: str = "ember-device-check"
+) -> dict[str, Any]:
+    """Push `weights()` ((name, tensor) pairs) into `engine` as a run's broadcast transport
+    does: the engine joins a fresh gloo weight group as rank 1 with this process as rank 0,
+    takes every bucket (cast to `dtype`) inside one weight-update session, the last naming
+    `version`, and leaves the group. Returns the buckets, bytes and seconds of the session."""
+    import datetime
+
+    from ember_megatron_backend.parallel import free_port
+    from ember_megatron_backend.weight_sync import WeightGroup, bucket_weights
+
+    port = free_port()
+    join = asyncio.create_task(
+        engine.init_weights_update_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offset=1,
+            world_size=2,
+            group_name=group_name,
+            backend="gloo",
+        )
+    )
+    group = await asyncio.to_thread(
+        WeightGroup.create,
+        master_address="127.0.0.1",
+        master_port=port,
+        world_size=2,
+        group_name=group_name,
+        backend="gloo",
+        timeout=datetime.timedelta(minutes=2),
+    )
+    await join
+    try:
+        started, buckets, sent = time.perf_counter(), 0, 0
+        await engine.begin_weight_update()
+        items = list(bucket_weights(weights(), BROADCAST_BUCKET_BYTES, dtype=dtype, device="cpu"))
+        for i, bucket in enumerate(items):
+            last = i == len(items) - 1
+            load = asyncio.create_task(
+                engine.update_weights_from_distributed(
+                    bucket.names,
+                    bucket.dtypes,
+                    bucket.shapes,
+                    group_name=group_name,
+                    weight_version=version if last else None,
+                    flush_cache=last,
+                )
+            )
+            await asyncio.to_thread(lambda b=bucket: group.broadcast(b).wait())
+            await load
+            buckets, sent = buckets + 1, sent + bucket.nbytes
+        await engine.end_weight_update()
+        seconds = time.perf_counter() - started
+    finally:
+        await engine.destroy_weights_update_group(group_name)
+        group.abort()
+    return {"buckets": buckets, "bytes": sent, "seconds": seconds}
+
+
 def part_broadcast_hf(part: Any, sizes: Any) -> None:
     import torch
     from device_check import ensure_distributed
     from gpu_support import megatron_worker
 
-    from ember_megatron_backend.parallel import free_port
-    from ember_megatron_backend.weight_sync import WeightGroup, bucket_weights
     from ember_rollout import HFEngineConfig
     from ember_rollout.hf_engine import HFEngine
     from ember_rollout.models import _resolve
@@ -331,55 +393,15 @@ def part_broadcast_hf(part: Any, sizes: Any) -> None:
         config = HFEngineConfig(model_path=path, dtype="bfloat16", device=sizes.device)
         async with HFEngine(config) as engine:
             await engine.start()
-            port, name = free_port(), "ember-device-check"
-            join = asyncio.create_task(
-                engine.init_weights_update_group(
-                    master_address="127.0.0.1",
-                    master_port=port,
-                    rank_offset=1,
-                    world_size=2,
-                    group_name=name,
-                    backend="gloo",
-                )
-            )
-            group = await asyncio.to_thread(
-                WeightGroup.create,
-                master_address="127.0.0.1",
-                master_port=port,
-                world_size=2,
-                group_name=name,
-                backend="gloo",
-                timeout=__import__("datetime").timedelta(minutes=2),
-            )
-            await join
             with torch.no_grad():
                 for p in worker.actor.parameters():
                     p.add_(0.01)
             wanted = {
                 n: t.detach().to("cpu", torch.bfloat16, copy=True) for n, t in worker.hf_weights()
             }
-            started, buckets, sent = time.perf_counter(), 0, 0
-            await engine.begin_weight_update()
-            items = list(
-                bucket_weights(worker.hf_weights(), 256 << 10, dtype=torch.bfloat16, device="cpu")
+            pushed = await push_by_broadcast(
+                engine, worker.hf_weights, version="1", dtype=torch.bfloat16
             )
-            for i, bucket in enumerate(items):
-                last = i == len(items) - 1
-                load = asyncio.create_task(
-                    engine.update_weights_from_distributed(
-                        bucket.names,
-                        bucket.dtypes,
-                        bucket.shapes,
-                        group_name=name,
-                        weight_version="1" if last else None,
-                        flush_cache=last,
-                    )
-                )
-                await asyncio.to_thread(lambda b=bucket: group.broadcast(b).wait())
-                await load
-                buckets, sent = buckets + 1, sent + bucket.nbytes
-            await engine.end_weight_update()
-            seconds = time.perf_counter() - started
             state = engine.model.state_dict()
             bad = [
                 n
@@ -388,12 +410,8 @@ def part_broadcast_hf(part: Any, sizes: Any) -> None:
                     _resolve(state, n, t)[0].cpu(), t.to(_resolve(state, n, t)[0].dtype)
                 )
             ]
-            await engine.destroy_weights_update_group(name)
-            group.abort()
             return {
-                "buckets": buckets,
-                "bytes": sent,
-                "seconds": seconds,
+                **pushed,
                 "tensors": len(wanted),
                 "mismatched": bad[:5],
                 "served_version": engine.weight_version,
