@@ -113,6 +113,18 @@ def token_mean(per_token: list[float]) -> float:
     return sum(v for v, m in zip(per_token, MASK, strict=True) if m) / sum(MASK)
 
 
+def hand_gradient(name: str, reduction: str) -> list[float]:
+    """The reduced loss's gradient in each token's log-prob: its per-token derivative times its
+    share of the reduction (1 / (samples x the sample's counted tokens), or 1 / counted
+    tokens); none at the uncounted token."""
+    counts = [sum(MASK[j] for j in range(len(MASK)) if SAMPLE[j] == i) for i in range(4)]
+    shares = [
+        m / (len(LENGTHS) * counts[SAMPLE[j]]) if reduction == "sample" else m / sum(MASK)
+        for j, m in enumerate(MASK)
+    ]
+    return [g * s for g, s in zip(hand(name)["grad"], shares, strict=True)]
+
+
 # ----------------------------------------------------------------------------- batches
 
 
@@ -124,10 +136,11 @@ def split(values: list[float]) -> list[torch.Tensor]:
     return list(t(values).split(LENGTHS))
 
 
-def batch_for(config: AlgorithmConfig) -> tuple[RolloutBatch, MicroBatch]:
+def batch_for(config: AlgorithmConfig, *, audit: bool = False) -> tuple[RolloutBatch, MicroBatch]:
     """The rank's batch as `MegatronWorker.prepare` leaves it: with the engine's log-probs as
-    the old policy, `log_probs` is the engine's list itself. The uncounted token carries NaN
-    in every given tensor (a tool's output), which must not reach the loss."""
+    the old policy, `log_probs` is the engine's list itself, except at an audit, where the
+    trainer scored the rollout itself (OLD). The uncounted token carries NaN in every given
+    tensor (a tool's output), which must not reach the loss."""
 
     def given(values: list[float]) -> list[torch.Tensor]:
         return split([math.nan if not m else v for v, m in zip(values, MASK, strict=True)])
@@ -142,11 +155,12 @@ def batch_for(config: AlgorithmConfig) -> tuple[RolloutBatch, MicroBatch]:
         samples=samples,
         steps=[[list(range(len(samples)))]],
         loss_masks=split([float(m) for m in MASK]),
-        log_probs=rollout if config.use_rollout_log_probs else given(OLD),
+        log_probs=rollout if config.use_rollout_log_probs and not audit else given(OLD),
         entropy=None,
         advantages=given(ADVANTAGES),
         returns=given(ADVANTAGES),
         rollout_log_probs=rollout,
+        audit=audit,
     )
     mb = MicroBatch(model=None, samples=samples, indices=list(range(len(samples))), packed=None)
     return batch, mb
@@ -220,17 +234,8 @@ def test_reduced_loss_gradient_and_metrics_of_actor_loss(name, reduction):
     assert metrics["pg_loss"].item() == pytest.approx(mean(rows["loss"]), **tol)
     assert metrics["pg_clipfrac"].item() == pytest.approx(mean(rows["clipped"]), **tol)
 
-    # The gradient in each token's log-prob: its per-token derivative times its share of the
-    # reduction (1 / (samples x the sample's counted tokens), or 1 / counted tokens); none at
-    # the uncounted token.
     loss.backward()
-    counts = [sum(MASK[j] for j in range(len(MASK)) if SAMPLE[j] == i) for i in range(4)]
-    shares = [
-        m / (len(LENGTHS) * counts[SAMPLE[j]]) if reduction == "sample" else m / sum(MASK)
-        for j, m in enumerate(MASK)
-    ]
-    expected = [g * s for g, s in zip(rows["grad"], shares, strict=True)]
-    assert leaf.grad.tolist() == pytest.approx(expected, **tol)
+    assert leaf.grad.tolist() == pytest.approx(hand_gradient(name, reduction), **tol)
     assert not torch.isnan(leaf.grad).any()
 
     assert metrics["entropy_loss"].item() == pytest.approx(0.7)
@@ -275,3 +280,49 @@ def test_sequence_level_metrics_are_the_samples_ratios(reduction):
     assert metrics["tis_max"].item() == pytest.approx(max(ratio.values()), rel=1e-5)
     assert metrics["tis_clipfrac"].item() == pytest.approx(clipfrac, rel=1e-6)
     assert 0 < clipfrac < 1
+
+
+ENGINE_OLD = [name for name in NAMES if name != "decoupled"]
+
+
+@pytest.mark.parametrize("name", ENGINE_OLD)
+@pytest.mark.parametrize("reduction", ["sample", "token"])
+def test_an_audit_trains_the_objective_the_run_trains_between_audits(name, reduction):
+    """At an audit the trainer scores the rollout itself (its log-probs, OLD, become the
+    batch's `log_probs`) for the checks, but the loss stays the configured one, anchored at the
+    engine's log-probs: from identical tensors, the same loss and the same gradient in every
+    token's log-prob as between audits, and both the hand formula's."""
+    config = algorithm(name, loss_reduction=reduction)
+    losses, grads = [], []
+    for audit in (False, True):
+        batch, mb = batch_for(config, audit=audit)
+        assert batch.old_from_engine is not audit
+        leaf = t(NEW).requires_grad_()
+        head = HeadOutput(log_probs=list(leaf.split(LENGTHS)), entropy=None)
+        loss, _ = actor_loss(head, mb, batch, config, sequence_ratio=False)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(leaf.grad)
+    between, at_audit = grads
+    assert torch.equal(losses[0], losses[1]), (losses, name)
+    assert torch.equal(between, at_audit), (between.tolist(), at_audit.tolist())
+    tol = dict(rel=1e-5, abs=1e-6)
+    assert at_audit.tolist() == pytest.approx(hand_gradient(name, reduction), **tol)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("audit", [False, True], ids=["between-audits", "audit"])
+def test_ppo_kl_is_the_old_log_probs_minus_this_forwards(name, audit):
+    """train/ppo_kl = mean(lp_old - lp) over counted tokens, lp_old the batch's old log-probs:
+    the engine's under the engine-anchored corrections between audits (so the ratio-1
+    corrections `tis`, `seq_tis` and `mis` still report how far the policy is from the
+    sampler), the trainer's scoring forward under `decoupled` and at every audit (where the
+    checker requires it to be exactly 0 at the first step)."""
+    config = algorithm(name)
+    batch, mb = batch_for(config, audit=audit)
+    head = HeadOutput(log_probs=split(NEW), entropy=None)
+    _, metrics = actor_loss(head, mb, batch, config, sequence_ratio=False)
+    old = ROLLOUT if config.use_rollout_log_probs and not audit else OLD
+    expected = sample_mean([o - n for o, n in zip(old, NEW, strict=True)])
+    assert abs(expected) > 5e-3
+    assert metrics["ppo_kl"].item() == pytest.approx(expected, rel=1e-5, abs=1e-7)

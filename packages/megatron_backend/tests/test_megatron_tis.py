@@ -89,7 +89,7 @@ def test_one_step_equals_ppo_with_advantages_times_the_hand_weight(
     # near eps, fp32 rounding of the two losses' sums shows (measured: 18 of 281k weights,
     # at most 3.7e-6 on the 2-core AMD EPYC). 1% of a step:
     assert torch.allclose(_params(worker), _params(plain), rtol=0, atol=1e-5)
-    assert got["train/ppo_kl"] == 0.0 and got["train/pg_clipfrac"] == 0.0
+    assert got["train/pg_clipfrac"] == 0.0
 
     # The metrics: the unbounded ratio's mean (per sample, then over samples) and maximum,
     # and the share of tokens outside [LOW, HIGH], over counted tokens.
@@ -111,6 +111,14 @@ def test_one_step_equals_ppo_with_advantages_times_the_hand_weight(
     )
     assert got["train/tis_max"] == pytest.approx(top, rel=1e-5)
     assert top > HIGH
+    # ppo_kl is lp_old - lp: 0 against the trainer's own old log-probs at the first step, the
+    # engine's -shift when they are the old policy (never identically 0 under the ratio of 1).
+    if engine_old:
+        shifts = [[-_shift(j) for j in range(len(m))] for m in masks]
+        assert got["train/ppo_kl"] == pytest.approx(sample_mean(shifts), rel=1e-4, abs=1e-6)
+        assert abs(got["train/ppo_kl"]) > 1e-2
+    else:
+        assert got["train/ppo_kl"] == 0.0
 
 
 def test_engine_old_weight_follows_the_current_policy_after_the_first_step(dist_env):
@@ -127,5 +135,6 @@ def test_engine_old_weight_follows_the_current_policy_after_the_first_step(dist_
     assert got[0]["train/tis"] == pytest.approx(want[0]["train/tis"], rel=1e-6)
     assert got[1]["train/tis"] != pytest.approx(want[1]["train/tis"], rel=1e-4)
     # Step 1 of the trainer-old run: its own old log-probs, so ppo_kl moves; the engine-old
-    # run's ratio is anchored at the forward itself.
-    assert want[1]["train/ppo_kl"] != 0.0 and got[1]["train/ppo_kl"] == 0.0
+    # run's is against the engine's log-probs at every step, the first step's included.
+    assert want[0]["train/ppo_kl"] == 0.0 and want[1]["train/ppo_kl"] != 0.0
+    assert got[0]["train/ppo_kl"] != 0.0 and got[1]["train/ppo_kl"] != got[0]["train/ppo_kl"]

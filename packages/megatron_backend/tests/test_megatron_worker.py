@@ -403,3 +403,42 @@ def test_bad_batches_name_the_sample(dist_env):
         MegatronWorker(
             backend(), algorithm(advantage_estimator="ppo"), sampling(), with_critic=False
         )
+
+
+class AuditEveryRollout:
+    """Asks for an audit at every rollout, as the CI checker does at rollout 0."""
+
+    @hookimpl
+    def ember_audit_rollout(self, rollout_id):
+        return True
+
+
+@pytest.mark.parametrize("correction", ["tis", "behaviour_clip"])
+def test_an_audit_scores_for_the_checks_and_trains_as_between_audits(dist_env, correction):
+    """Under the engine's log-probs as the old policy, an audited rollout is scored by the actor
+    (its log-probs, far from the engine's here, go to the metrics), yet its advantages (KL in
+    the reward reads the old log-probs) and its training are those of the same rollout
+    unaudited: the same losses and the same weights after both steps."""
+    samples = make_samples(experts=False)
+    alg = dict(
+        off_policy_correction=correction, advantage_estimator="reinforce_plus_plus", kl_coef=0.1
+    )
+    plain = MegatronWorker(backend(), algorithm(**alg), sampling())
+    plugins = EmberPlugins()
+    plugins.register(AuditEveryRollout(), "audit")
+    audited = MegatronWorker(backend(), algorithm(**alg), sampling(), plugins)
+    between, audit = plain.prepare(0, samples), audited.prepare(0, samples)
+    assert not between.audit and audit.audit and not audit.old_from_engine
+    pairs = zip(audit.log_probs, audit.rollout_log_probs, strict=True)
+    assert max((a - b).abs().max() for a, b in pairs) > 0.5
+    for a, b in zip(between.advantages, audit.advantages, strict=True):
+        assert torch.equal(a, b)
+    want, got = plain.train(0, between), audited.train(0, audit)
+    for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/grad_norm"):
+        assert [s[key] for s in got] == [s[key] for s in want], key
+    # The audit's ppo_kl compares with its own scoring: exactly 0 at the first step.
+    assert got[0]["train/ppo_kl"] == 0.0 and abs(want[0]["train/ppo_kl"]) > 0.1
+    mine, theirs = audited.actor.module.state_dict(), plain.actor.module.state_dict()
+    for name, value in theirs.items():
+        if torch.is_tensor(value):
+            assert torch.equal(mine[name], value), name

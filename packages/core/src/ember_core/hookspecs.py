@@ -343,9 +343,9 @@ def ember_audit_rollout(rollout_id: int) -> bool | None:
     When any plugin answers True, the driver lets no rollout generate ahead into it or past
     it (with `rollout.max_staleness` >= 1, it is generated after the previous iteration's
     weights reach the engines, so engine and trainer hold the same weights), and the backend
-    scores it with the actor's own forward even under `algorithm.use_rollout_log_probs`, takes
-    those log-probs as the old policy's, and logs `rollout/audit` = 1 with the metrics that
-    compare them with the engine's.
+    scores it with the actor's own forward even under `algorithm.use_rollout_log_probs` and
+    logs `rollout/audit` = 1 with the metrics that compare those log-probs with the engine's;
+    the loss keeps the configured old policy, so an audit trains as any rollout does.
     Both the driver's process and every training rank ask, so the answer must depend on the
     rollout id and the run config only.
 

@@ -67,7 +67,9 @@ class RolloutBatch:
     """1 where a response token is trained on."""
     log_probs: list[Tensor]
     """Old actor log-probs at the rollout temperature: the trainer's, or with
-    `algorithm.use_rollout_log_probs` the engine's (the same tensors as `rollout_log_probs`)."""
+    `algorithm.use_rollout_log_probs` the engine's (the same tensors as `rollout_log_probs`)
+    except at an audit, where they are the trainer's scoring for the metrics and checks while
+    the loss keeps the engine's (``losses.actor_loss``)."""
     entropy: list[Tensor] | None
     """Old actor entropy at the rollout temperature; None when the actor was not scored."""
     advantages: list[Tensor]
@@ -96,7 +98,7 @@ class RolloutBatch:
     audit: bool = False
     """An audit iteration (`EmberPlugins.audit_rollout`): the engine sampled from the weights
     the trainer holds, and the actor scored the rollout itself even under
-    `algorithm.use_rollout_log_probs`."""
+    `algorithm.use_rollout_log_probs`, to be compared, not trained against."""
     stale: bool = False
     """Some sample was generated from weights older than the trainer's (its `weight_version`
     is below the trainer's): a train/rollout log-prob gap then holds that staleness too."""

@@ -120,7 +120,9 @@ def actor_policy_loss(
     log-probs when `use_tis`, taken per token or per sample (`tis_level`) and bounded by
     `tis_mode` (``tis_policy_loss``: with the engine's log-probs as the old policy,
     `old_from_engine`, the weight is this forward's pi_theta / pi_rollout and replaces the
-    ratio). A named `algorithm.off_policy_correction` has already set those flags.
+    ratio). A named `algorithm.off_policy_correction` has already set those flags; the
+    objective is the same at an audit iteration, where the trainer's own scoring is only
+    checked and logged (``actor_loss``).
 
     Args:
         log_probs: This forward's log-probs [T], differentiable.
@@ -131,7 +133,7 @@ def actor_policy_loss(
         lengths: The samples' response lengths, adding up to T.
         algorithm: The objective's settings.
         sequence_ratio: The estimator's GSPO sequence-level ratio.
-        old_from_engine: `old` is the engine's log-probs (`RolloutBatch.old_from_engine`).
+        old_from_engine: `old` is the engine's log-probs (`algorithm.use_rollout_log_probs`).
 
     Returns:
         `(loss [T], metrics)`: per-token metrics of ``policy_loss`` and, with TIS, of
@@ -185,6 +187,14 @@ def actor_loss(
     level: over its samples with a counted token; a maximum, not a mean: see
     `metrics.STEP_MAXIMA`). With the engine's log-probs and no TIS, "behaviour_ratio" and
     "behaviour_ratio_max" are the mean and largest pi_theta / pi_rollout of this forward.
+
+    The loss's old policy is the engine's log-probs whenever `algorithm.use_rollout_log_probs`
+    says so, at an audit too: the trainer's scoring forward of an audit (`batch.log_probs`
+    then) is what "ppo_kl" and the train/rollout mismatch compare with, never what the
+    gradient follows. "ppo_kl" is lp_old - lp per token with lp_old the batch's old log-probs
+    (`batch.log_probs`: the engine's between audits under `use_rollout_log_probs`), so the
+    corrections whose ratio is 1 (`tis`, `seq_tis`, `mis`) still report the policy's distance
+    from the sampler.
     """
     log_probs = torch.cat(head.log_probs)
     device = log_probs.device
@@ -198,9 +208,13 @@ def actor_loss(
         values = _cat(tensors, idx, device)
         return torch.where(counted, values, torch.zeros_like(values))
 
-    old = given(batch.log_probs)
+    scored = given(batch.log_probs)
     lengths = [batch.samples[i].response_length for i in idx]
     rollout = None if batch.rollout_log_probs is None else given(batch.rollout_log_probs)
+    engine_old = algorithm.use_rollout_log_probs
+    # `MegatronWorker.prepare` refused a batch without the engine's log-probs here.
+    assert rollout is not None or not engine_old
+    old = rollout if engine_old else scored
     pg, per_token = actor_policy_loss(
         log_probs,
         old,
@@ -210,9 +224,10 @@ def actor_loss(
         lengths,
         algorithm,
         sequence_ratio=sequence_ratio,
-        old_from_engine=batch.old_from_engine,
+        old_from_engine=engine_old,
     )
-    metrics = {"pg_clipfrac": per_token["pg_clipfrac"], "ppo_kl": per_token["ppo_kl"]}
+    ppo_kl = (scored - log_probs.detach()) if engine_old else per_token["ppo_kl"]
+    metrics = {"pg_clipfrac": per_token["pg_clipfrac"], "ppo_kl": ppo_kl}
     if algorithm.eps_clip_c is not None:
         metrics["dual_clipfrac"] = per_token["dual_clipfrac"]
     tis_max = behaviour_max = None
@@ -220,7 +235,7 @@ def actor_loss(
         # The trainer's old log-probs against the engine's; when the old ones are the engine's
         # (use_rollout_log_probs outside audits), this step's own (at step 0 the same weights
         # as the sampler's unless the batch is stale: the mismatch).
-        trained = log_probs.detach() if batch.old_from_engine else old
+        trained = log_probs.detach() if batch.old_from_engine else scored
         metrics[mismatch_key(batch)] = (trained - rollout).abs()
         if algorithm.use_tis:
             out = tis_out_of_bounds_metric(algorithm.tis_mode)

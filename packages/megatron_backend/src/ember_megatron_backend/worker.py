@@ -237,7 +237,8 @@ class MegatronWorker:
                 f"algorithm.{needs[0]} needs rollout_log_probs on every sample; {where} has none"
             )
         # The engine's log-probs stand in for the old policy's: no actor forward here, except
-        # at an audit iteration, where the trainer scores the rollout itself to be compared.
+        # at an audit iteration, where the trainer scores the rollout itself to be compared
+        # (the loss still takes the engine's: `losses.actor_loss`).
         audit = self.plugins.audit_rollout(rollout_id)
         if audit and stale:
             raise RuntimeError(
@@ -295,6 +296,8 @@ class MegatronWorker:
             rollout_lp = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
         if not score_actor:
             log_probs = rollout_lp
+        # The objective's old policy, at an audit too (whose scoring is for the checks only).
+        old_log_probs = rollout_lp if self.algorithm.use_rollout_log_probs else log_probs
         advantages, returns = compute_advantages(
             self.algorithm.advantage_estimator,
             AdvantageInputs(
@@ -302,7 +305,7 @@ class MegatronWorker:
                 response_lengths=[s.response_length for s in samples],
                 loss_masks=masks,
                 group_ids=[s.group_index for s in samples],
-                log_probs=log_probs,
+                log_probs=old_log_probs,
                 ref_log_probs=ref_log_probs,
                 values=values,
                 gamma=self.algorithm.gamma,
