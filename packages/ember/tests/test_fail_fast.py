@@ -139,6 +139,19 @@ def test_tensor_parallel_the_checkpoints_heads_do_not_split_fails_before_ray(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_tied_mixtral_on_sglang_fails_before_ray(tmp_path, capsys, no_ray):
+    argv = ["train", "--set", "train.model=tiny-mixtral"]
+    argv += ["--set", "train.model_overrides.tie_word_embeddings=true"]
+    argv += ["--set", "engine.kind=sglang", "--set", "engine.sglang.urls=[http://127.0.0.1:1]"]
+    argv += ["--set", f"run.dir={tmp_path / 'run'}"]
+    assert main(argv) == USAGE_ERROR
+    assert _one_error_line(capsys).startswith(
+        "train: a mixtral model with tie_word_embeddings=true cannot be served by "
+        "engine.kind=sglang: SGLang's mixtral never ties its output layer"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_bad_plugin_section_fails_before_ray(capsys, no_ray):
     argv = ["train", "--plugins", "ci_kl_checker", "--set", "ci_kl_checker.nope=1"]
     assert main(argv) == USAGE_ERROR

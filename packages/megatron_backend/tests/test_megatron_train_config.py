@@ -109,6 +109,30 @@ def test_tensor_parallel_that_splits_heads_is_refused_before_any_build(tmp_path)
     assert str(err.value) == TP_REFUSED
 
 
+@pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-moe", "tiny-qwen2-moe", "tiny-glm4-moe"])
+def test_a_tied_model_of_a_family_sglang_never_ties_is_refused_for_sglang(family, tmp_path):
+    tied = BackendConfig(model=family, model_overrides={"tie_word_embeddings": True})
+    name = tied.model_config().family
+    with pytest.raises(ValueError) as err:
+        tied.check_sglang_ties()
+    assert str(err.value).startswith(
+        f"train: a {name} model with tie_word_embeddings=true cannot be served by "
+        "engine.kind=sglang"
+    )
+    BackendConfig(model=family).check_sglang_ties()  # untied: SGLang loads its lm_head
+    # A checkpoint says it in its config.json.
+    hf_config(tied.model_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="tie_word_embeddings=true"):
+        BackendConfig(hf_load=str(tmp_path)).check_sglang_ties()
+
+
+def test_families_sglang_ties_are_accepted_tied():
+    for preset in ("tiny-llama", "tiny-dense"):  # SGLang's llama and qwen3 share the layer
+        cfg = BackendConfig(model=preset)
+        assert cfg.model_config().tie_word_embeddings
+        cfg.check_sglang_ties()
+
+
 def test_bad_override_value_names_the_field():
     cfg = BackendConfig(model_overrides={"num_layers": 0})
     with pytest.raises(ValueError, match="model_overrides: model.num_layers must be an int >= 1"):

@@ -551,7 +551,8 @@ def check_inputs(config: RunConfig) -> None:
     interpreter, reads the whole prompt file as the rollout actors will (every line parses and
     has the configured keys), resolves the reward function, checks that the tokenizer and
     checkpoint directories exist (`hf_load` ones holding a transformers checkpoint), and that
-    `train.parallel.tensor_parallel` divides the model's head counts (`hf_load`'s shape too).
+    `train.parallel.tensor_parallel` divides the model's head counts (`hf_load`'s shape too),
+    and that SGLang can serve a model with tied embeddings (`check_sglang_ties`).
     The config itself and the plugin sections are already validated by `load_config`.
 
     Raises:
@@ -569,6 +570,8 @@ def check_inputs(config: RunConfig) -> None:
                 "engine.kind=sglang launches SGLang servers, but sglang is not installed in "
                 f"this environment: {sglang_cpu.EXTRA_HINT}"
             )
+    if config.engine.kind == "sglang":
+        config.train.check_sglang_ties()
     records = load_prompts(config.data)
     if config.run.eval_interval:
         load_eval_sets(config.run.eval_sets, config.data, prompts=config.run.eval_prompts)

@@ -193,6 +193,25 @@ class BackendConfig:
         if size > 1:
             self.model_config().check_tensor_parallel(size, key="train.parallel.tensor_parallel")
 
+    def check_sglang_ties(self) -> None:
+        """Refuse a model with tied embeddings of a family SGLang never ties
+        (`Family.sglang_ties`): the server's output layer would keep its initial values.
+        ``ember train`` calls it before any process starts when the engine is SGLang.
+
+        Raises:
+            ValueError: One line naming the family, the setting and what to do instead.
+        """
+        from ember_megatron_backend.families import REGISTRY
+
+        cfg = self.model_config()
+        if cfg.tie_word_embeddings and not REGISTRY[cfg.family].sglang_ties:
+            raise ValueError(
+                f"train: a {cfg.family} model with tie_word_embeddings=true cannot be served by "
+                f"engine.kind=sglang: SGLang's {cfg.family} never ties its output layer, and a "
+                "tied model has no lm_head to load into it; untie the checkpoint (lm_head.weight "
+                "a copy of the embedding, tie_word_embeddings: false) or use engine.kind=hf"
+            )
+
     @property
     def torch_dtype(self) -> torch.dtype:
         """The parameter dtype as a torch dtype."""

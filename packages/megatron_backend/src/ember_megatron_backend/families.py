@@ -226,6 +226,7 @@ _SIGMOID = {"moe_router_score_function": "sigmoid", "moe_router_expert_bias": Tr
 
 QWEN3_MOE = Family(
     model_type="qwen3_moe",
+    sglang_ties=False,  # sglang srt/models/qwen3_moe.py:1017: its own lm_head, never tied
     attention=GQA_ATTENTION,
     dense_mlp=DENSE_MLP,
     router=ROUTER,
@@ -290,6 +291,7 @@ DEEPSEEK_V3 = Family(
 
 GLM4_MOE = Family(
     model_type="glm4_moe",
+    sglang_ties=False,  # sglang srt/models/glm4_moe.py:999: its own lm_head, never tied
     attention=GQA_ATTENTION,
     dense_mlp=DENSE_MLP,
     router=SIGMOID_ROUTER,
@@ -315,6 +317,7 @@ GLM4_MOE = Family(
 
 QWEN2_MOE = Family(
     model_type="qwen2_moe",
+    sglang_ties=False,  # sglang srt/models/qwen2_moe.py:1238: its own lm_head, never tied
     attention=GQA_ATTENTION,
     dense_mlp=DENSE_MLP,
     router=ROUTER,
@@ -352,6 +355,7 @@ QWEN2_MOE = Family(
 
 MIXTRAL = Family(
     model_type="mixtral",
+    sglang_ties=False,  # sglang srt/models/mixtral.py:355: its own lm_head, never tied
     attention=GQA_ATTENTION,
     dense_mlp=DENSE_MLP,
     router=(p("mlp.router.weight", "block_sparse_moe.gate.weight"),),

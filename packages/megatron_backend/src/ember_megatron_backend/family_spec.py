@@ -117,6 +117,11 @@ class Family:
     [E, H, I]), relative to the layer, where its checkpoint stores one tensor per expert."""
     memory_renames: tuple[tuple[str, str], ...] = ()
     """(checkpoint, in-memory) name fragments where transformers renames on load."""
+    sglang_ties: bool = True
+    """Whether SGLang 0.5.23's model class of this family shares its output layer with the
+    embedding when the config says `tie_word_embeddings`. Where it does not, a tied model's
+    output layer would never be loaded there (Ember exports and pushes no `lm_head` for a tied
+    model), so `BackendConfig.check_sglang_ties` refuses that combination."""
 
     def in_memory(self, name: str) -> str:
         """The transformers in-memory name of checkpoint tensor `name` (experts aside)."""
