@@ -16,6 +16,7 @@ from ember.driver import actor_threads, summary_line
 from ember.rollout_manager import assign_groups
 from ember.versions import beyond_bound, staleness, staleness_metrics
 from ember_core.types import Sample
+from ember_rollout.rollout import RolloutBatch
 
 # --------------------------------------------------------------------------------------------
 # Whole groups, least-loaded engine first
@@ -408,3 +409,74 @@ def test_the_driver_starts_up_to_k_rollouts_ahead_and_none_into_an_audit(
         calls.clear()
         driver._start_ahead(rollout_id)
         assert calls == expected, rollout_id
+
+
+def _restored(rollout_id: int, version: int) -> RolloutBatch:
+    """Rollout `rollout_id` as a checkpoint holds it after generating it ahead: two groups of
+    two samples from weight version `version`, each group with its own prompt."""
+    samples = [
+        Sample(
+            tokens=[10 * rollout_id + g, 7, 8, 9],
+            response_length=2,
+            index=2 * g + j,
+            group_index=g,
+            prompt=f"prompt {rollout_id}.{g}",
+            label=str(g),
+            weight_version=str(version),
+            metadata={"source": f"toy:{g}", "finish_reason": "stop", "difficulty": g},
+        )
+        for g in range(2)
+        for j in range(2)
+    ]
+    return RolloutBatch(samples=samples, metrics={"rollout/restored": 1.0})
+
+
+@pytest.mark.parametrize(
+    ("k", "audited", "again"),
+    [
+        (2, set(), {}),
+        # The checker switched on (or audit_interval changed) at resume: rollout 3 would reach
+        # its audit with samples older than the trainer's weights, which the backend refuses.
+        (2, {3}, {3}),
+        # A lower bound at resume: rollout 3 would be 2 versions old, more than 1.
+        (1, set(), {3}),
+        (1, {2, 3}, {2, 3}),
+    ],
+)
+def test_a_restored_rollout_that_cannot_be_trained_is_generated_again_from_its_prompts(
+    tmp_path, k, audited, again
+):
+    """The checkpoint of rollout 1 in a max_staleness=2 run holds rollouts 2 and 3, both from
+    version 0. Resumed, a restored rollout that is audited, or staler than this run's bound,
+    is generated again from the current weights with the same prompts (the stream has moved
+    past them), its samples counted in `rollout/regenerated`; the others are trained as
+    restored."""
+    from ember.driver import Actors, Driver
+    from ember_rollout.rollout import prompts_of
+
+    config, _ = load_config(
+        "default", overrides=[f"rollout.max_staleness={k}", f"run.dir={tmp_path}"]
+    )
+    driver = Driver(config, tmp_path, plugins=_Audits(audited))
+    calls: list[tuple[int, object]] = []
+
+    class Manager:
+        class generate:  # noqa: N801 - stands in for a Ray method
+            @staticmethod
+            def remote(rollout_id: int, prompts=None) -> RolloutBatch:
+                calls.append((rollout_id, prompts))
+                return _restored(rollout_id, rollout_id - 1)
+
+    driver.actors = Actors(train=[], engines=[], manager=Manager())
+    restored = {2: _restored(2, 0), 3: _restored(3, 0)}
+    driver._pending.update(restored)
+    for rollout_id in (2, 3):
+        batch = driver._take(rollout_id)
+        if rollout_id in again:
+            assert calls == [(rollout_id, prompts_of(restored[rollout_id].samples))]
+            assert {s.weight_version for s in batch.samples} == {str(rollout_id - 1)}
+            assert driver._regenerated.pop(rollout_id) == 4
+        else:
+            assert calls == [] and batch is restored[rollout_id]
+        calls.clear()
+    assert driver._regenerated == {}

@@ -23,7 +23,7 @@ from ember_rollout.config import (
     ToyTaskConfig,
 )
 from ember_rollout.rewards import register_reward
-from ember_rollout.rollout import RolloutGenerator
+from ember_rollout.rollout import RolloutGenerator, prompts_of
 from ember_rollout.toy_task import toy_score
 
 
@@ -98,6 +98,27 @@ def test_resuming_from_state_dict_continues_the_same_stream(fp32_engine):
     assert [s.tokens for s in asyncio.run(resumed.generate(1)).samples] == [
         s.tokens for s in expected
     ]
+
+
+def test_a_rollout_generated_again_from_its_prompts_is_the_same_rollout(fp32_engine):
+    """`generate(rollout_id, prompts=prompts_of(samples))` (a restored rollout generated again)
+    asks the same prompts, in the same groups, with the same request seeds, and leaves the
+    prompt stream where it was: on the same weights it is the same rollout, and the next one
+    is the one that would have followed."""
+    gen = generator(fp32_engine, data=DataConfig(toy=ToyTaskConfig(num_prompts=64, seed=2)))
+    first = asyncio.run(gen.generate(3)).samples
+    state = gen.state_dict()
+    prompts = prompts_of(first)
+    assert [record.label for record, _ in prompts] == [s.label for s in first[::4]]
+    again = asyncio.run(gen.generate(3, prompts=prompts)).samples
+    assert gen.state_dict() == state
+    fields = ("tokens", "prompt", "label", "group_index", "rollout_log_probs", "metadata")
+    for a, b in zip(first, again, strict=True):
+        assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
+    follows = generator(fp32_engine)
+    asyncio.run(follows.generate(3))
+    want = asyncio.run(follows.generate(4)).samples
+    assert [s.tokens for s in asyncio.run(gen.generate(4)).samples] == [s.tokens for s in want]
 
 
 class RoutingProbe:

@@ -234,7 +234,8 @@ class SamplingConfig:
     j <= k), so its samples are exactly min(j, k) versions old when trained: 0 generates and
     trains in turn, 1 is the overlapped loop (`async: true`), k > 1 keeps k rollouts
     generating ahead of the trainer. Null: 1 with `async: true`, else 0. A rollout restored
-    from a checkpoint that is staler than the bound is generated again (`rollout/regenerated`)."""
+    from a checkpoint that is staler than the bound, or audited, is generated again from the
+    same prompts (`rollout/regenerated`)."""
     partial_rollouts: bool = False
     """With max_staleness >= 1: new weights reach the engines between decode steps, while the
     rollouts ahead are still generating, instead of after they finish; each sample records

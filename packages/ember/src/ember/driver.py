@@ -38,11 +38,12 @@ from ember.startup import mark
 from ember.versions import (
     INITIAL_WEIGHT_VERSION,
     beyond_bound,
+    sample_version,
     staleness_metrics,
 )
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
-from ember_rollout.rollout import RolloutBatch
+from ember_rollout.rollout import RolloutBatch, prompts_of
 
 logger = logging.getLogger(__name__)
 
@@ -346,26 +347,39 @@ class Driver:
 
     def _take(self, rollout_id: int) -> RolloutBatch:
         """Rollout `rollout_id`, generated now if it was not started ahead; generated again,
-        from the current weights, if it is staler than `rollout.max_staleness` allows (a
-        rollout restored from a run with a higher bound), the dropped samples counted in
-        `rollout/regenerated`."""
+        from the current weights and with the same prompts (`prompts_of`), where it cannot be
+        trained as it is: staler than `rollout.max_staleness` allows, or audited with samples
+        from older weights than the trainer's (a rollout restored from a run with a higher
+        bound, without the audit, or with another audit interval). The dropped samples are
+        counted in `rollout/regenerated`."""
+        assert self.actors is not None
         self._start(rollout_id)
-        pending = self._pending.pop(rollout_id)
-        batch = pending if isinstance(pending, RolloutBatch) else ray.get(pending)
-        stale = beyond_bound(batch.samples, rollout_id, self.config.rollout.max_staleness)
-        if stale:
-            logger.warning(
-                "rollout %d: %d of its %d samples are staler than rollout.max_staleness=%d; "
-                "generating it again",
-                rollout_id,
-                stale,
-                len(batch.samples),
-                self.config.rollout.max_staleness,
-            )
+        batch = _collect(self._pending.pop(rollout_id))
+        why = self._untrainable(batch, rollout_id)
+        if why:
+            logger.warning("rollout %d: %s; generating it again", rollout_id, why)
             self._regenerated[rollout_id] = len(batch.samples)
-            assert self.actors is not None
-            batch = ray.get(self.actors.manager.generate.remote(rollout_id))
+            prompts = prompts_of(batch.samples)
+            batch = _collect(self.actors.manager.generate.remote(rollout_id, prompts))
         return batch
+
+    def _untrainable(self, batch: RolloutBatch, rollout_id: int) -> str | None:
+        """Why rollout `rollout_id` cannot be trained as it is (None: it can). The trainer
+        then holds version rollout_id - 1."""
+        bound = self.config.rollout.max_staleness
+        stale = beyond_bound(batch.samples, rollout_id, bound)
+        if stale:
+            return (
+                f"{stale} of its {len(batch.samples)} samples are staler than "
+                f"rollout.max_staleness={bound}"
+            )
+        older = sum(sample_version(s) < rollout_id - 1 for s in batch.samples)
+        if older and self.plugins.audit_rollout(rollout_id):
+            return (
+                f"it is audited, and {older} of its {len(batch.samples)} samples come from "
+                f"weights older than the trainer's (version {rollout_id - 1})"
+            )
+        return None
 
     def iteration(self, rollout_id: int) -> tuple[dict[str, float], list[dict[str, float]], dict]:
         """One RL iteration: generate (or collect) rollout `rollout_id`, score, train, push.
@@ -496,10 +510,7 @@ class Driver:
         }
         # The rollouts generating ahead finish first: their samples and versions are part of
         # the run's state (the prompt stream has moved past them).
-        ahead = {
-            j: pending if isinstance(pending, RolloutBatch) else ray.get(pending)
-            for j, pending in sorted(self._pending.items())
-        }
+        ahead = {j: _collect(pending) for j, pending in sorted(self._pending.items())}
         if ahead:
             with (tmp / PENDING_ROLLOUTS).open("wb") as handle:
                 pickle.dump(ahead, handle)
@@ -515,7 +526,8 @@ class Driver:
 
         Any number of engines can continue it: the prompt stream lives in the manager. The
         rollouts the checkpoint holds already generated are trained on next (each generated
-        again if it is staler than this run's `rollout.max_staleness`).
+        again, from its own prompts, if it is staler than this run's `rollout.max_staleness`
+        or audited: `_take`).
         """
         assert self.actors is not None
         state = driver_state(checkpoint)
@@ -674,6 +686,11 @@ def eval_line(metrics: dict[str, float]) -> str:
         if key.startswith("eval/") and (key.endswith("/reward") or "/pass@" in key):
             parts.append(f"{key[len('eval/') :]} {value:.3f}")
     return " | ".join(parts)
+
+
+def _collect(pending: Any) -> RolloutBatch:
+    """A rollout: restored from a checkpoint already, or the result of a generate call."""
+    return pending if isinstance(pending, RolloutBatch) else ray.get(pending)
 
 
 def _configured_plugins(config: RunConfig) -> EmberPlugins:

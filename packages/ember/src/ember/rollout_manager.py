@@ -176,10 +176,14 @@ class RolloutManager:
             evaluate_sets(self.generator, self.eval_sets, run, rollout_id)
         )
 
-    def generate(self, rollout_id: int) -> RolloutBatch:
-        """Generate, score and filter rollout `rollout_id` on every engine."""
+    def generate(
+        self, rollout_id: int, prompts: list[tuple[Any, list[int]]] | None = None
+    ) -> RolloutBatch:
+        """Generate, score and filter rollout `rollout_id` on every engine; with `prompts`
+        (`ember_rollout.rollout.prompts_of` a rollout generated again), from those prompts
+        instead of the stream's next ones."""
         self.pool.start_rollout()
-        batch = self.loop.run_until_complete(self.generator.generate(rollout_id))
+        batch = self.loop.run_until_complete(self.generator.generate(rollout_id, prompts))
         batch.metrics.update(self.pool.metrics())
         return batch
 

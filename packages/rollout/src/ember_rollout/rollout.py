@@ -208,6 +208,31 @@ def request_seed(seed: int | str, rollout_id: int, round_id: int, group: int, sa
     return random.Random(f"{seed}/{rollout_id}/{round_id}/{group}/{sample}").getrandbits(63)
 
 
+GENERATION_METADATA = ("source", "finish_reason", "engine_calls")
+"""Sample metadata keys the generation adds beside the prompt record's own."""
+
+
+def prompts_of(samples: Sequence[Sample]) -> list[tuple[PromptRecord, list[int]]]:
+    """The prompts of a rollout's groups, in group order, as `RolloutGenerator.generate` takes
+    them to generate the same groups again: each group's record (prompt, label, the record's
+    metadata and source, from its first sample) and encoded prompt (the tokens before the
+    response)."""
+    first: dict[int, Sample] = {}
+    for sample in samples:
+        first.setdefault(sample.group_index, sample)
+    prompts = []
+    for _, sample in sorted(first.items()):
+        metadata = {k: v for k, v in sample.metadata.items() if k not in GENERATION_METADATA}
+        record = PromptRecord(
+            prompt=sample.prompt,
+            label=sample.label,
+            metadata=metadata,
+            source=str(sample.metadata.get("source", "")),
+        )
+        prompts.append((record, list(sample.tokens[: sample.prompt_length])))
+    return prompts
+
+
 def _has_signal(group: list[Sample]) -> bool:
     rewards = [s.reward for s in group]
     return max(rewards) > min(rewards)  # type: ignore[type-var]
@@ -320,8 +345,19 @@ class RolloutGenerator:
 
     # -- one rollout ---------------------------------------------------------------------------
 
-    async def generate(self, rollout_id: int) -> RolloutBatch:
-        """Generate, score and filter one rollout batch."""
+    async def generate(
+        self,
+        rollout_id: int,
+        prompts: Sequence[tuple[PromptRecord, list[int]]] | None = None,
+    ) -> RolloutBatch:
+        """Generate, score and filter one rollout batch.
+
+        Args:
+            rollout_id: The rollout (request seeds derive from it).
+            prompts: The first sampling round's prompts instead of the stream's next ones
+                (`prompts_of` a rollout generated again); the stream moves only for more
+                rounds the dynamic filter asks for.
+        """
         started = time.perf_counter()
         cfg, sampling = self.group_sampling, self.sampling
         need = sampling.rollout_batch_size
@@ -334,9 +370,9 @@ class RolloutGenerator:
         rounds = 0
         while len(kept) < need and rounds < cfg.max_rounds:
             wanted = per_round if cfg.dynamic_filter else need - len(kept)
-            prompts = self._next_prompts(wanted)
+            asked = list(prompts) if prompts and not rounds else self._next_prompts(wanted)
             t0 = time.perf_counter()
-            groups = await self._generate_groups(prompts, rollout_id, rounds)
+            groups = await self._generate_groups(asked, rollout_id, rounds)
             gen_time += time.perf_counter() - t0
             await self.scorer.score_groups(groups)
             for group in groups:
