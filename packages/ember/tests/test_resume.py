@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,11 +14,13 @@ import pytest
 import ray
 
 import ember.driver
-from ember.checkpoints import truncate_metrics
+from ember.checkpoints import PENDING_ROLLOUT, PENDING_ROLLOUTS, truncate_metrics
 from ember.cli import main
 from ember.config import load_config, write_resolved
 from ember.driver import Actors, Driver
 from ember.metrics import read_metrics
+from ember_core.types import Sample
+from ember_rollout.rollout import RolloutBatch
 
 
 def record(kind: str, rollout_id: int, step: int) -> str:
@@ -137,6 +140,44 @@ def test_restore_gives_the_one_prompt_stream_to_the_manager_whatever_the_engine_
         ("manager.load_state_dict", STREAM),
         ("push", 1),
     ]  # the engines hold no rollout state of their own
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        (PENDING_ROLLOUTS, lambda batches: batches),
+        # An earlier version saved the one rollout generated ahead, rollout id + 1, alone.
+        (PENDING_ROLLOUT, lambda batches: batches[2]),
+    ],
+    ids=["rollouts by id", "an earlier version's one rollout"],
+)
+def test_restore_keeps_the_rollouts_a_checkpoint_holds_generated_ahead(
+    tmp_path, monkeypatch, name, content
+):
+    """The checkpoint of rollout 1 holds rollout 2, generated ahead (the prompt stream has moved
+    past it): the resumed driver trains on it next instead of generating a new one."""
+    run = run_dir(tmp_path)
+    saved = checkpoint(run, 1)
+    (saved / "driver.json").write_text(
+        json.dumps({"rollout_id": 1, "accumulated_step": 4, "rollout": STREAM})
+    )
+    ahead = RolloutBatch(
+        samples=[Sample(tokens=[5, 6, 7], response_length=1, weight_version="0")],
+        metrics={"rollout/rewards": 0.5},
+    )
+    with (saved / name).open("wb") as handle:
+        pickle.dump(content({2: ahead}), handle)
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(ember.driver, "ray", SimpleNamespace(get=lambda refs: refs))
+    config, _ = load_config("default", overrides=[f"run.dir={run}"])
+    driver = Driver(config, run)
+    (rank,) = handles(calls, "rank0")
+    (manager,) = handles(calls, "manager")
+    driver.actors = Actors(train=[rank], engines=handles(calls, "e0"), manager=manager)
+    monkeypatch.setattr(driver, "push_weights", lambda rollout: calls.append(("push", rollout)))
+    assert driver.restore(saved) == (2, 4)
+    assert list(driver._pending) == [2]
+    assert driver._pending[2] == ahead
 
 
 def test_a_fresh_run_in_a_used_directory_is_refused(tmp_path, capsys):

@@ -14,7 +14,7 @@ import yaml
 from ember.config import RaySection, load_config
 from ember.driver import actor_threads, summary_line
 from ember.rollout_manager import assign_groups
-from ember.versions import beyond_bound, staleness, staleness_metrics
+from ember.versions import beyond_bound, staleness_metrics
 from ember_core.types import Sample
 from ember_rollout.rollout import RolloutBatch
 
@@ -54,11 +54,14 @@ def sample(version: str | None, index: int = 0) -> Sample:
 
 
 def test_staleness_is_the_trainer_version_minus_each_samples():
+    def mean(samples, trainer):
+        return staleness_metrics(samples, trainer, 1)["rollout/staleness"]
+
     # Rollout 0 from the initial weights (-1) while the trainer holds them too.
-    assert staleness([sample("-1"), sample("-1")], -1) == 0.0
+    assert mean([sample("-1"), sample("-1")], -1) == 0.0
     # Rollout 5 of an async run: generated from version 3 while the trainer holds 4.
-    assert staleness([sample("3"), sample("3")], 4) == 1.0
-    assert staleness([sample("3"), sample("4")], 4) == 0.5
+    assert mean([sample("3"), sample("3")], 4) == 1.0
+    assert mean([sample("3"), sample("4")], 4) == 0.5
 
 
 def test_the_staleness_histogram_counts_samples_by_their_oldest_span():
@@ -98,7 +101,7 @@ def test_spans_of_weight_versions_are_checked():
 @pytest.mark.parametrize("bad", [None, "default"])
 def test_a_sample_without_a_numeric_version_is_named(bad):
     with pytest.raises(ValueError, match=rf"sample 7 \(group 0\): weight_version={bad!r}; every"):
-        staleness([sample("0"), sample(bad, index=7)], 0)
+        staleness_metrics([sample("0"), sample(bad, index=7)], 0, 1)
 
 
 # --------------------------------------------------------------------------------------------

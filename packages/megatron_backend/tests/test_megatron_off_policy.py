@@ -326,3 +326,35 @@ def test_ppo_kl_is_the_old_log_probs_minus_this_forwards(name, audit):
     expected = sample_mean([o - n for o, n in zip(old, NEW, strict=True)])
     assert abs(expected) > 5e-3
     assert metrics["ppo_kl"].item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def test_gspo_with_decoupled_tis_weighs_each_token_of_the_sequence_ratio_loss():
+    """GSPO's sequence ratio under `decoupled`: each token's loss is PPO of its sample's
+    ratio exp(mean over the sample's counted tokens of lp - lp_prox), times that token's own
+    weight trunc(exp(lp_prox - lp_rollout))."""
+    config = algorithm("decoupled", advantage_estimator="gspo")
+    loss, metrics = actor_policy_loss(
+        t(NEW).requires_grad_(),
+        t(OLD),
+        t(ROLLOUT),
+        t(ADVANTAGES),
+        t([float(m) for m in MASK]),
+        LENGTHS,
+        config,
+        sequence_ratio=True,
+        old_from_engine=False,
+    )
+    means = {}
+    for i in range(len(LENGTHS)):
+        diffs = [NEW[j] - OLD[j] for j in range(len(MASK)) if SAMPLE[j] == i and MASK[j]]
+        means[i] = sum(diffs) / len(diffs)
+    expected, weights = [], []
+    for j, a in enumerate(ADVANTAGES):
+        w, _ = bounded(math.exp(OLD[j] - ROLLOUT[j]), "truncate")
+        weights.append(w)
+        expected.append(ppo(math.exp(means[SAMPLE[j]]), a)[0] * w)
+    assert len({round(w, 6) for w in only_counted(weights)}) > 2  # the weight varies per token
+    assert counted(loss.detach()) == pytest.approx(only_counted(expected), rel=1e-5, abs=1e-6)
+    assert counted(metrics["tis"]) == pytest.approx(
+        only_counted([math.exp(o - r) for o, r in zip(OLD, ROLLOUT, strict=True)]), rel=1e-5
+    )

@@ -309,9 +309,14 @@ def test_samples_carry_the_spans_of_a_single_call_and_of_a_plugins_calls(models)
     assert sample.weight_versions == [(0, "0"), (3 + len(INSERTED) + 2, "1")]
     assert sample.weight_version == "0" and sample.metadata["engine_calls"] == 2
 
-    # Without partial rollouts the engine reports no spans: every token is `weight_version`'s.
-    (plain,) = samples_of(models[0], reqs)
-    assert plain.weight_versions is None
+    # Without partial rollouts the response is one span, of the version the engine serves (an
+    # engine serving no version, as models[0], reports no spans at all, partial or not).
+    still = engine()
+    still.weight_version = "0"
+    (plain,) = samples_of(still, reqs)
+    assert plain.weight_versions == [(0, "0")] and plain.weight_version == "0"
+    (unversioned,) = samples_of(models[0], reqs)
+    assert unversioned.weight_versions is None and unversioned.weight_version is None
 
 
 class RewritesItsCall:

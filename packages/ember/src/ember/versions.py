@@ -29,24 +29,17 @@ def sample_version(sample: Sample) -> int:
         ) from None
 
 
-def staleness(samples: Sequence[Sample], trainer_version: int) -> float:
-    """Mean over samples of the trainer's weight version minus the sample's oldest
-    (`rollout/staleness`): 0 when every sample came from the weights being trained.
-
-    Raises:
-        ValueError: A sample whose weight version is not an integer, naming it.
-    """
-    gaps = [trainer_version - sample_version(s) for s in samples]
-    return float(statistics.fmean(gaps)) if gaps else 0.0
-
-
 def staleness_metrics(
     samples: Sequence[Sample], trainer_version: int, max_staleness: int
 ) -> dict[str, float]:
     """The rollout's staleness: its mean (`rollout/staleness`), its largest value, a
     histogram (`rollout/staleness_<g>`: the fraction of samples g versions old, for every g
     from 0 to `max_staleness`) and, under partial rollouts, the fraction of samples whose
-    response spans several versions (`rollout/multi_version_samples`)."""
+    response spans several versions (`rollout/multi_version_samples`).
+
+    Raises:
+        ValueError: A sample whose weight version is not an integer, naming it.
+    """
     gaps = [trainer_version - sample_version(s) for s in samples]
     n = max(len(gaps), 1)
     metrics = {
