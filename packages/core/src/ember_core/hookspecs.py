@@ -259,10 +259,12 @@ def ember_generate(
     Runs in the rollout engine's process, once per prompt group, for training rollouts and
     evaluations alike; the first plugin that answers owns the group. A multi-turn plugin calls
     `client.generate`, inserts the tokens the model did not generate (tool output,
-    environment text), and generates again from the longer context. Every returned sample is
-    checked (errors name the sample and the field), numbered, given the record's prompt and
-    label, and handed to `ember_process_sample` with the metadata of its last engine call;
-    rewards, advantages, packing, losses and metrics then treat it like any other.
+    environment text), and generates again from the longer context: the produced tokens as
+    they are plus the appended ones, never the conversation encoded again from its decoded text
+    (`ember_rollout.turns` appends messages with the chat template's glue). Every returned
+    sample is checked (errors name the sample and the field), numbered, given the record's
+    prompt and label, and handed to `ember_process_sample` with the metadata of its last
+    engine call; rewards, advantages, packing, losses and metrics then treat it like any other.
 
     Args:
         client: Generates through the run's engine (`EngineClient`).
