@@ -1,0 +1,171 @@
+"""`Driver.iteration`: the order of the wait for rollouts generating ahead and the weight push.
+
+Without `rollout.partial_rollouts` the push waits for every rollout that is generating (an
+engine never changes weights mid-request); with it the push goes at once and the engines take
+the new weights between decode steps. The real driver runs; only the Ray actors are stand-ins,
+and the driver module's `ray` resolves their calls: a rollout started ahead stays generating
+until `ray.wait` or `ray.get` waits for it, and the push records which were still generating
+when it began.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import ember.driver
+from ember.config import load_config
+from ember.driver import Actors, Driver
+from ember_core.plugins import EmberPlugins
+from ember_core.types import Sample
+from ember_rollout.rollout import RolloutBatch
+
+BATCH = 2
+N = 2
+
+
+class Ref:
+    """An ObjectRef: a finished call's value, or a rollout still generating."""
+
+    def __init__(self, value: Any = None, rollout_id: int | None = None) -> None:
+        self.value = value
+        self.rollout_id = rollout_id
+        self.done = rollout_id is None
+
+
+class Cluster:
+    """The stand-in actors and the `ray` that resolves their calls, with one event log."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.rollouts: dict[int, Ref] = {}
+
+    # -- ray -----------------------------------------------------------------------------------
+
+    def _finish(self, ref: Ref) -> Any:
+        if not ref.done:
+            ref.done = True
+            self.events.append(("generated", ref.rollout_id))
+        return ref.value
+
+    def get(self, refs: Any) -> Any:
+        return [self._finish(r) for r in refs] if isinstance(refs, list) else self._finish(refs)
+
+    def wait(self, refs: list[Ref], *, num_returns: int = 1, fetch_local: bool = True):
+        self.events.append(("wait", sorted(r.rollout_id for r in refs)))
+        for ref in refs[:num_returns]:
+            self._finish(ref)
+        return refs[:num_returns], refs[num_returns:]
+
+    # -- actors --------------------------------------------------------------------------------
+
+    def generating(self) -> list[int]:
+        return sorted(i for i, ref in self.rollouts.items() if not ref.done)
+
+    def actors(self) -> Actors:
+        def call(name: str, result=None):
+            def remote(*args: Any) -> Ref:
+                self.events.append((name,))
+                return Ref(result(*args) if result else None)
+
+            return SimpleNamespace(remote=remote)
+
+        def generate(rollout_id: int, prompts: Any = None) -> Ref:
+            self.events.append(("generate", rollout_id))
+            samples = [
+                Sample(tokens=[1, 2, 3], response_length=1, weight_version=str(rollout_id - 1))
+                for _ in range(BATCH * N)
+            ]
+            ref = Ref(RolloutBatch(samples=samples, metrics={}), rollout_id)
+            self.rollouts[rollout_id] = ref
+            return ref
+
+        def begin_weight_update() -> Ref:
+            self.events.append(("push begins", self.generating()))
+            return Ref()
+
+        rank = SimpleNamespace(
+            prepare=call("prepare", lambda *a: {}),
+            train=call("train", lambda *a: [{}]),
+            send_weights=call("send_weights"),
+        )
+        engine = SimpleNamespace(
+            begin_weight_update=SimpleNamespace(remote=begin_weight_update),
+            end_weight_update=call("push ends"),
+        )
+        manager = SimpleNamespace(generate=SimpleNamespace(remote=generate))
+        return Actors(train=[rank], engines=[engine], manager=manager)
+
+
+def drive(tmp_path, monkeypatch, *, partial: bool) -> Cluster:
+    """Iterations 0 and 1 of a run with rollout.max_staleness=2."""
+    cluster = Cluster()
+    monkeypatch.setattr(ember.driver, "ray", cluster)
+    config, _ = load_config(
+        "default",
+        overrides=[
+            f"run.dir={tmp_path}",
+            "run.num_rollouts=6",
+            f"rollout.rollout_batch_size={BATCH}",
+            f"rollout.n_samples_per_prompt={N}",
+            "rollout.max_staleness=2",
+            f"rollout.partial_rollouts={str(partial).lower()}",
+        ],
+    )
+    driver = Driver(config, tmp_path, plugins=EmberPlugins())
+    driver.actors = cluster.actors()
+    for rollout_id in range(2):
+        cluster.events.append(("iteration", rollout_id))
+        driver.iteration(rollout_id)
+    return cluster
+
+
+TRAIN = [("prepare",), ("train",)]
+PUSH_REST = [("send_weights",), ("push ends",)]
+
+
+def test_without_partial_rollouts_the_push_waits_for_every_rollout_generating(
+    tmp_path, monkeypatch
+):
+    events = drive(tmp_path, monkeypatch, partial=False).events
+    assert events == [
+        ("iteration", 0),
+        ("generate", 0),
+        ("generated", 0),
+        ("generate", 1),
+        ("generate", 2),
+        *TRAIN,
+        ("wait", [1, 2]),
+        ("generated", 1),
+        ("generated", 2),
+        ("push begins", []),
+        *PUSH_REST,
+        ("iteration", 1),
+        ("generate", 3),
+        *TRAIN,
+        ("wait", [2, 3]),
+        ("generated", 3),
+        ("push begins", []),
+        *PUSH_REST,
+    ]
+
+
+def test_with_partial_rollouts_the_push_lands_while_rollouts_generate(tmp_path, monkeypatch):
+    events = drive(tmp_path, monkeypatch, partial=True).events
+    assert not [e for e in events if e[0] == "wait"]
+    assert events == [
+        ("iteration", 0),
+        ("generate", 0),
+        ("generated", 0),
+        ("generate", 1),
+        ("generate", 2),
+        *TRAIN,
+        ("push begins", [1, 2]),
+        *PUSH_REST,
+        ("iteration", 1),
+        ("generated", 1),
+        ("generate", 3),
+        *TRAIN,
+        ("push begins", [2, 3]),
+        *PUSH_REST,
+    ]
