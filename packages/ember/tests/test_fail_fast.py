@@ -271,3 +271,13 @@ def test_sglang_without_its_extra_fails_before_ray_with_the_install_command(
     error = _one_error_line(capsys)
     assert "engine.kind=sglang launches SGLang servers, but sglang is not installed" in error
     assert "uv sync --extra sglang" in error
+
+
+def test_sglang_servers_with_untempered_log_probs_fail_before_ray(capsys, no_ray, monkeypatch):
+    from ember_rollout import sglang_cpu
+
+    monkeypatch.setattr(sglang_cpu, "sglang_installed", lambda: True)
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "true")
+    assert main(["train", "--set", "engine.kind=sglang"]) == USAGE_ERROR
+    error = _one_error_line(capsys)
+    assert error.startswith("SGLANG_RETURN_ORIGINAL_LOGPROB=true: "), error

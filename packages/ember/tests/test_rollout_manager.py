@@ -150,24 +150,36 @@ def test_rollout_async_turns_tis_on_unless_use_tis_is_set():
 
 
 @pytest.mark.parametrize(
-    ("overrides", "named"),
+    ("overrides", "message"),
     [
-        (["rollout.top_p=0.9"], "rollout.top_p=0.9"),
-        (["rollout.top_k=5"], "rollout.top_k=5"),
-        (["rollout.top_p=0.95", "rollout.top_k=20"], "rollout.top_p=0.95 and rollout.top_k=20"),
+        (
+            ["rollout.top_k=1", "rollout.temperature=0.7"],
+            "rollout.top_k=1 with engine.kind=sglang and rollout.temperature=0.7: ",
+        ),
+        (
+            ["rollout.temperature=1e-07"],
+            "rollout.temperature=1e-07 with engine.kind=sglang: ",
+        ),
     ],
 )
-def test_engine_old_log_probs_from_a_filtered_distribution_are_refused(overrides, named):
-    """The engine's log-probs under top-p/top-k are of the renormalised, filtered distribution;
-    the trainer's are not: the ratio would be biased, so the default loop refuses the filter."""
+def test_sglang_settings_that_return_untempered_log_probs_are_refused(overrides, message):
+    """sglang 0.5.23 answers greedy requests with log-probs before the temperature (and makes a
+    temperature below 1e-6 greedy), while rollout log-probs mean the tempered ones."""
+    sglang = ["engine.kind=sglang"]
     with pytest.raises(ValueError) as info:
-        load_config("default", overrides=overrides)
-    message = str(info.value)
-    assert message.startswith(f"algorithm.use_rollout_log_probs=true with {named}: ")
-    assert "\n" not in message
-    # The trainer's own old log-probs, or no filter, are accepted.
-    load_config("default", overrides=[*overrides, TRAINER_OLD])
-    load_config("default", overrides=["rollout.top_p=1.0", "rollout.top_k=-1"])
+        load_config("default", overrides=[*sglang, *overrides])
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    # Greedy at temperature 1 is the same number; the embedded engine reports tempered ones.
+    load_config("default", overrides=[*sglang, "rollout.top_k=1", "rollout.temperature=1.0"])
+    load_config("default", overrides=overrides)
+
+
+@pytest.mark.parametrize("filters", [["rollout.top_p=0.9"], ["rollout.top_k=5"]])
+def test_engine_old_log_probs_under_a_filter_are_accepted(filters):
+    """Every engine reports the unfiltered tempered log-prob the trainer computes, so the engine
+    as the old policy measures the same quantity as the trainer's scoring forward."""
+    config, _ = load_config("default", overrides=filters)
+    assert config.algorithm.use_rollout_log_probs is True
 
 
 def test_the_run_says_which_loop_and_old_log_probs_it_uses(tmp_path):

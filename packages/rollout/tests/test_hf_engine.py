@@ -36,8 +36,9 @@ def requests(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=12, seed=0, ro
     ]
 
 
-def reference_log_probs(logits_V, temperature, top_k, top_p):
-    """{token: log-prob} of the filtered distribution, computed row by row in float64."""
+def reference_support(logits_V, temperature, top_k, top_p):
+    """{token: log-prob} over the tokens the filter keeps, each log-prob under the full tempered
+    distribution (the one reported), computed row by row in float64."""
     probs = torch.softmax(logits_V.double() / temperature, dim=-1).tolist()
     order = sorted(range(len(probs)), key=lambda t: (-probs[t], t))
     kept, mass = [], 0.0
@@ -46,8 +47,7 @@ def reference_log_probs(logits_V, temperature, top_k, top_p):
             break
         kept.append(token)
         mass += probs[token]
-    total = sum(probs[t] for t in kept)
-    return {t: math.log(probs[t] / total) for t in kept}
+    return {t: math.log(probs[t]) for t in kept}
 
 
 def full_forward(engine, tokens, router_logits=True):
@@ -67,7 +67,7 @@ def test_fp32_log_probs_equal_full_forward(family_engine, temperature, top_k, to
         logits, _ = full_forward(family_engine, ids + out.output_ids, router_logits=False)
         rows = logits[len(ids) - 1 : len(ids) + len(out.output_ids) - 1]
         for row, token, lp in zip(rows, out.output_ids, out.output_log_probs, strict=True):
-            allowed = reference_log_probs(row, temperature, top_k, top_p)
+            allowed = reference_support(row, temperature, top_k, top_p)
             assert token in allowed, "sampled a token the filter removes"
             assert lp == pytest.approx(allowed[token], abs=1e-5)
 
@@ -156,12 +156,37 @@ def test_dropping_finished_rows_does_not_change_results(family_engine):
         assert x.output_log_probs == pytest.approx(y.output_log_probs, abs=1e-5)
 
 
-def test_top_k_one_is_greedy_with_log_prob_zero(fp32_engine):
-    for out, ids in zip(fp32_engine.generate_sync(requests(top_k=1)), PROMPTS, strict=True):
+def test_top_p_samples_from_the_nucleus_and_reports_the_unfiltered_tempered_log_prob(fp32_engine):
+    """The meaning of rollout log-probs on every engine: log softmax(logits / T) of the sampled
+    token over the whole vocabulary, what the trainer computes and SGLang returns, while the
+    token itself is drawn from the top-p nucleus."""
+    temperature, top_p = 0.7, 0.5
+    outputs = fp32_engine.generate_sync(requests(temperature, top_p, max_new_tokens=16))
+    cut = 0
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        logits, _ = full_forward(fp32_engine, ids + out.output_ids, router_logits=False)
+        rows = logits[len(ids) - 1 : len(ids) + len(out.output_ids) - 1].double()
+        full = torch.log_softmax(rows / temperature, dim=-1)
+        for row, token, lp, step in zip(
+            rows, out.output_ids, out.output_log_probs, full, strict=True
+        ):
+            nucleus = reference_support(row, temperature, -1, top_p)
+            assert token in nucleus, "sampled a token outside the nucleus"
+            assert lp == pytest.approx(step[token].item(), abs=1e-5)
+            kept_mass = sum(math.exp(v) for v in nucleus.values())
+            cut += kept_mass < 0.99  # renormalising would have moved lp by -log(kept_mass)
+    assert cut > 10, "top_p=0.5 must cut the distribution for this test to mean anything"
+
+
+def test_top_k_one_is_greedy_with_the_tempered_log_prob(fp32_engine):
+    outputs = fp32_engine.generate_sync(requests(temperature=0.8, top_k=1))
+    for out, ids in zip(outputs, PROMPTS, strict=True):
         logits, _ = full_forward(fp32_engine, ids + out.output_ids)
         rows = logits[len(ids) - 1 : len(ids) + len(out.output_ids) - 1]
         assert out.output_ids == rows.argmax(-1).tolist()
-        assert out.output_log_probs == [0.0] * len(out.output_ids)
+        expected = torch.log_softmax(rows / 0.8, dim=-1).max(-1).values
+        assert out.output_log_probs == pytest.approx(expected.tolist(), abs=1e-5)
+        assert max(out.output_log_probs) < -1e-3  # not the 0.0 of the point mass sampled
 
 
 def test_stop_token_ends_generation_and_is_returned(fp32_engine):

@@ -389,6 +389,30 @@ def test_server_exiting_during_startup_is_reported(tmp_path, fake_sglang_package
     assert engine._servers == []
 
 
+@pytest.mark.parametrize("value", ["1", "True"])
+def test_untempered_log_probs_switch_is_refused_before_any_server_starts(
+    tmp_path, fake_sglang_package, monkeypatch, value
+):
+    """sglang 0.5.23 returns log-probs taken before the temperature under this variable; the
+    trainer divides by it, so the launcher refuses to start a server that would."""
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", value)
+    engine = build_engine(launch_config(tmp_path))
+    with pytest.raises(ValueError) as info:
+        asyncio.run(engine.start())
+    message = str(info.value)
+    assert message.startswith(f"SGLANG_RETURN_ORIGINAL_LOGPROB={value}: ")
+    assert message.endswith("unset SGLANG_RETURN_ORIGINAL_LOGPROB") and "\n" not in message
+    assert engine._servers == [] and not fake_sglang_package.exists(), "no server launched"
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "0")
+    engine = build_engine(launch_config(tmp_path))
+
+    async def main():
+        async with engine:
+            return await engine.generate([request(0, n=1)])
+
+    assert [o.output_ids for o in asyncio.run(main())] == [[7]]
+
+
 def test_model_info_read_from_the_model_directory(tmp_path):
     config = {
         "num_hidden_layers": 4,

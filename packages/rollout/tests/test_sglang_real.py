@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 from safetensors.torch import load_file
-from sglang_real import broadcast_weights, hf_log_probs
+from sglang_real import broadcast_weights, hf_log_probs, hf_model
 
 from ember_rollout.engine import EngineError, GenerateRequest, SamplingParams
 from ember_rollout.sglang_weights import serialize_named_tensors
@@ -87,6 +87,45 @@ def test_log_probs_are_the_sampled_tokens_at_the_rollout_temperature(real_sglang
         prompt, out = PROMPTS[0], outputs[0]
         unscaled, _ = hf_log_probs(real_sglang.base, prompt + out.output_ids, len(prompt))
         assert (torch.tensor(out.output_log_probs) - unscaled).abs().max() > 1e-3
+
+
+def test_top_p_log_probs_mean_the_same_on_sglang_and_the_embedded_engine(real_sglang):
+    """The same requests at top_p 0.5 to the real server and to the embedded engine on the same
+    checkpoint: each draws its tokens from the nucleus and reports log softmax(logits / T) of
+    them over the whole vocabulary, unrenormalised, as the trainer computes them."""
+    from ember_rollout.config import HFEngineConfig
+    from ember_rollout.hf_engine import HFEngine
+
+    temperature, top_p = 0.7, 0.5
+    sampling = dict(max_new_tokens=8, temperature=temperature, top_p=top_p, ignore_eos=True)
+    batch = [
+        GenerateRequest(input_ids=list(p), sampling=SamplingParams(**sampling, seed=i))
+        for i, p in enumerate(PROMPTS)
+    ]
+    served = real_sglang.run(lambda e: e.generate(batch))
+    embedded = HFEngine(
+        HFEngineConfig(model_path=str(real_sglang.base), dtype="float32", num_threads=1)
+    ).generate_sync(batch)
+    model = hf_model(real_sglang.base)
+    for engine, outputs in (("sglang", served), ("hf", embedded)):
+        cut = 0
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            tokens = prompt + out.output_ids
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens])).logits[0].double()
+            rows = logits[len(prompt) - 1 : len(tokens) - 1] / temperature
+            full = torch.log_softmax(rows, -1)  # [R, V]
+            picked = full.gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+            got = torch.tensor(out.output_log_probs, dtype=torch.float64)
+            assert (got - picked).abs().max().item() < FP32_LOG_PROB_TOL, (engine, got, picked)
+            # SGLang's rule: a token is kept while the mass ranked before it is below top_p.
+            probs = full.exp()
+            mass_before = probs * (probs > probs.gather(1, torch.tensor(out.output_ids)[:, None]))
+            assert (mass_before.sum(-1) < top_p).all(), f"{engine} sampled outside the nucleus"
+            sorted_probs = probs.sort(-1, descending=True).values
+            kept_mass = (sorted_probs * ((sorted_probs.cumsum(-1) - sorted_probs) < top_p)).sum(-1)
+            cut += int((kept_mass < 0.99).sum())  # renormalised log-probs would differ there
+        assert cut >= 8, f"{engine}: top_p=0.5 must cut the distribution ({cut} steps did)"
 
 
 def test_routed_experts_are_the_served_models_routing(real_sglang):

@@ -212,11 +212,16 @@ class SamplingConfig:
     n_samples_per_prompt: int = 4
     """Responses sampled for each prompt (the group size of GRPO-style estimators)."""
     temperature: float = 1.0
-    """Sampling temperature; training divides policy logits by the same value."""
+    """Sampling temperature; training divides policy logits by the same value. Every engine's
+    `rollout_log_probs` are log softmax(logits / temperature) of the sampled tokens over the whole
+    vocabulary."""
     top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p. Tokens
+    are drawn from the kept set; their log-probs stay those of the unfiltered distribution
+    (`temperature`), on every engine."""
     top_k: int = -1
-    """Keep only the k most likely tokens; -1 keeps all."""
+    """Keep only the k most likely tokens; -1 keeps all. Log-probs as for top_p; with
+    `engine.kind: sglang`, 1 (greedy there) needs temperature 1."""
     max_response_len: int = 64
     """Most response tokens per sample: the generated ones, and the ones an `ember_generate`
     plugin inserts (a tool's output)."""
@@ -326,11 +331,12 @@ class AlgorithmConfig:
     `rollout_log_probs`) instead of a scoring forward of the trainer: one actor forward over the
     rollout less per iteration. Exact where the engine samples in the trainer's dtype from the
     trainer's weights; otherwise the first step's ratio carries the train/rollout mismatch.
-    Refused with rollout.top_p < 1 or rollout.top_k > 0 (the engine's log-probs are then of the
-    filtered distribution). Without that forward, rollout/log_probs, rollout/entropy and the
-    rollout/ routing metrics are not logged (train/ ones are); train/train_rollout_logprob_abs_diff
-    compares the step's own log-probs with the engine's (at step 0: the mismatch). CI audits
-    (ci_kl_checker) score some rollouts anyway."""
+    With rollout.top_p < 1 or rollout.top_k > 0 the engine samples from the filtered
+    distribution but reports, as the trainer computes, log-probs of the unfiltered one (section
+    "Rollout log-probs" of docs/learning-stability.md). Without that forward, rollout/log_probs,
+    rollout/entropy and the rollout/ routing metrics are not logged (train/ ones are);
+    train/train_rollout_logprob_abs_diff compares the step's own log-probs with the engine's (at
+    step 0: the mismatch). CI audits (ci_kl_checker) score some rollouts anyway."""
     use_tis: bool | None = None
     """Importance sampling against the engine's log-probs: multiply the policy loss per token
     by a weight bounded by `tis_mode` from ratio = exp(lp_anchor - lp_rollout), lp_anchor the
@@ -489,34 +495,3 @@ def resolve_tis(algorithm: AlgorithmConfig, rollout: SamplingConfig) -> None:
     A named `off_policy_correction` has already set it (`AlgorithmConfig.__post_init__`)."""
     if algorithm.use_tis is None:
         algorithm.use_tis = rollout.async_ and not algorithm.use_rollout_log_probs
-
-
-def check_old_log_probs(algorithm: AlgorithmConfig, rollout: SamplingConfig) -> None:
-    """Refuse engine log-probs as the old policy (`algorithm.use_rollout_log_probs`) when the
-    engine samples from a filtered distribution (`rollout.top_p` < 1 or `rollout.top_k` > 0):
-    its log-probs are then of the top-p/top-k renormalised distribution, while the trainer's
-    `PolicyHead` scores the full one, so the PPO ratio would be biased without a sign of it.
-
-    Raises:
-        ValueError: One line naming the keys and values.
-    """
-    if not algorithm.use_rollout_log_probs:
-        return
-    filters = []
-    if rollout.top_p < 1:
-        filters.append(f"rollout.top_p={rollout.top_p:g}")
-    if rollout.top_k > 0:
-        filters.append(f"rollout.top_k={rollout.top_k}")
-    if filters:
-        which, fix = "algorithm.use_rollout_log_probs=true", "algorithm.use_rollout_log_probs=false"
-        if algorithm.off_policy_correction is not None:
-            which = (
-                f"algorithm.off_policy_correction={algorithm.off_policy_correction} "
-                "(use_rollout_log_probs=true)"
-            )
-            fix = "algorithm.off_policy_correction=decoupled"
-        raise ValueError(
-            f"{which} with {' and '.join(filters)}: the engine's log-probs are of the filtered, "
-            "renormalised distribution and the trainer scores the unfiltered one, so the "
-            f"ratio would be biased; set rollout.top_p=1 and rollout.top_k=-1, or {fix}"
-        )

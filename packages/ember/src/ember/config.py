@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,6 @@ from ember_core.config import (
     CIConfig,
     SamplingConfig,
     check,
-    check_old_log_probs,
     from_dict,
     resolve_tis,
     to_dict,
@@ -430,7 +430,7 @@ def load_config(
     core["plugins"] = enabled
     run_config = from_dict(RunConfig, core)
     resolve_tis(run_config.algorithm, run_config.rollout)
-    check_old_log_probs(run_config.algorithm, run_config.rollout)
+    check_engine_log_probs(run_config)
     check_partial_rollouts(run_config)
     weight_transport(run_config)
     from ember.placement import plan_layout
@@ -439,6 +439,43 @@ def load_config(
     run_config.plugin_sections = sections
     host.configure(run_config, sections)
     return run_config, host
+
+
+SGLANG_GREEDY_TEMPERATURE = 1e-6
+"""sglang 0.5.23 `sampling_params.py`: a temperature below this becomes greedy decoding (top_k
+1, temperature 1)."""
+
+
+def check_engine_log_probs(config: RunConfig) -> None:
+    """Refuse the sampling settings under which SGLang's log-probs lose their tempered meaning.
+
+    Rollout log-probs mean log softmax(logits / rollout.temperature) of the sampled token over
+    the whole vocabulary, on every engine and whatever top-k/top-p filter sampled it. sglang
+    0.5.23 (`srt/layers/sampler.py`) answers a batch whose requests all have top_k <= 1 with the
+    log softmax of the untempered logits, and makes a temperature below 1e-6 greedy with
+    temperature 1, so at a temperature other than 1 its numbers would not be the ones the
+    trainer's `PolicyHead` divides by the temperature. The embedded engine reports the tempered
+    log-probs in both cases.
+
+    Raises:
+        ValueError: One line naming the keys and values.
+    """
+    if config.engine.kind != "sglang":
+        return
+    rollout = config.rollout
+    if rollout.temperature < SGLANG_GREEDY_TEMPERATURE:
+        raise ValueError(
+            f"rollout.temperature={rollout.temperature!r} with engine.kind=sglang: SGLang "
+            f"decodes greedily below {SGLANG_GREEDY_TEMPERATURE:g} and returns untempered "
+            f"log-probs; expected rollout.temperature >= {SGLANG_GREEDY_TEMPERATURE:g}"
+        )
+    if rollout.top_k == 1 and rollout.temperature != 1.0:
+        raise ValueError(
+            f"rollout.top_k=1 with engine.kind=sglang and rollout.temperature="
+            f"{rollout.temperature:g}: SGLang returns greedy requests' log-probs before the "
+            "temperature, the trainer divides by it; set rollout.top_k=-1 or >= 2, or "
+            "rollout.temperature=1"
+        )
 
 
 PARTIAL_ROLLOUT_ENGINES = ("hf",)
@@ -552,7 +589,8 @@ def check_inputs(config: RunConfig) -> None:
     has the configured keys), resolves the reward function, checks that the tokenizer and
     checkpoint directories exist (`hf_load` ones holding a transformers checkpoint), and that
     `train.parallel.tensor_parallel` divides the model's head counts (`hf_load`'s shape too),
-    and that SGLang can serve a model with tied embeddings (`check_sglang_ties`).
+    that SGLang can serve a model with tied embeddings (`check_sglang_ties`), and that servers
+    launched from this environment return tempered log-probs (`check_server_env`).
     The config itself and the plugin sections are already validated by `load_config`.
 
     Raises:
@@ -572,6 +610,10 @@ def check_inputs(config: RunConfig) -> None:
             )
     if config.engine.kind == "sglang":
         config.train.check_sglang_ties()
+    if config.engine.kind == "sglang" and not sglang.urls:
+        from ember_rollout.sglang_launch import check_server_env
+
+        check_server_env(os.environ)  # the launched servers inherit this environment
     records = load_prompts(config.data)
     if config.run.eval_interval:
         load_eval_sets(config.run.eval_sets, config.data, prompts=config.run.eval_prompts)

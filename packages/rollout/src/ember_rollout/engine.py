@@ -136,7 +136,8 @@ class GenerateOutput:
     output_ids: list[int]
     """Response token ids (a stop token that ended generation included)."""
     output_log_probs: list[float]
-    """Log-prob of each response token under the distribution it was sampled from."""
+    """Log-prob of each response token, log softmax(logits / temperature) over the whole
+    vocabulary: before any top-k/top-p filter, so not renormalised over the kept tokens."""
     finish_reason: FinishReason
     """stop (stop token), length (max_new_tokens) or abort."""
     meta_info: dict[str, Any]

@@ -40,7 +40,7 @@ from ember_rollout.models import (
     naming_of,
 )
 from ember_rollout.routing import ExpertCapture, encode_routed_experts
-from ember_rollout.token_sampling import filtered_log_probs, sample_tokens
+from ember_rollout.token_sampling import filter_log_probs, sample_tokens, tempered_log_probs
 from ember_rollout.weight_gate import WeightGate
 from ember_rollout.weight_receive import (
     BUCKET_LOAD_FORMAT,
@@ -118,8 +118,9 @@ class HFEngine(Engine):
     Requests are decoded together: the prompts are left-padded into one batch (attention mask
     and explicit position ids), prefilled once, then extended one token per step from a KV
     cache. Each row samples from its own seeded generator, so a request's tokens do not depend
-    on the batch it ran in. Log-probs come from fp32 logits divided by the temperature, after
-    the top-k/top-p filter: exactly the distribution each token was drawn from.
+    on the batch it ran in. A token is drawn from the top-k/top-p filtered distribution and
+    reported with its log-prob under the full one, log softmax(fp32 logits / temperature), as
+    SGLang reports it and the trainer computes it (`token_sampling.tempered_log_probs`).
 
     With `partial_rollouts`, weights may be loaded while `generate` runs (from another thread
     or event loop: the weight path then takes no asyncio lock). Every forward pass of the
@@ -130,11 +131,11 @@ class HFEngine(Engine):
     weights, so SGLang aborts and continues such requests), and samples on from the new
     weights. Each row records the version of every span of its response (`meta_info`
     `weight_versions`, in SGLang's layout: `engine.WEIGHT_VERSIONS_KEY`); each token's
-    log-prob is that of the distribution it was drawn from, under the version in force at its
-    step. Routed experts of a position come from the pass that forwarded it, which is the pass
-    whose logits drew the next token: positions recorded before an update keep the old
-    version's experts, and the new prefill records only the position not yet forwarded (the last
-    sampled token), with the new version's experts, as the new version predicts from there.
+    log-prob is that of the version in force at its step. Routed experts of a position come from
+    the pass that forwarded it, which is the pass whose logits drew the next token: positions
+    recorded before an update keep the old version's experts, and the new prefill records only
+    the position not yet forwarded (the last sampled token), with the new version's experts, as
+    the new version predicts from there.
     Without `partial_rollouts`, a weight load waits for the running `generate` to finish.
     """
 
@@ -577,9 +578,11 @@ class HFEngine(Engine):
         temps, top_k, top_p = self._sampling(rows, live)
         step = 0
         while True:
-            log_probs = filtered_log_probs(logits_BV, temps, top_k, top_p)
+            # Sampled from the filtered distribution; reported under the full tempered one.
+            log_probs = tempered_log_probs(logits_BV, temps)
             active = [s for s, i in enumerate(live) if rows[i].finish is None]
-            tokens = sample_tokens(log_probs[active], [rows[live[s]].generator for s in active])
+            sampled_from = filter_log_probs(log_probs[active], top_k[active], top_p[active])
+            tokens = sample_tokens(sampled_from, [rows[live[s]].generator for s in active])
             chosen = log_probs[active].gather(1, tokens.to(device).unsqueeze(1)).squeeze(1)
             next_tokens = torch.zeros(len(live), dtype=torch.long)
             for s, token, lp in zip(active, tokens.tolist(), chosen.tolist(), strict=True):
@@ -691,10 +694,9 @@ class HFEngine(Engine):
             while row.finish is None:
                 ids = torch.tensor([tokens], device=device)
                 logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
-                log_probs = filtered_log_probs(
-                    logits, sampling.temperature, sampling.top_k, sampling.top_p
-                )
-                token = int(sample_tokens(log_probs, [row.generator])[0])
+                log_probs = tempered_log_probs(logits, sampling.temperature)
+                sampled_from = filter_log_probs(log_probs, sampling.top_k, sampling.top_p)
+                token = int(sample_tokens(sampled_from, [row.generator])[0])
                 row.take(token, float(log_probs[0, token]), self.weight_version)
                 tokens.append(token)
             if request.wants_routed_experts and self._moe_sites:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +46,27 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+"""sglang 0.5.23 `srt/layers/sampler.py` reads this once at import: when true ("1" or "true",
+any case) the server returns log softmax(logits) taken before the temperature instead of the
+tempered log-probs the trainer computes."""
+
+
+def check_server_env(env: Mapping[str, str]) -> None:
+    """Refuse to launch SGLang servers whose log-probs would be untempered.
+
+    Raises:
+        ValueError: One line naming the variable when `ORIGINAL_LOGPROB_ENV` is true in `env`.
+    """
+    value = env.get(ORIGINAL_LOGPROB_ENV, "")
+    if value.strip().lower() in ("1", "true"):
+        raise ValueError(
+            f"{ORIGINAL_LOGPROB_ENV}={value}: SGLang would return log-probs taken before the "
+            "temperature, while rollout log-probs mean log softmax(logits / temperature); "
+            f"unset {ORIGINAL_LOGPROB_ENV}"
+        )
 
 
 def model_info_from_dir(path: str | Path | None) -> ModelInfo | None:
@@ -217,6 +239,7 @@ class ServerLauncher:
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="ember-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         env = sglang_cpu.server_env() if on_cpu else None
+        check_server_env(os.environ if env is None else env)
         for i in range(cfg.num_servers):
             port = self._port(i)
             command = self.server_command(port, i)
