@@ -240,6 +240,10 @@ def test_reduced_loss_gradient_and_metrics_of_actor_loss(name, reduction):
 
     assert metrics["entropy_loss"].item() == pytest.approx(0.7)
     assert set(metrics) == set(actor_metric_keys(config, batch))
+    # The largest |lp_old - lp| of one counted token, lp_old the batch's old log-probs.
+    old = ROLLOUT if config.use_rollout_log_probs else OLD
+    gaps = only_counted([abs(o - n) for o, n in zip(old, NEW, strict=True)])
+    assert metrics["ppo_kl_abs_max"].item() == pytest.approx(max(gaps), **tol)
     if config.use_tis:
         ratios = only_counted(rows["ratio"])
         out = "tis_maskfrac" if name == "mis" else "tis_clipfrac"

@@ -221,6 +221,24 @@ def test_one_trainer_log_prob_off_by_2_to_the_minus_10_stops_the_run(run):
     )
 
 
+def test_two_old_log_probs_of_a_sample_swapped_stop_the_first_step(run):
+    """A within-sample permutation of the old log-probs: the signed mean train/ppo_kl stays
+    exactly 0 (the two differences are exact negatives), the per-token maximum does not."""
+    worker, engine = run
+    batch = worker.prepare(0, engine_log_probs(engine, make_samples(-1)))
+    old = batch.log_probs[0]
+    assert old[0] != old[1]
+    for values in (batch.log_probs[0], batch.rollout_log_probs[0]):  # the engine agrees
+        values[[0, 1]] = values[[1, 0]]
+    worker.log_rollout_data(0, batch)  # engine and trainer agree token by token
+    with pytest.raises(KLCheckError) as info:
+        worker.train(0, batch)
+    error = info.value
+    assert error.check == Check.PPO_KL_MAX
+    assert error.metrics["train/ppo_kl"] == 0.0
+    assert error.metrics["train/ppo_kl_abs_max"] == pytest.approx(abs(float(old[0] - old[1])))
+
+
 def test_engine_log_probs_shifted_by_one_token_stop_the_run(run):
     worker, engine = run
     samples = engine_log_probs(engine, make_samples(-1))

@@ -20,6 +20,7 @@ ON_POLICY_STEP = {
     "train/loss": 0.31,
     "train/pg_loss": 0.3,
     "train/ppo_kl": 0.0,
+    "train/ppo_kl_abs_max": 0.0,
     "train/pg_clipfrac": 0.0,
     "train/kl_loss": 0.0,
     "train/train_rollout_logprob_abs_diff": 0.004,
@@ -136,6 +137,8 @@ def test_passes_when_the_first_update_is_exactly_on_policy(host, caplog):
         "(ci_kl_checker.train_rollout_logprob_abs_diff_threshold)",
         f"{prefix}, step 0 (accumulated step 0): first_step_ppo_kl passed: "
         "|train/ppo_kl| = 0.000e+00, expected < 1e-08",
+        f"{prefix}, step 0 (accumulated step 0): first_step_ppo_kl_max passed: "
+        "|train/ppo_kl_abs_max| = 0.000e+00, expected < 1e-08",
         f"{prefix}, step 0 (accumulated step 0): first_step_kl_loss passed: "
         "|train/kl_loss| = 0.000e+00, expected < 1e-08",
         f"{prefix}, step 0 (accumulated step 0): train_rollout_mismatch_ceiling passed: "
@@ -230,6 +233,20 @@ def test_ppo_kl_is_checked_without_pg_clipfrac(host):
     del metrics["train/pg_clipfrac"]
     with pytest.raises(KLCheckError, match=r"\|train/ppo_kl\| = 1\.000e-02"):
         host.after_train_step(0, 0, 0, metrics)
+
+
+def test_a_per_token_gap_fails_where_the_signed_mean_cancels(host):
+    """Old and training log-probs of one sample permuted: the mean of their differences is 0,
+    the largest per-token difference is not."""
+    configure(host)
+    host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)
+    step = {**ON_POLICY_STEP, "train/ppo_kl": 0.0, "train/ppo_kl_abs_max": 0.25}
+    with pytest.raises(KLCheckError) as info:
+        host.after_train_step(0, 0, 0, step)
+    assert info.value.check == Check.PPO_KL_MAX
+    assert "|train/ppo_kl_abs_max| = 2.500e-01, expected < 1e-08" in str(info.value)
+    with pytest.raises(KLCheckError, match=r"train/ppo_kl_abs_max is not logged"):
+        host.after_train_step(0, 0, 0, without(ON_POLICY_STEP, "train/ppo_kl_abs_max"))
 
 
 def test_first_step_kl_loss_fails_with_the_metric_dict(host):
@@ -378,11 +395,11 @@ def test_engine_old_log_probs_audit_exactly_and_stand_down_between_audits(host, 
     assert info.value.check == Check.PPO_KL
     (between,) = [m for m in said(caplog) if "between audits" in m]
     assert between == (
-        "ci_kl_checker: between audits, first_step_ppo_kl and train_rollout_mismatch_max stand "
-        "down: algorithm.use_rollout_log_probs=true takes the old log-probs from the engine, so "
-        "the trainer computes none to compare; train_rollout_mismatch_ceiling is checked at "
-        "each rollout's first step only (later steps compare the rollout's own updates with the "
-        "engine's log-probs)"
+        "ci_kl_checker: between audits, first_step_ppo_kl, first_step_ppo_kl_max and "
+        "train_rollout_mismatch_max stand down: algorithm.use_rollout_log_probs=true takes the "
+        "old log-probs from the engine, so the trainer computes none to compare; "
+        "train_rollout_mismatch_ceiling is checked at each rollout's first step only (later "
+        "steps compare the rollout's own updates with the engine's log-probs)"
     )
 
 

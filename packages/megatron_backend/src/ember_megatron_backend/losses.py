@@ -79,7 +79,7 @@ def local_denominator(batch: RolloutBatch, indices: list[int], reduction: str) -
 
 def actor_metric_keys(algorithm: AlgorithmConfig, batch: RolloutBatch) -> list[str]:
     """The metric names `actor_loss` returns for this configuration, in a fixed order."""
-    keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss"]
+    keys = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "ppo_kl_abs_max", "entropy_loss"]
     if batch.ref_log_probs is not None:
         keys.append("kl_loss")
     if algorithm.eps_clip_c is not None:
@@ -194,7 +194,10 @@ def actor_loss(
     gradient follows. "ppo_kl" is lp_old - lp per token with lp_old the batch's old log-probs
     (`batch.log_probs`: the engine's between audits under `use_rollout_log_probs`), so the
     corrections whose ratio is 1 (`tis`, `seq_tis`, `mis`) still report the policy's distance
-    from the sampler.
+    from the sampler. "ppo_kl_abs_max" is the largest |lp_old - lp| of one token over the
+    micro-batch's counted tokens (a maximum: `metrics.STEP_MAXIMA`), token by token under GSPO
+    too: at a rollout's first step it is exactly 0 only if every token's log-prob is, where the
+    signed mean "ppo_kl" can cancel.
     """
     log_probs = torch.cat(head.log_probs)
     device = log_probs.device
@@ -227,6 +230,8 @@ def actor_loss(
         old_from_engine=engine_old,
     )
     ppo_kl = (scored - log_probs.detach()) if engine_old else per_token["ppo_kl"]
+    token_gaps = (scored - log_probs.detach()).abs()[counted]  # the old policy's, token by token
+    ppo_kl_abs_max = token_gaps.max() if token_gaps.numel() else log_probs.new_zeros(())
     metrics = {"pg_clipfrac": per_token["pg_clipfrac"], "ppo_kl": ppo_kl}
     if algorithm.eps_clip_c is not None:
         metrics["dual_clipfrac"] = per_token["dual_clipfrac"]
@@ -267,6 +272,7 @@ def actor_loss(
         use_kl_loss=algorithm.use_kl_loss,
         reduction=algorithm.loss_reduction,
     )
+    reduced["ppo_kl_abs_max"] = ppo_kl_abs_max
     if tis_max is not None:
         reduced["tis_max"] = tis_max.detach()
     if behaviour_max is not None:

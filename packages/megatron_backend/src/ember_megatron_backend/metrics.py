@@ -86,7 +86,7 @@ class SampleMeans:
         }
 
 
-STEP_MAXIMA = frozenset({"tis_max", "behaviour_ratio_max"})
+STEP_MAXIMA = frozenset({"tis_max", "behaviour_ratio_max", "ppo_kl_abs_max"})
 """Step metrics that are maxima over the step's counted tokens, not weighted means: a
 micro-batch's value replaces the running one when larger, and ranks take the maximum. Each is
 >= 0, so a pipeline stage that computed nothing (0) does not change it."""

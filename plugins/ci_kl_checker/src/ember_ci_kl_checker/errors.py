@@ -12,6 +12,9 @@ class Check(enum.StrEnum):
 
     PPO_KL = "first_step_ppo_kl"
     """|train/ppo_kl| < tolerance at the first step of every rollout."""
+    PPO_KL_MAX = "first_step_ppo_kl_max"
+    """train/ppo_kl_abs_max (max over tokens of |old - training| log-prob) < tolerance at the
+    first step of every rollout where ppo_kl is checked: a signed mean can cancel."""
     KL_LOSS = "first_step_kl_loss"
     """|train/kl_loss| < tolerance at the first step of the run, unless exempted."""
     ROLLOUT_REF_LOG_PROBS = "first_rollout_ref_log_probs"

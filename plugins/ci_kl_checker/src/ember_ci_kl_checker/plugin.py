@@ -19,6 +19,8 @@ TOLERANCE = 1e-8
 """An on-policy quantity passes when its absolute value is strictly below this."""
 
 PPO_KL = "train/ppo_kl"
+PPO_KL_MAX = "train/ppo_kl_abs_max"
+"""max |old - training| log-prob over a step's counted tokens (all ranks)."""
 KL_LOSS = "train/kl_loss"
 REF_MAX_ABS_DIFF = "rollout/log_probs_ref_max_abs_diff"
 """max |actor - reference| log-prob over a rollout's counted response tokens (all ranks)."""
@@ -187,6 +189,8 @@ class KLChecker:
         # the same experts) at the first step of a rollout, so their KL is exactly zero.
         if step_id == 0 and self._scored(rollout_id):
             self._expect_zero(Check.PPO_KL, PPO_KL, metrics, where, _PPO_KL_REQUIRED, audit)
+            # Per token: a mean of signed differences can cancel (tokens of a sample permuted).
+            self._expect_zero(Check.PPO_KL_MAX, PPO_KL_MAX, metrics, where, _PPO_KL_REQUIRED, audit)
         # Actor and reference hold the same weights only before the first update.
         if accumulated_step_id == 0 and self._applies(KL_LOSS, metrics):
             reason = self._reference_reason()
@@ -297,7 +301,7 @@ class KLChecker:
         if exemptions and not self._announced:
             self._announced = True
             reasons = "; ".join(f"{e.plugin}: {e.reason}" for e in exemptions)
-            still = [str(Check.PPO_KL)]
+            still = [str(Check.PPO_KL), str(Check.PPO_KL_MAX)]
             if self.reference and self._routing_only():
                 still.append(f"{Check.ROLLOUT_REF_REPLAYED_LOG_PROBS} at rollout 0")
             logger.info(
@@ -493,7 +497,8 @@ def _between_audits(engine_old: bool, one_step_off: bool) -> str:
     parts = []
     if engine_old:
         parts.append(
-            f"{Check.PPO_KL} and {Check.TRAIN_ROLLOUT_MISMATCH_MAX} stand down: "
+            f"{Check.PPO_KL}, {Check.PPO_KL_MAX} and {Check.TRAIN_ROLLOUT_MISMATCH_MAX} stand "
+            "down: "
             "algorithm.use_rollout_log_probs=true takes the old log-probs from the engine, so "
             "the trainer computes none to compare"
         )
