@@ -96,6 +96,21 @@ def test_spans_of_weight_versions_are_checked():
         Sample(tokens=[1, 2, 3], response_length=2, weight_versions=[(0, "4"), (2, "5")])
     with pytest.raises(ValueError, match="is not the first span's version"):
         Sample(tokens=[1, 2, 3], response_length=2, weight_version="5", weight_versions=[(0, "4")])
+    # A later span from older weights: a mislabelled sample, named with its spans.
+    with pytest.raises(ValueError) as info:
+        Sample(
+            tokens=[1, 2, 3, 4],
+            response_length=3,
+            index=5,
+            group_index=2,
+            weight_versions=[(0, "4"), (1, "6"), (2, "5")],
+        )
+    assert str(info.value) == (
+        "sample 5 (group 2): weight_versions=[(0, '4'), (1, '6'), (2, '5')]: expected versions "
+        "that never decrease from one span to the next"
+    )
+    # Numerically, not as strings: "10" follows "9"; a repeated version is allowed.
+    Sample(tokens=[1, 2, 3, 4], response_length=3, weight_versions=[(0, "9"), (1, "10"), (2, "10")])
 
 
 @pytest.mark.parametrize("bad", [None, "default"])

@@ -64,8 +64,8 @@ class Sample:
     weight_versions: list[tuple[int, str]] | None = None
     """The response's spans by the weight version that generated them, as (index of the
     span's first response token, version) pairs, ascending from index 0, with `weight_version`
-    the first one; more than one span only under partial rollouts. None: the engine reported
-    no spans, and every token came from `weight_version`."""
+    the first one and integer versions never decreasing; more than one span only under partial
+    rollouts. None: the engine reported no spans, and every token came from `weight_version`."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form data: engine meta info, reward details, plugin annotations."""
 
@@ -131,6 +131,15 @@ class Sample:
                     f"{where}: weight_version={self.weight_version!r} is not the first span's "
                     f"version in weight_versions={self.weight_versions!r}"
                 )
+            numbers = [_integer(version) for _, version in self.weight_versions]
+            if None not in numbers and any(
+                b < a for a, b in zip(numbers, numbers[1:], strict=False)
+            ):
+                # Weights only move forward: a later span from older weights is a mislabel.
+                raise ValueError(
+                    f"{where}: weight_versions={self.weight_versions!r}: expected versions "
+                    "that never decrease from one span to the next"
+                )
         experts = self.rollout_routed_experts
         if experts is not None:
             if experts.dim() != 3 or experts.shape[0] != n - 1:
@@ -175,6 +184,14 @@ class PackedBatch:
     @property
     def padded_length(self) -> int:
         return int(self.tokens.numel())
+
+
+def _integer(version: str) -> int | None:
+    """A weight version as an integer (Ember's are str(rollout id)), or None for another form."""
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return None
 
 
 def pack_samples(
