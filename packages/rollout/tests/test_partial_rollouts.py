@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import TINY
 from test_generate_plugin import INSERTED, TwoTurns
-from test_hf_engine import PROMPTS, full_forward, reference_log_probs, requests
+from test_hf_engine import PROMPTS, full_forward, reference_support, requests
 
 from ember_core.hookspecs import hookimpl
 from ember_core.plugins import EmberPlugins
@@ -218,9 +218,9 @@ def test_weights_loaded_mid_generation_switch_the_policy_between_decode_steps(mo
             # The distribution the token was drawn from, over the whole prefix without a cache.
             # fp32, same model code: batched cached passes differ from one uncached pass by
             # summation order only (test_hf_engine's bound).
-            drawn_from = reference_log_probs(mine[p], TEMPERATURE, -1, 1.0)
+            drawn_from = reference_support(mine[p], TEMPERATURE, -1, 1.0)
             assert lp == pytest.approx(drawn_from[token], abs=1e-5)
-            gaps.append(abs(reference_log_probs(other[p], TEMPERATURE, -1, 1.0)[token] - lp))
+            gaps.append(abs(reference_support(other[p], TEMPERATURE, -1, 1.0)[token] - lp))
         for layer, old_top, new_top in zip(
             moe_layers, top_experts(old_router), top_experts(new_router), strict=True
         ):
@@ -266,7 +266,7 @@ def test_without_partial_rollouts_a_weight_load_waits_for_generate(models):
         assert out.meta_info["weight_versions"] == [{"version": "0", "start": 0, "end": n}]
         logits, _ = full_forward(old_ref, ids + out.output_ids, router_logits=False)
         for i, (token, lp) in enumerate(zip(out.output_ids, out.output_log_probs, strict=True)):
-            allowed = reference_log_probs(logits[len(ids) - 1 + i], TEMPERATURE, -1, 1.0)
+            allowed = reference_support(logits[len(ids) - 1 + i], TEMPERATURE, -1, 1.0)
             assert lp == pytest.approx(allowed[token], abs=1e-5)
 
 
