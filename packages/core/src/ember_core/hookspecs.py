@@ -109,7 +109,8 @@ class Completion(Protocol):
     output_ids: list[int]
     """Generated token ids (a stop token that ended generation included)."""
     output_log_probs: list[float]
-    """Log-prob of each generated token under the distribution it was sampled from."""
+    """Log-prob of each generated token, log softmax(logits / temperature) over the whole
+    vocabulary: before any top-k/top-p filter, on every engine."""
     finish_reason: str
     """"stop" (a stop token), "length" (max_new_tokens reached) or "abort"."""
     routed_experts: torch.Tensor | None

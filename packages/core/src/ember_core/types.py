@@ -53,7 +53,8 @@ class Sample:
     loss_mask: list[int] | None = None
     """Per response token: 1 trains on the token, 0 skips it. None means all ones."""
     rollout_log_probs: list[float] | None = None
-    """Log-probs of the sampled response tokens under the distribution the engine sampled from."""
+    """Log-probs of the sampled response tokens, log softmax(logits / rollout.temperature) over
+    the whole vocabulary (before any top-k/top-p filter), on every engine."""
     rollout_routed_experts: torch.Tensor | None = None
     """Integer tensor [len(tokens) - 1, num_layers, topk] of the experts the engine chose."""
     status: SampleStatus = SampleStatus.PENDING

@@ -109,8 +109,9 @@ class RolloutBatch:
 
     @property
     def old_from_engine(self) -> bool:
-        """The old log-probs are the engine's (`algorithm.use_rollout_log_probs`): the trainer
-        computed none of its own to compare with anything."""
+        """`log_probs` are the engine's: the trainer computed none of its own to compare with
+        anything (`algorithm.use_rollout_log_probs` outside audits; at an audit this is False
+        while the loss still takes the engine's log-probs as the old policy's)."""
         return self.log_probs is self.rollout_log_probs
 
 
