@@ -308,8 +308,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"(runs {min(ratios):.2f}-{max(ratios):.2f})"
     )
     print(
-        "  both return token ids and fp32 sampling log-probs; on the same logits generate()'s "
-        f"distribution matches Ember's sampler to {result['sampling_max_abs_diff']:.1e} "
+        "  both return token ids and one fp32 log-prob per token (Ember's: log softmax(logits / "
+        "T) before the filter; generate()'s: of the renormalised nucleus); on the same logits "
+        "generate()'s sampling "
+        f"distribution matches Ember's to {result['sampling_max_abs_diff']:.1e} "
         f"({result['sampling_boundary_rows']} of {result['sampling_rows']} rows differ by a token "
         "tied or within rounding at the top-p cut)"
     )
