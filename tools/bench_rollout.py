@@ -5,14 +5,14 @@ Equal work, as measured here:
   of mixed lengths, left-padded on both sides), the same batches (`--batch-size` requests
   decoded together, with a KV cache on both sides) and the same sampling: `--temperature`,
   `--top-p`, no top-k (`top_k=0` for generate(), whose default is 50), `--new-tokens`;
-- results of the same kind: each request's response token ids and the fp32 log-prob of each token, one
-  log-softmax over the vocabulary per step on each side. Ember's engine always returns these
-  (log softmax(logits / temperature), before the top-p filter, as the trainer computes them);
-  generate() returns them with `output_scores=True` and
+- results of the same kind: each request's response token ids and the fp32 log-prob of each
+  token, one log-softmax over the vocabulary per step on each side. Ember's engine always
+  returns these (log softmax(logits / temperature), before the top-p filter, as the trainer
+  computes them); generate() returns them with `output_scores=True` and
   `compute_transition_scores(..., normalize_logits=True)`, which is timed with it, and its
   numbers are of the top-p filtered, renormalised distribution, so with `--top-p` below 1 the
-  two report different values for the same work. Both end as
-  Python lists per request (Ember's engine also builds SGLang-style metadata for each). Before
+  two report different values for the same work. Both end as Python lists per request
+  (Ember's engine also builds SGLang-style metadata for each). Before
   timing, two prompts check that generate()'s scores give the same distribution as Ember's
   sampler on the same logits, so a model whose generation config adds other processors
   (repetition penalty, min-p) stops the benchmark; the max difference is printed;
