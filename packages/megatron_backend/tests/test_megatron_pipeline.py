@@ -67,6 +67,7 @@ TOLERANCES = {
     "train/kl_loss": ("rollout/log_probs", 4 * EPS),
     # A maximum over tokens of such differences: a few ulps of the largest token log-prob.
     "rollout/log_probs_ref_max_abs_diff": ("rollout/log_probs", 16 * EPS),
+    "train/ppo_kl_abs_max": ("rollout/log_probs", 16 * EPS),
     # Sums of advantage-weighted ratios that cancel (advantages normalised per group to unit
     # scale, ratios ~1), and critic values (a dot product of normalised hidden states): their
     # operands are of order one, however small the result.

@@ -184,6 +184,7 @@ def test_the_default_loop_is_audited_exactly_and_stands_down_between_audits(run,
             Check.TRAIN_ROLLOUT_MISMATCH_MAX,
             Check.TRAIN_ROLLOUT_MISMATCH,
             Check.PPO_KL,
+            Check.PPO_KL_MAX,
             Check.REPLAY_AGREEMENT,
         }
 

@@ -167,6 +167,7 @@ def test_kl_checker_stands_down_for_r3_with_one_line(shape, reset_plugin, caplog
         assert not plugins.replayed_reference_forward(1)
         first_step = {
             "train/ppo_kl": 0.0,
+            "train/ppo_kl_abs_max": 0.0,
             "train/pg_clipfrac": 0.0,
             "train/kl_loss": 0.004,
             "train/replay_agreement": 1.0,  # the training forward replayed every expert
