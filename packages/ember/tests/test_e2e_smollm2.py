@@ -91,12 +91,13 @@ def test_megatron_reads_and_writes_smollm2_exactly_and_scores_chats_as_transform
     assert result["tokens"] > 30 and result["max_abs_diff"] < 1e-4, result
 
 
-def seed_scenario(model: Path, *extra: str) -> tuple[str, ...]:
-    """`ember train` on the upcycled MoE with R3 and the CI checks, every rollout audited, a
-    reference model for the reference checks, and small rollouts of the arithmetic task."""
+def checked_run(config: str, model: Path, plugins: str, *extra: str) -> tuple[str, ...]:
+    """`ember train` on `examples/<config>` from `model` with `plugins` and the CI checks, every
+    rollout audited, a reference model for the reference checks, and two small rollouts of the
+    arithmetic task."""
     return (
-        str(ROOT / "examples" / "smollm2-moe-arith.yaml"),
-        "--plugins", "r3_routing,ci_kl_checker",
+        str(ROOT / "examples" / config),
+        "--plugins", plugins,
         "--set", "ci.test=true",
         "--set", f"train.hf_load={model}",
         "--set", f"data.prompt_data={ROOT / 'examples' / 'data' / 'arith-train.jsonl'}",
@@ -110,6 +111,11 @@ def seed_scenario(model: Path, *extra: str) -> tuple[str, ...]:
         "--set", "run.eval_interval=0",
         *extra,
     )  # fmt: skip
+
+
+def seed_scenario(model: Path, *extra: str) -> tuple[str, ...]:
+    """The seed scenario: the upcycled MoE example with R3 and the CI checks."""
+    return checked_run("smollm2-moe-arith.yaml", model, "r3_routing,ci_kl_checker", *extra)
 
 
 def run_seed_scenario(moe: tuple[Path, Path], tmp_path: Path, *engine: str) -> None:
@@ -212,20 +218,7 @@ def test_the_dense_example_trains_on_the_real_sglang_server_with_pushed_tied_wei
     engine samples from the updated weights as the trainer scores them."""
     run_dir = tmp_path / "run"
     run = ember(
-        str(ROOT / "examples" / "smollm2-arith.yaml"),
-        "--plugins", "ci_kl_checker",
-        "--set", "ci.test=true",
-        "--set", "engine.kind=sglang",
-        "--set", f"train.hf_load={smollm2}",
-        "--set", f"data.prompt_data={ROOT / 'examples' / 'data' / 'arith-train.jsonl'}",
-        "--set", "algorithm.use_kl_loss=true",
-        "--set", "ci_kl_checker.audit_interval=1",
-        "--set", "rollout.rollout_batch_size=2",
-        "--set", "rollout.n_samples_per_prompt=2",
-        "--set", "rollout.max_response_len=12",
-        "--set", "run.num_rollouts=2",
-        "--set", "run.save_interval=0",
-        "--set", "run.eval_interval=0",
+        *checked_run("smollm2-arith.yaml", smollm2, "ci_kl_checker", "--set", "engine.kind=sglang"),
         # An update that moves the weights whatever the four rewards are.
         "--set", "algorithm.entropy_coef=0.01",
         "--set", "train.optimizer.lr=1e-4",
