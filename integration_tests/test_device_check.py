@@ -16,6 +16,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+MEMBERS = {
+    "ember-core": "packages/core",
+    "ember-megatron-backend": "packages/megatron_backend",
+    "ember-rollout": "packages/rollout",
+    "ember-r3-routing": "plugins/r3_routing",
+    "ember-ci-kl-checker": "plugins/ci_kl_checker",
+}
+"""Ember's own distributions the device check builds, and where each one's project lives."""
 PARTS = [
     "environment",
     "train",
@@ -372,13 +380,7 @@ def test_carried_and_image_versions_meet_every_bounded_requirement():
     device_check = load_device_check()
     image = _image_versions()
     locked, carried = _carried_versions()
-    members = {
-        "ember-core": "packages/core",
-        "ember-megatron-backend": "packages/megatron_backend",
-        "ember-rollout": "packages/rollout",
-        "ember-r3-routing": "plugins/r3_routing",
-        "ember-ci-kl-checker": "plugins/ci_kl_checker",
-    }
+    members = MEMBERS
     requirements = [("hatchling", Requirement(line)) for line in HATCHLING_REQUIRES]
     for member, folder in members.items():
         project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
@@ -420,13 +422,7 @@ def test_the_carried_wheels_complete_the_runner_image():
     locked = [_name(w) for w in shlex.split(arrays["LOCKED"])]
     carried = set(locked) | {_name(w) for w in shlex.split(arrays["BUILD_BACKEND"])}
     lock = {p["name"]: p for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
-    members = {
-        "ember-core": "packages/core",
-        "ember-megatron-backend": "packages/megatron_backend",
-        "ember-rollout": "packages/rollout",
-        "ember-r3-routing": "plugins/r3_routing",
-        "ember-ci-kl-checker": "plugins/ci_kl_checker",
-    }
+    members = MEMBERS
     assert set(members) <= set(device_check.DISTRIBUTIONS)
     needed: dict[str, str] = {}
     for member, folder in members.items():
