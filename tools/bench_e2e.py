@@ -17,9 +17,12 @@ left out of every mean. Rows:
   Target <= 0.7.
 - staleness: seconds per iteration for each `rollout.max_staleness` k of `--staleness` (default
   0, 1, 2, 4) with `--engines` embedded engines (default 2), and with partial rollouts
-  (`rollout.partial_rollouts=true`) for every k >= 1, each as a ratio to k = 0. Iterations up
-  to k, which train on rollouts generated ahead during the first one, are left out along with
-  it: the mean is over the steady state, where every iteration waits for its own share.
+  (`rollout.partial_rollouts=true`) for every k >= 1, each as a ratio to k = 0. Every row
+  averages the same iterations: those after the largest k (iterations up to k train on
+  rollouts generated ahead during the first one), so no row gains from leaving out more of
+  the early, slower iterations than another. Beside s/iter it prints the trainer's share
+  (`perf/train_time`), the wait for a rollout, and the response tokens generated per
+  iteration: the work itself changes with k, since each k learns along its own path.
 """
 
 from __future__ import annotations
@@ -72,12 +75,16 @@ def mean(records: list[dict], key: str, *, skip: int = 1) -> float:
 
 def staleness_table(run: Any, ks: list[int], engines: int, rollouts: int) -> None:
     """Seconds per iteration for each k, in turn and with partial rollouts, against k = 0."""
+    skip = max(ks) + 1
+    if rollouts <= skip:
+        sys.exit(f"bench_e2e: --rollouts {rollouts} leaves no steady state for k = {max(ks)}")
     print(
-        f"rollout.max_staleness with {engines} engines, {rollouts} rollouts each; s/iter over "
-        "iterations k + 1 .. (steady state), ratio to k = 0"
+        f"rollout.max_staleness with {engines} engines, {rollouts} rollouts each; means over "
+        f"iterations {skip} .. {rollouts - 1} (the same for every k), ratio to the first row"
     )
     print(
-        f"{'k':>3}{'partial':>9}{'s/iter':>9}{'ratio':>8}{'waited':>9}{'staleness':>11}{'reward':>8}"
+        f"{'k':>3}{'partial':>9}{'s/iter':>9}{'ratio':>8}{'train':>8}{'waited':>9}"
+        f"{'tokens':>8}{'staleness':>11}{'reward':>8}"
     )
     base = None
     for k in ks:
@@ -87,15 +94,17 @@ def staleness_table(run: Any, ks: list[int], engines: int, rollouts: int) -> Non
                 f"rollout.partial_rollouts={str(partial).lower()}",
                 f"ray.num_engines={engines}",
             )
-            if len(records) <= k + 1:
-                sys.exit(f"bench_e2e: --rollouts {rollouts} leaves no steady state for k = {k}")
-            per_iter = mean(records, "perf/iteration_time", skip=k + 1)
+            per_iter = mean(records, "perf/iteration_time", skip=skip)
             base = per_iter if base is None else base
-            waited = mean(records, "perf/rollout_time", skip=k + 1)
-            stale = mean(records, "rollout/staleness", skip=k + 1)
+            tokens = statistics.mean(
+                r["rollout/response_len_mean"] * r["rollout/num_samples"] for r in records[skip:]
+            )
             print(
                 f"{k:>3}{'yes' if partial else 'no':>9}{per_iter:>9.3f}{per_iter / base:>8.2f}"
-                f"{waited:>9.3f}{stale:>11.2f}{records[-1]['rollout/rewards']:>8.3f}"
+                f"{mean(records, 'perf/train_time', skip=skip):>8.3f}"
+                f"{mean(records, 'perf/rollout_time', skip=skip):>9.3f}{tokens:>8.0f}"
+                f"{mean(records, 'rollout/staleness', skip=skip):>11.2f}"
+                f"{records[-1]['rollout/rewards']:>8.3f}"
             )
 
 

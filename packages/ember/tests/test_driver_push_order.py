@@ -13,6 +13,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 import ember.driver
 from ember.config import load_config
 from ember.driver import Actors, Driver
@@ -39,6 +41,7 @@ class Cluster:
     def __init__(self) -> None:
         self.events: list[tuple[Any, ...]] = []
         self.rollouts: dict[int, Ref] = {}
+        self.training_beside: list[list[int]] = []  # per training step: the rollouts generating
 
     # -- ray -----------------------------------------------------------------------------------
 
@@ -84,9 +87,14 @@ class Cluster:
             self.events.append(("push begins", self.generating()))
             return Ref()
 
+        def train(*args: Any) -> Ref:
+            self.events.append(("train",))
+            self.training_beside.append(self.generating())
+            return Ref([{}])
+
         rank = SimpleNamespace(
             prepare=call("prepare", lambda *a: {}),
-            train=call("train", lambda *a: [{}]),
+            train=SimpleNamespace(remote=train),
             send_weights=call("send_weights"),
         )
         engine = SimpleNamespace(
@@ -97,24 +105,24 @@ class Cluster:
         return Actors(train=[rank], engines=[engine], manager=manager)
 
 
-def drive(tmp_path, monkeypatch, *, partial: bool) -> Cluster:
-    """Iterations 0 and 1 of a run with rollout.max_staleness=2."""
+def drive(tmp_path, monkeypatch, *, partial: bool, k: int = 2, iterations: int = 2) -> Cluster:
+    """The first `iterations` iterations of a run with rollout.max_staleness=k."""
     cluster = Cluster()
     monkeypatch.setattr(ember.driver, "ray", cluster)
     config, _ = load_config(
         "default",
         overrides=[
             f"run.dir={tmp_path}",
-            "run.num_rollouts=6",
+            f"run.num_rollouts={iterations + k + 2}",
             f"rollout.rollout_batch_size={BATCH}",
             f"rollout.n_samples_per_prompt={N}",
-            "rollout.max_staleness=2",
+            f"rollout.max_staleness={k}",
             f"rollout.partial_rollouts={str(partial).lower()}",
         ],
     )
     driver = Driver(config, tmp_path, plugins=EmberPlugins())
     driver.actors = cluster.actors()
-    for rollout_id in range(2):
+    for rollout_id in range(iterations):
         cluster.events.append(("iteration", rollout_id))
         driver.iteration(rollout_id)
     return cluster
@@ -169,3 +177,19 @@ def test_with_partial_rollouts_the_push_lands_while_rollouts_generate(tmp_path, 
         ("push begins", [2, 3]),
         *PUSH_REST,
     ]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_without_partial_rollouts_one_rollout_generates_beside_training_whatever_k(
+    tmp_path, monkeypatch, k
+):
+    """k > 1 adds staleness, not overlap: the first iteration trains beside the k rollouts it
+    started; from then on each push has waited for the rollouts ahead, so iteration i trains
+    beside rollout i + k alone, as at k = 1 (the manager generates one rollout at a time)."""
+    cluster = drive(tmp_path, monkeypatch, partial=False, k=k, iterations=6)
+    assert cluster.training_beside == [list(range(1, k + 1))] + [[i + k] for i in range(1, 6)]
+
+
+def test_with_partial_rollouts_the_rollouts_ahead_stay_queued_across_pushes(tmp_path, monkeypatch):
+    cluster = drive(tmp_path, monkeypatch, partial=True, k=4, iterations=6)
+    assert cluster.training_beside == [[i + 1, i + 2, i + 3, i + 4] for i in range(6)]

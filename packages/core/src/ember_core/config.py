@@ -237,8 +237,11 @@ class SamplingConfig:
     """How many weight versions generation may run ahead of training (k). Rollout j is
     generated from the weights trained on rollout j - 1 - k (the initial weights while
     j <= k), so its samples are exactly min(j, k) versions old when trained: 0 generates and
-    trains in turn, 1 is the overlapped loop (`async: true`), k > 1 keeps k rollouts
-    generating ahead of the trainer. Null: 1 with `async: true`, else 0. A rollout restored
+    trains in turn, 1 is the overlapped loop (`async: true`). k > 1 adds staleness, not
+    overlap: the manager generates one rollout at a time and, without `partial_rollouts`, a
+    push waits for the rollouts ahead, so from the second iteration on one rollout generates
+    while the trainer trains, as at k = 1; with `partial_rollouts` the rollouts ahead queue on
+    the engines across pushes. Null: 1 with `async: true`, else 0. A rollout restored
     from a checkpoint that is staler than the bound, or audited, is generated again from the
     same prompts (`rollout/regenerated`)."""
     partial_rollouts: bool = False
