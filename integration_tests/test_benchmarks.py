@@ -183,12 +183,12 @@ def test_bench_e2e_reports_each_phase_and_the_engines_rollout_phase_from_its_own
     ]
 
 
-def test_bench_e2e_staleness_row_skips_the_iterations_fed_by_the_first_and_divides_by_k0(
-    monkeypatch, capsys
-):
+def test_bench_e2e_staleness_row_averages_every_k_over_the_same_iterations(monkeypatch, capsys):
     """The staleness row runs k = 0 once and every k >= 1 in turn and with partial rollouts,
-    all with the given engines; each mean leaves out iterations 0 .. k (the first one
-    generated the k rollouts the next k train on) and is divided by k = 0's."""
+    all with the given engines. Every mean leaves out iterations 0 .. max k (the first one
+    generated the k rollouts the next k train on), the same for every row, so a row with a
+    larger k does not gain by dropping more of the slow early iterations; each is divided by
+    k = 0's, beside the trainer's share, the wait and the response tokens per iteration."""
     bench_e2e = load_tool("bench_e2e")
     runs = []
 
@@ -199,9 +199,19 @@ def test_bench_e2e_staleness_row_skips_the_iterations_fed_by_the_first_and_divid
         steady = 4.0 - k * 0.5 - (0.25 if partial else 0.0)
         return [
             {
-                # iteration 0 waits for k + 1 rollouts; 1 .. k train on them at once
-                "perf/iteration_time": (50.0 if i == 0 else 0.1) if i <= k else steady,
+                # iteration 0 waits for k + 1 rollouts; 1 .. k train on them at once; early
+                # iterations are slower in every run (9.0), whatever k
+                "perf/iteration_time": 50.0
+                if i == 0
+                else 0.1
+                if i <= k
+                else 9.0
+                if i < 3
+                else steady,
+                "perf/train_time": 1.5,
                 "perf/rollout_time": 0.5,
+                "rollout/response_len_mean": 10.0 + k,
+                "rollout/num_samples": 4,
                 "rollout/staleness": float(min(i, k)),
                 "rollout/rewards": 0.25,
             }
@@ -213,9 +223,14 @@ def test_bench_e2e_staleness_row_skips_the_iterations_fed_by_the_first_and_divid
     monkeypatch.setattr("sys.argv", argv)
     bench_e2e.main()
     out = capsys.readouterr().out
-    assert re.search(r"^\s+0\s+no\s+4\.000\s+1\.00\s+0\.500\s+0\.00\s+0\.250$", out, re.M), out
-    assert re.search(r"^\s+2\s+no\s+3\.000\s+0\.75\s+0\.500\s+2\.00\s+0\.250$", out, re.M), out
-    assert re.search(r"^\s+2\s+yes\s+2\.750\s+0\.69\s+0\.500\s+2\.00\s+0\.250$", out, re.M), out
+    assert "means over iterations 3 .. 5 (the same for every k)" in out
+    row = r"^\s+{}\s+{}\s+{}\s+{}\s+1\.500\s+0\.500\s+{}\s+{}\s+0\.250$"
+    for cells in [
+        ("0", "no", r"4\.000", r"1\.00", "40", r"0\.00"),
+        ("2", "no", r"3\.000", r"0\.75", "48", r"2\.00"),
+        ("2", "yes", r"2\.750", r"0\.69", "48", r"2\.00"),
+    ]:
+        assert re.search(row.format(*cells), out, re.M), out
     assert [o[:3] for o in runs] == [
         ["rollout.max_staleness=0", "rollout.partial_rollouts=false", "ray.num_engines=2"],
         ["rollout.max_staleness=2", "rollout.partial_rollouts=false", "ray.num_engines=2"],

@@ -388,6 +388,18 @@ def test_hook_ember_replayed_reference_forward(plugins):
     assert asked == [0, 3]
 
 
+def test_hook_ember_rebuilt_reference_forward(plugins):
+    class Asks:
+        @hookimpl
+        def ember_rebuilt_reference_forward(self, rollout_id):
+            return rollout_id == 4
+
+    assert plugins.rebuilt_reference_forward(4) is False
+    plugins.add(Asks(), "asks")
+    assert plugins.rebuilt_reference_forward(4) is True
+    assert plugins.rebuilt_reference_forward(2) is False
+
+
 def test_hook_ember_audit_rollout(plugins):
     asked = []
 

@@ -110,6 +110,37 @@ def test_the_readme_r3_and_ci_command_audits_the_default_loop(tmp_path):
     assert output.count("between audits, first_step_ppo_kl") == 1
 
 
+def test_a_resumed_ci_run_checks_the_checkpoints_reference_at_its_first_audit(tmp_path):
+    """Two rollouts saved, then resumed for a third, the first audit of the new trainer
+    processes (interval 2): the checker compares the reference the checkpoint restored with one
+    rebuilt from its source, which a run from the start never needs."""
+    checks = (
+        "--plugins", "r3_routing,ci_kl_checker",
+        "--set", "ci.test=true",
+        "--set", "ci_kl_checker.audit_interval=2",
+        "--set", "algorithm.use_kl_loss=true",
+    )  # fmt: skip
+    first = ember(*checks, "--set", "run.num_rollouts=2", "--set", "run.save_interval=2",
+                  run_dir=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not any(REBUILT in r for r in records(tmp_path, "rollout"))
+    resumed = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "train", "--resume", str(tmp_path),
+         "--set", "run.num_rollouts=3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    last = records(tmp_path, "rollout")[-1]
+    assert last["rollout/audit"] == 1.0 and last[REBUILT] == 0.0
+    # Two rollouts of training moved the actor away from the reference.
+    assert last["rollout/ref_log_probs"] != last["rollout/log_probs"]
+    output = resumed.stderr + resumed.stdout
+    assert re.search(r"audit rollout 2\b[^\n]*: resumed_ref_log_probs passed: ", output)
+
+
+REBUILT = "rollout/ref_rebuilt_log_probs_max_abs_diff"
+
+
 def test_kl_checker_alone_passes_in_ci_mode(tmp_path):
     run = ember(
         "--plugins", "ci_kl_checker",

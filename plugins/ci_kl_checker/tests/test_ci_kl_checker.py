@@ -720,3 +720,41 @@ def test_installed_entry_point_loads_the_plugin():
     finally:
         plugins.unregister("ci_kl_checker")
         checker_plugin._checker = None
+
+
+REBUILT = "rollout/ref_rebuilt_log_probs_max_abs_diff"
+
+
+def test_the_first_audit_after_a_resume_checks_the_reference_against_its_source(host):
+    # A trainer process whose first audit is rollout 4 (audit_interval 2) started from a
+    # checkpoint: its reference came from there.
+    configure(host, audit_interval=2)
+    later = without(ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff")
+    assert host.rebuilt_reference_forward(3) is False  # not an audit
+    assert host.rebuilt_reference_forward(4) is True
+    with pytest.raises(KLCheckError, match=f"{REBUILT} is not logged") as info:
+        host.after_log_rollout_data(4, later)
+    assert info.value.check == Check.RESUMED_REF_LOG_PROBS
+    assert "first audit after a resume" in info.value.detail
+    with pytest.raises(KLCheckError) as info:
+        host.after_log_rollout_data(4, {**later, REBUILT: 3e-7})
+    assert info.value.detail == f"|{REBUILT}| = 3.000e-07, expected < 1e-08"
+    host.after_log_rollout_data(4, {**later, REBUILT: 0.0})
+    # Once: the next audit's reference is the same model.
+    assert host.rebuilt_reference_forward(6) is False
+    host.after_log_rollout_data(6, later)
+
+
+@pytest.mark.parametrize("case", ["from_rollout_0", "no_reference", "disable", "not_ci"], ids=str)
+def test_no_rebuilt_reference_is_asked_for_a_run_from_the_start_or_without_one(host, case):
+    configure(
+        host,
+        audit_interval=2,
+        reference=case != "no_reference",
+        ci_test=case != "not_ci",
+        disable=case == "disable",
+    )
+    if case == "from_rollout_0":
+        assert host.rebuilt_reference_forward(0) is False  # rollout 0 compares with the actor
+    assert host.rebuilt_reference_forward(2) is False
+    assert host.rebuilt_reference_forward(4) is False

@@ -97,11 +97,16 @@ def make_samples(count: int = 4) -> list[Sample]:
 
 
 def worker_with(
-    checker: EmberPlugins, train: BackendConfig, *, disable: bool, engine_old: bool = False
+    checker: EmberPlugins,
+    train: BackendConfig,
+    *,
+    disable: bool,
+    engine_old: bool = False,
+    **section,
 ) -> MegatronWorker:
     config = RunConfig(train=train)
     config.algorithm.use_rollout_log_probs = engine_old
-    checker.configure(config, {"ci_kl_checker": KLCheckerConfig(disable=disable)})
+    checker.configure(config, {"ci_kl_checker": KLCheckerConfig(disable=disable, **section)})
     return MegatronWorker(train, config.algorithm, SamplingConfig(), checker)
 
 
@@ -234,3 +239,44 @@ def test_engine_old_log_probs_train_within_the_ceiling_and_stop_beyond_it(checke
     assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
     assert info.value.step == "rollout 1, step 0 (accumulated step 0)"
     assert info.value.metrics["train/ppo_kl"] == pytest.approx(offset, abs=1e-6)
+
+
+REBUILT = "rollout/ref_rebuilt_log_probs_max_abs_diff"
+
+
+@pytest.mark.slow
+def test_a_resumed_run_checks_the_checkpoints_reference_at_its_first_audit(checker, tmp_path):
+    """Rollouts 0 and 1 trained and saved; rollout 2 is an audit (interval 2). The run that
+    goes on in its process compares nothing new there; a run resumed from the checkpoint, in a
+    fresh process (a fresh checker), compares the checkpoint's reference with one rebuilt from
+    its source, and trains exactly as the uninterrupted run does."""
+    worker = worker_with(checker, backend(), disable=False, audit_interval=2)
+    for rollout_id in (0, 1):
+        batch = worker.prepare(rollout_id, make_samples())
+        worker.log_rollout_data(rollout_id, batch)
+        worker.train(rollout_id, batch)
+    worker.save_checkpoint(tmp_path)
+    batch = worker.prepare(2, make_samples())
+    want = worker.log_rollout_data(2, batch), worker.train(2, batch)
+    assert REBUILT not in want[0]
+
+    checker_plugin._checker = None
+    resumed = worker_with(checker, backend(), disable=False, audit_interval=2)
+    resumed.load_checkpoint(tmp_path)
+    batch = resumed.prepare(2, make_samples())
+    rollout = resumed.log_rollout_data(2, batch)
+    assert rollout.pop(REBUILT) == 0.0
+    # Training moved the actor: the reference can only be checked against its source now.
+    assert rollout["rollout/log_probs_ref_max_abs_diff"] > 1e-4
+    assert (rollout, resumed.train(2, batch)) == want
+
+    # A checkpoint whose reference is not the run's (here: the trained actor's weights).
+    checker_plugin._checker = None
+    wrong = worker_with(checker, backend(), disable=False, audit_interval=2)
+    wrong.load_checkpoint(tmp_path)
+    wrong.ref.load_state_dict(wrong.actor.module.state_dict())
+    batch = wrong.prepare(2, make_samples())
+    with pytest.raises(KLCheckError) as info:
+        wrong.log_rollout_data(2, batch)
+    assert info.value.check == Check.RESUMED_REF_LOG_PROBS
+    assert info.value.metrics[REBUILT] > 1e-4

@@ -339,6 +339,25 @@ def ember_replayed_reference_forward(rollout_id: int) -> bool | None:
 
 
 @hookspec
+def ember_rebuilt_reference_forward(rollout_id: int) -> bool | None:
+    """Ask the backend to check the reference it holds against the one its config describes.
+
+    When any plugin answers True, the backend builds a second reference from its source (the
+    config's `train.ref_load`, or the actor's initial weights: `train.hf_load` or the seeded
+    initialisation), scores the rollout with it once, check-only, drops it, and logs
+    `rollout/ref_rebuilt_log_probs_max_abs_diff`: the largest |reference - rebuilt reference|
+    log-prob over the counted response tokens of all ranks. After a resume the reference comes
+    from the checkpoint; this compares it with what the run started from.
+
+    Args:
+        rollout_id: The rollout about to be scored.
+
+    Returns:
+        True to ask for the forward; False or None otherwise.
+    """
+
+
+@hookspec
 def ember_audit_rollout(rollout_id: int) -> bool | None:
     """Ask for an audit iteration: this rollout is generated and scored so that the trainer's
     log-probs can be compared exactly with the engine's.

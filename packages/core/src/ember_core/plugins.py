@@ -219,6 +219,11 @@ class EmberPlugins:
         """Whether any plugin asks for the check-only, routing-replayed reference forward."""
         return any(self.pm.hook.ember_replayed_reference_forward(rollout_id=rollout_id))
 
+    def rebuilt_reference_forward(self, rollout_id: int) -> bool:
+        """Whether any plugin asks for the check-only forward of a reference rebuilt from its
+        source."""
+        return any(self.pm.hook.ember_rebuilt_reference_forward(rollout_id=rollout_id))
+
     def audit_rollout(self, rollout_id: int) -> bool:
         """Whether any plugin asks for an audit iteration at this rollout."""
         return any(self.pm.hook.ember_audit_rollout(rollout_id=rollout_id))

@@ -81,6 +81,9 @@ class RolloutBatch:
     ref_replayed_log_probs: list[Tensor] | None = None
     """The reference's log-probs with the rollout's routing replayed (`Phase.REPLAY_CHECK`),
     only when a plugin asked for that check-only forward; no loss reads them."""
+    ref_rebuilt_log_probs: list[Tensor] | None = None
+    """The log-probs of a reference rebuilt from its source (`train.ref_load`, or the actor's
+    initial weights) for one check-only forward, only when a plugin asked for it."""
     values: list[Tensor] | None = None
     """Old critic values (when a critic is built)."""
     rollout_log_probs: list[Tensor] | None = None

@@ -17,6 +17,7 @@ __all__ = [
     "AUDIT",
     "MISMATCH_MAX_ABS_DIFF",
     "REF_MAX_ABS_DIFF",
+    "REF_REBUILT_MAX_ABS_DIFF",
     "REF_REPLAYED_MAX_ABS_DIFF",
     "ROLLOUT_KEYS",
     "STEP_MAXIMA",
@@ -55,6 +56,10 @@ AUDIT = "rollout/audit"
 REF_REPLAYED_MAX_ABS_DIFF = "rollout/ref_replayed_log_probs_max_abs_diff"
 """The same maximum against the reference's check-only forward with the rollout's routing
 replayed (`Phase.REPLAY_CHECK`); logged only at the rollouts a plugin asked for it."""
+REF_REBUILT_MAX_ABS_DIFF = "rollout/ref_rebuilt_log_probs_max_abs_diff"
+"""max |reference - rebuilt reference| log-prob over the counted response tokens of every rank:
+the reference the run holds (after a resume, the checkpoint's) against one rebuilt from its
+source; logged only at the rollouts a plugin asked for it."""
 
 
 class SampleMeans:
@@ -172,18 +177,19 @@ def _masked_means(per_token: list[Tensor], masks: list[Tensor]) -> tuple[Tensor,
 
 def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
     """The rollout/* metrics of DESIGN section 3 as means over the samples of all ranks, and
-    `REF_MAX_ABS_DIFF` when a reference exists.
+        `REF_MAX_ABS_DIFF` when a reference exists.
 
-    Token quantities are first averaged over each sample's counted (loss-mask) response tokens;
-    samples without a counted token do not enter those means. rollout/routing_agreement is the
-    mean over samples of each sample's fraction of agreeing (position, MoE layer) routings;
-    rollout/replay_agreement, logged only when routers replay, is the same for the experts the
-    forward actually used. `REF_MAX_ABS_DIFF` (and `REF_REPLAYED_MAX_ABS_DIFF`, when the batch
-    holds the replayed reference's log-probs) is a maximum over the counted tokens of all ranks.
-    `MISMATCH_MAX_ABS_DIFF` is the same maximum of |trainer - engine| log-prob. When the old
-    log-probs are the engine's (`algorithm.use_rollout_log_probs` outside audit iterations), the
-    metrics that compare the trainer's own log-probs with something (rollout/log_probs, the
-    mismatch, the maxima) are left out. `AUDIT` is 1.0 on an audit iteration.
+        Token quantities are first averaged over each sample's counted (loss-mask) response tokens;
+        samples without a counted token do not enter those means. rollout/routing_agreement is the
+        mean over samples of each sample's fraction of agreeing (position, MoE layer) routings;
+        rollout/replay_agreement, logged only when routers replay, is the same for the experts the
+        forward actually used. `REF_MAX_ABS_DIFF` (and `REF_REPLAYED_MAX_ABS_DIFF`, when the batch
+        holds the replayed reference's log-probs, and `REF_REBUILT_MAX_ABS_DIFF` against a rebuilt
+    reference) is a maximum over the counted tokens of all ranks.
+        `MISMATCH_MAX_ABS_DIFF` is the same maximum of |trainer - engine| log-prob. When the old
+        log-probs are the engine's (`algorithm.use_rollout_log_probs` outside audit iterations), the
+        metrics that compare the trainer's own log-probs with something (rollout/log_probs, the
+        mismatch, the maxima) are left out. `AUDIT` is 1.0 on an audit iteration.
     """
     means = SampleMeans(ROLLOUT_KEYS)
     masks = batch.loss_masks
@@ -228,6 +234,12 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
             largest = masked_max_abs_diff(batch.log_probs, ref, masks, group)
             if largest is not None:
                 metrics[key] = largest
+    if batch.ref_rebuilt_log_probs is not None:
+        largest = masked_max_abs_diff(
+            batch.ref_log_probs, batch.ref_rebuilt_log_probs, masks, group
+        )
+        if largest is not None:
+            metrics[REF_REBUILT_MAX_ABS_DIFF] = largest
     return metrics
 
 

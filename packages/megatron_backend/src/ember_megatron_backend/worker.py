@@ -142,17 +142,7 @@ class MegatronWorker:
 
         self.ref = None
         if self.with_ref:
-            self.ref = self._build(Role.REF)
-            if config.ref_load is None:
-                self.ref.load_state_dict(self.actor.module.state_dict())
-            elif is_hf_checkpoint(config.ref_load):
-                load_hf_checkpoint(self.ref, config.ref_load, self.model_config)
-            else:
-                checkpoint.load_model_weights(
-                    self.ref, config.ref_load, role=Role.ACTOR.value, expect=self._layout()
-                )
-            self.ref.requires_grad_(False)
-            self.ref.eval()
+            self.ref = self._build_reference(initial_actor=self.actor.module)
 
         self.critic = self.critic_optimizer = None
         if self.with_critic:
@@ -162,6 +152,27 @@ class MegatronWorker:
                 load_hf_checkpoint(critic, trunk, self.model_config)
             self.critic = wrap_ddp(critic)
             self.critic_optimizer = build_optimizer(self.critic, config.critic.optimizer)
+
+    def _build_reference(self, initial_actor: Any = None) -> Any:
+        """A frozen reference from its source: `train.ref_load` (a transformers or Ember
+        checkpoint), else the actor's initial weights, copied from `initial_actor` when given
+        and otherwise built again (the seeded initialisation, then `train.hf_load`)."""
+        config = self.config
+        ref = self._build(Role.REF)
+        if config.ref_load is None:
+            if initial_actor is not None:
+                ref.load_state_dict(initial_actor.state_dict())
+            elif config.hf_load is not None:
+                load_hf_checkpoint(ref, config.hf_load, self.model_config)
+        elif is_hf_checkpoint(config.ref_load):
+            load_hf_checkpoint(ref, config.ref_load, self.model_config)
+        else:
+            checkpoint.load_model_weights(
+                ref, config.ref_load, role=Role.ACTOR.value, expect=self._layout()
+            )
+        ref.requires_grad_(False)
+        ref.eval()
+        return ref
 
     def _build(self, role: Role) -> Any:
         return build_model(
@@ -266,6 +277,13 @@ class MegatronWorker:
             # plugin asks (the CI checker does at rollout 0 under routing replay).
             if self.plugins.replayed_reference_forward(rollout_id):
                 passes.append(ScoringPass("replayed_ref", self.ref, Role.REF, Phase.REPLAY_CHECK))
+            # A check-only forward of a reference built again from its source, when a plugin
+            # asks (the CI checker does at the first audit after a resume). Building draws from
+            # the CPU generator: the run's stream is put back afterwards.
+            if self.plugins.rebuilt_reference_forward(rollout_id):
+                with torch.random.fork_rng(devices=[]):
+                    rebuilt = self._build_reference()
+                passes.append(ScoringPass("rebuilt_ref", rebuilt, Role.REF, Phase.LOG_PROB))
         if score_actor:
             passes.append(ScoringPass("actor", self.actor, Role.ACTOR, Phase.LOG_PROB, routing))
         if self.critic is not None:
@@ -285,6 +303,7 @@ class MegatronWorker:
         entropy = scored["actor"].entropy if "actor" in scored else None
         ref_log_probs = scored["ref"].log_probs if "ref" in scored else None
         replayed_ref = scored["replayed_ref"].log_probs if "replayed_ref" in scored else None
+        rebuilt_ref = scored["rebuilt_ref"].log_probs if "rebuilt_ref" in scored else None
         values = scored["critic"].values if "critic" in scored else None
         if routing is not None and self.pipelined:
             # Each stage counted its own layers' routings.
@@ -330,6 +349,7 @@ class MegatronWorker:
             returns=returns,
             ref_log_probs=ref_log_probs,
             ref_replayed_log_probs=replayed_ref,
+            ref_rebuilt_log_probs=rebuilt_ref,
             values=values,
             rollout_log_probs=rollout_lp,
             layouts=layouts,

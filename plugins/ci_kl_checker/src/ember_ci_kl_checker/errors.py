@@ -24,6 +24,10 @@ class Check(enum.StrEnum):
     """rollout/ref_replayed_log_probs_max_abs_diff (max over tokens of |actor - reference|
     log-prob, the reference replaying the rollout's routing in a check-only forward) < tolerance
     at rollout 0, when every exemption excuses routing only."""
+    RESUMED_REF_LOG_PROBS = "resumed_ref_log_probs"
+    """rollout/ref_rebuilt_log_probs_max_abs_diff (max over tokens of |reference - reference
+    rebuilt from its source| log-prob) < tolerance at the first audit after a resume: the
+    reference restored from the checkpoint is the one the run started from."""
     TRAIN_ROLLOUT_MISMATCH = "train_rollout_mismatch_ceiling"
     """train/ and rollout/train_rollout_logprob_abs_diff <= the configured ceiling, wherever
     engine and trainer held the same weights."""

@@ -26,6 +26,8 @@ REF_MAX_ABS_DIFF = "rollout/log_probs_ref_max_abs_diff"
 """max |actor - reference| log-prob over a rollout's counted response tokens (all ranks)."""
 REF_REPLAYED_MAX_ABS_DIFF = "rollout/ref_replayed_log_probs_max_abs_diff"
 """The same maximum against a check-only reference forward that replays the rollout's routing."""
+REF_REBUILT_MAX_ABS_DIFF = "rollout/ref_rebuilt_log_probs_max_abs_diff"
+"""The same maximum between the reference the run holds and one rebuilt from its source."""
 ROLLOUT_LOG_PROBS = "rollout/rollout_log_probs"
 """Logged when the rollout's samples carry the engine's log-probs."""
 TRAIN_MISMATCH = "train/train_rollout_logprob_abs_diff"
@@ -149,6 +151,9 @@ class KLChecker:
         self._announced = False
         self._engine_log_probs: set[int] = set()
         """Rollouts whose `log_rollout_data` showed the engine's log-probs."""
+        self._first_audit: int | None = None
+        """The first audit rollout this process scored: 0 in a run from the start, a later one
+        in a run resumed from a checkpoint."""
 
     def exemptions(self) -> list[KLExemption]:
         """The exemptions the enabled plugins reported (asked once, then cached)."""
@@ -214,6 +219,21 @@ class KLChecker:
                 audit and step_id == 0,
             )
 
+    def _resumed_audit(self, rollout_id: int) -> bool:
+        """Rollout `rollout_id` is the first audit of a process that started after rollout 0
+        (a resumed run's trainer)."""
+        if not self.wants_audit(rollout_id):
+            return False
+        if self._first_audit is None:
+            self._first_audit = rollout_id
+        return rollout_id == self._first_audit and rollout_id > 0
+
+    def wants_rebuilt_reference(self, rollout_id: int) -> bool:
+        """Whether to ask for the check-only forward of a reference rebuilt from its source: at
+        the first audit after a resume, where the reference came from the checkpoint (rollout
+        0 compared the reference with the actor, which training has since moved)."""
+        return self.active and bool(self.reference) and self._resumed_audit(rollout_id)
+
     def wants_replayed_reference(self, rollout_id: int) -> bool:
         """Whether to ask for the check-only reference forward that replays the rollout's
         routing: at rollout 0 (an audit) of a CI run with a reference, when plugins exempted
@@ -223,8 +243,10 @@ class KLChecker:
     def after_log_rollout_data(self, rollout_id: int, metrics: Mapping[str, Any]) -> None:
         """At an audit, require its marker; at rollout 0, check that actor and reference agree
         on every counted token's log-prob (under a routing-only exemption, the reference that
-        replays the rollout's routing); wherever the trainer scored the rollout with the
-        engine's weights, check the per-token maximum and the mean mismatch."""
+        replays the rollout's routing); at the first audit after a resume, that the reference
+        restored from the checkpoint agrees with one rebuilt from its source; wherever the
+        trainer scored the rollout with the engine's weights, check the per-token maximum and
+        the mean mismatch."""
         if not self.active:
             return
         self._announce()
@@ -259,6 +281,17 @@ class KLChecker:
                 where,
                 f"{self._reference_reason()} and every exemption excuses routing only, so the "
                 "checker asked for the reference forward that replays the rollout's routing",
+                audit,
+            )
+        if self.wants_rebuilt_reference(rollout_id) or REF_REBUILT_MAX_ABS_DIFF in metrics:
+            self._expect_zero(
+                Check.RESUMED_REF_LOG_PROBS,
+                REF_REBUILT_MAX_ABS_DIFF,
+                metrics,
+                where,
+                f"{self._reference_reason()} and this is the first audit after a resume, so "
+                "the checker asked for a reference rebuilt from its source to compare the "
+                "checkpoint's with",
                 audit,
             )
         if ROLLOUT_LOG_PROBS in metrics:
@@ -525,6 +558,11 @@ def ember_audit_rollout(rollout_id: int) -> bool:
 @hookimpl
 def ember_replayed_reference_forward(rollout_id: int) -> bool:
     return _current().wants_replayed_reference(rollout_id)
+
+
+@hookimpl
+def ember_rebuilt_reference_forward(rollout_id: int) -> bool:
+    return _current().wants_rebuilt_reference(rollout_id)
 
 
 @hookimpl
