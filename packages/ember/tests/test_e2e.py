@@ -105,7 +105,12 @@ def test_the_readme_r3_and_ci_command_audits_the_default_loop(tmp_path):
     assert "train/stale_rollout_logprob_abs_diff" in steps[2]  # rollout 1, one update behind
     output = run.stderr + run.stdout
     for rollout_id in (0, 2):
-        for check in ("train_rollout_mismatch_max", "first_step_ppo_kl", "replay_agreement"):
+        for check in (
+            "train_rollout_mismatch_max",
+            "first_step_ppo_kl",
+            "replay_agreement",
+            "recorded_routing_agreement",
+        ):
             assert re.search(rf"audit rollout {rollout_id}\b[^\n]*: {check} passed: ", output)
     assert output.count("between audits, first_step_ppo_kl") == 1
 

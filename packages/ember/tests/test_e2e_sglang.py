@@ -45,7 +45,8 @@ def test_r3_and_the_ci_checks_on_the_real_sglang_engine_then_a_wrong_reference(t
     assert all(s["train/replay_agreement"] == 1.0 for s in steps)
     assert [s["train/ppo_kl"] for s in steps[::2]][0::2] == [0.0, 0.0]  # rollouts 0 and 2
     output = right.stderr + right.stdout
-    for check in ("train_rollout_mismatch_max", "first_step_ppo_kl", "replay_agreement"):
+    checks = ("train_rollout_mismatch_max", "first_step_ppo_kl", "replay_agreement")
+    for check in (*checks, "recorded_routing_agreement"):
         assert re.search(rf"audit rollout 0\b[^\n]*: {check} passed: ", output), check
     # The server was launched from hf_init, logged to the run directory and took broadcasts.
     (log,) = (tmp_path / "right" / "sglang").glob("sglang-0-*.log")

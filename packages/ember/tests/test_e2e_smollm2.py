@@ -137,7 +137,12 @@ def run_seed_scenario(moe: tuple[Path, Path], tmp_path: Path, *engine: str) -> N
     assert all(s["train/replay_agreement"] == 1.0 for s in steps)
     output = run.stderr + run.stdout
     for rollout_id in (0, 1):
-        for check in ("train_rollout_mismatch_max", "first_step_ppo_kl", "replay_agreement"):
+        for check in (
+            "train_rollout_mismatch_max",
+            "first_step_ppo_kl",
+            "replay_agreement",
+            "recorded_routing_agreement",
+        ):
             assert re.search(rf"audit rollout {rollout_id}\b[^\n]*: {check} passed: ", output)
     config = json.loads((run_dir / "hf_init" / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"]

@@ -76,8 +76,12 @@ def backend(**changes) -> BackendConfig:
 
 
 @contextlib.contextmanager
-def running(train: BackendConfig, **algorithm) -> Iterator[EmberPlugins]:
-    """Both plugins registered and configured as the default run in CI mode."""
+def running(
+    train: BackendConfig, routing_floor: float = 0.0, **algorithm
+) -> Iterator[EmberPlugins]:
+    """Both plugins registered and configured as the default run in CI mode. The samples'
+    experts are random, so the trainer's own routing agrees with them about as often as
+    chance: the recorded-routing floor is 0 unless a test sets it."""
     plugins = EmberPlugins()
     plugins.register(r3_plugin, "r3_routing")
     plugins.register(checker_plugin, "ci_kl_checker")
@@ -87,7 +91,12 @@ def running(train: BackendConfig, **algorithm) -> Iterator[EmberPlugins]:
     try:
         plugins.configure(
             config,
-            {"r3_routing": R3RoutingConfig(), "ci_kl_checker": KLCheckerConfig(audit_interval=2)},
+            {
+                "r3_routing": R3RoutingConfig(),
+                "ci_kl_checker": KLCheckerConfig(
+                    audit_interval=2, recorded_routing_agreement_min=routing_floor
+                ),
+            },
         )
         yield plugins
     finally:
@@ -186,6 +195,7 @@ def test_the_default_loop_is_audited_exactly_and_stands_down_between_audits(run,
             Check.PPO_KL,
             Check.PPO_KL_MAX,
             Check.REPLAY_AGREEMENT,
+            Check.RECORDED_ROUTING,  # against a floor of 0 here: the experts are random
         }
 
 
@@ -267,3 +277,20 @@ def test_replay_switched_off_after_rollout_0_stops_the_run(run, monkeypatch):
     assert error.check == Check.REPLAY_AGREEMENT
     assert error.step == "rollout 1, step 0 (accumulated step 2)"
     assert error.metrics["train/replay_agreement"] < 0.5
+
+
+def test_recorded_experts_that_are_not_the_trainers_stop_the_audit(dist_env):
+    """Replay takes whatever experts were recorded (replay agreement 1.0 here); the audit's
+    scoring, before replay, finds that the trainer's routers would pick others: these random
+    experts agree about as often as chance (1 / C(8, 2) = 0.036), far under the default floor."""
+    with running(backend(), routing_floor=KLCheckerConfig().recorded_routing_agreement_min) as p:
+        engine = MegatronWorker(backend(), AlgorithmConfig(), SamplingConfig(), p)
+        algorithm = AlgorithmConfig(use_rollout_log_probs=True)
+        worker = MegatronWorker(backend(), algorithm, SamplingConfig(), p)
+        batch = worker.prepare(0, engine_log_probs(engine, make_samples(-1)))
+        with pytest.raises(KLCheckError) as info:
+            worker.log_rollout_data(0, batch)
+    error = info.value
+    assert error.check == Check.RECORDED_ROUTING
+    assert error.metrics["rollout/routing_agreement"] < 0.2
+    assert error.metrics["rollout/train_rollout_logprob_max_abs_diff"] == 0.0

@@ -34,6 +34,7 @@ ON_POLICY_ROLLOUT = {
     "rollout/rollout_log_probs": -1.23,
     "rollout/train_rollout_logprob_abs_diff": 0.004,
     "rollout/train_rollout_logprob_max_abs_diff": 0.009,
+    "rollout/routing_agreement": 0.98,
     "rollout/audit": 1.0,
 }
 WITHOUT_ENGINE_LOG_PROBS = {k: v for k, v in ON_POLICY_ROLLOUT.items() if "rollout_log" not in k}
@@ -758,3 +759,42 @@ def test_no_rebuilt_reference_is_asked_for_a_run_from_the_start_or_without_one(h
         assert host.rebuilt_reference_forward(0) is False  # rollout 0 compares with the actor
     assert host.rebuilt_reference_forward(2) is False
     assert host.rebuilt_reference_forward(4) is False
+
+
+ROUTING = "rollout/routing_agreement"
+
+
+def test_audits_under_replay_check_the_recorded_experts_against_the_trainers_routing(host):
+    """Replay agreement is 1.0 with whatever experts were recorded; the audit's scoring, before
+    replay, says whether they are the ones the trainer's routers pick."""
+    host.add(Exempting("r3", "replays the rollout's routing", ExemptionScope.ROUTING), "r3")
+    configure(host, audit_interval=2)
+    rollout = without(ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff")
+    rollout["rollout/ref_replayed_log_probs_max_abs_diff"] = 0.0
+    with pytest.raises(KLCheckError, match=f"{ROUTING} is not logged") as info:
+        host.after_log_rollout_data(0, without(rollout, ROUTING))
+    assert info.value.check == Check.RECORDED_ROUTING
+    with pytest.raises(KLCheckError) as info:
+        host.after_log_rollout_data(2, {**rollout, ROUTING: 0.04})  # about chance for 8 choose 2
+    assert info.value.check == Check.RECORDED_ROUTING
+    assert info.value.detail == (
+        f"{ROUTING} = 0.0400, expected >= 0.5 (ci_kl_checker.recorded_routing_agreement_min)"
+    )
+    with pytest.raises(KLCheckError, match=Check.RECORDED_ROUTING):
+        host.after_log_rollout_data(2, {**rollout, ROUTING: float("nan")})
+    host.after_log_rollout_data(2, {**rollout, ROUTING: 0.5})
+    # Between audits the samples may come from older weights: no floor there.
+    host.after_log_rollout_data(3, without({**rollout, ROUTING: 0.04}, "rollout/audit"))
+
+
+def test_the_routing_floor_is_configurable_and_needs_replay(host):
+    configure(host, recorded_routing_agreement_min=0.99)  # no plugin replays
+    host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, ROUTING: 0.04})
+    checker_plugin._checker = None
+    host.add(Exempting("r3", "replays the rollout's routing", ExemptionScope.ROUTING), "r3")
+    configure(host, reference=False, recorded_routing_agreement_min=0.99)
+    with pytest.raises(KLCheckError, match="expected >= 0.99"):
+        host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, ROUTING: 0.98})
+    for bad in (1.5, -0.1, True, "high"):
+        with pytest.raises(ValueError, match="recorded_routing_agreement_min"):
+            KLCheckerConfig(recorded_routing_agreement_min=bad)

@@ -26,6 +26,12 @@ class KLCheckerConfig:
     engine| log-prob at audits) that passes; null: 1e-4 when the engine (the embedded one, or
     launched SGLang servers) and the trainer both compute in float32, 0.1 otherwise (slime's
     ceiling)."""
+    recorded_routing_agreement_min: float = 0.5
+    """Smallest rollout/routing_agreement that passes at audits under routing replay: the
+    share of (token, MoE layer) routings where the trainer's own top-k expert set, before
+    replay, equals the set the engine recorded. Kernel and precision differences flip only
+    near-tied experts; experts recorded for another layer, position or model agree about as
+    often as chance (1 / C(experts, top-k)), which replay would then train on unnoticed."""
     audit_interval: int = 50
     """Audit rollout 0 and every this many rollouts: the engine samples from the trainer's
     weights (the overlap drains) and the trainer scores the rollout itself, so every check is
@@ -47,6 +53,13 @@ class KLCheckerConfig:
                 ceiling,
                 "a finite number >= 0" + (" or null" if "max" in key else ""),
             )
+        floor = self.recorded_routing_agreement_min
+        check(
+            isinstance(floor, int | float) and not isinstance(floor, bool) and 0 <= floor <= 1,
+            "recorded_routing_agreement_min",
+            floor,
+            "a number in [0, 1]",
+        )
         interval = self.audit_interval
         check(
             isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1,

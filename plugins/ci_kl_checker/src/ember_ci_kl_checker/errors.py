@@ -38,6 +38,10 @@ class Check(enum.StrEnum):
     REPLAY_AGREEMENT = "replay_agreement"
     """train/replay_agreement == 1.0 at every step, when a plugin replays the rollout's
     routing: the experts each training forward used are the rollout's."""
+    RECORDED_ROUTING = "recorded_routing_agreement"
+    """rollout/routing_agreement (the trainer's own top-k expert sets, before replay, against the
+    experts the engine recorded) >= recorded_routing_agreement_min at every audit, when a plugin
+    replays the rollout's routing: replay agreement alone passes experts recorded wrongly."""
     AUDIT = "audit"
     """rollout/audit is logged at every rollout the checker asked to audit."""
 

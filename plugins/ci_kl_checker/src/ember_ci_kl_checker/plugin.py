@@ -37,6 +37,9 @@ MISMATCH_MAX = "rollout/train_rollout_logprob_max_abs_diff"
 REPLAY_AGREEMENT = "train/replay_agreement"
 """Fraction of (token, MoE layer) routings of a step's training forwards that used the
 rollout's experts."""
+ROUTING_AGREEMENT = "rollout/routing_agreement"
+"""Fraction of (token, MoE layer) routings of the scoring forward whose own top-k expert set,
+before replay, equals the engine's recorded one."""
 AUDIT = "rollout/audit"
 """1.0 on an audit iteration."""
 SLIME_CEILING = 0.1
@@ -117,6 +120,8 @@ class KLChecker:
             (`train_rollout_logprob_abs_diff_threshold`).
         max_ceiling: The ceiling of the per-token maximum (`MISMATCH_MAX`).
         audit_interval: Audit rollout 0 and every this many rollouts.
+        routing_floor: The smallest routing agreement with the recorded experts that passes at
+            audits under routing replay (`recorded_routing_agreement_min`).
         engine_old_log_probs: The config takes the old log-probs from the engine
             (`algorithm.use_rollout_log_probs`).
         one_step_off: The config overlaps rollout and training (`rollout.async`).
@@ -132,6 +137,7 @@ class KLChecker:
         ceiling: float = KLCheckerConfig().train_rollout_logprob_abs_diff_threshold,
         max_ceiling: float = SLIME_CEILING,
         audit_interval: int = KLCheckerConfig().audit_interval,
+        routing_floor: float = KLCheckerConfig().recorded_routing_agreement_min,
         engine_old_log_probs: bool = False,
         one_step_off: bool = False,
         announcements: Sequence[str] = (),
@@ -146,6 +152,7 @@ class KLChecker:
         self.ceiling = ceiling
         self.max_ceiling = max_ceiling
         self.audit_interval = audit_interval
+        self.routing_floor = routing_floor
         self._exemptions_source = exemptions
         self._exemptions: list[KLExemption] | None = None
         self._announced = False
@@ -294,6 +301,16 @@ class KLChecker:
                 "checkpoint's with",
                 audit,
             )
+        if audit and scored and self._replaying():
+            self._expect_floor(
+                Check.RECORDED_ROUTING,
+                ROUTING_AGREEMENT,
+                self.routing_floor,
+                metrics,
+                where,
+                "a plugin replays the rollout's routing, so the audit's scoring compares the "
+                "trainer's own routing with the experts the engine recorded",
+            )
         if ROLLOUT_LOG_PROBS in metrics:
             self._engine_log_probs.add(rollout_id)
         if not (scored and self._same_weights(rollout_id)):
@@ -394,6 +411,21 @@ class KLChecker:
             raise KLCheckError(check, where, metrics, text)
         if report:
             self._passed(check, where, text)
+
+    def _expect_floor(
+        self,
+        check: Check,
+        name: str,
+        floor: float,
+        metrics: Mapping[str, Any],
+        where: str,
+        required: str,
+    ) -> None:
+        number = self._number(check, name, metrics, where, required)
+        text = f"{name} = {number:.4f}, expected >= {floor:g} ({SECTION}.{check}_min)"
+        if not number >= floor:  # NaN fails
+            raise KLCheckError(check, where, metrics, text)
+        self._passed(check, where, text)
 
     def _expect_ceiling(
         self,
@@ -519,6 +551,7 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
         ceiling=section.train_rollout_logprob_abs_diff_threshold,
         max_ceiling=ceiling,
         audit_interval=section.audit_interval,
+        routing_floor=section.recorded_routing_agreement_min,
         engine_old_log_probs=engine_old,
         one_step_off=one_step_off,
         announcements=lines,
