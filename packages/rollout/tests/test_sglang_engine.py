@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import sys
 import textwrap
 
@@ -297,11 +298,11 @@ def fake_sglang_package(tmp_path, monkeypatch):
 def launch_config(tmp_path, **kw):
     """Two servers of the fake package above, placed as on GPUs unless `device` says otherwise."""
     kw.setdefault("device", "cuda")
+    kw.setdefault("num_servers", 2)
     return EngineConfig(
         kind="sglang",
         sglang=SGLangEngineConfig(
             model_path=str(tmp_path),
-            num_servers=2,
             server_args=["--log-level", "warning"],
             launch_timeout_s=30.0,
             health_poll_s=0.05,
@@ -387,6 +388,39 @@ def test_server_exiting_during_startup_is_reported(tmp_path, fake_sglang_package
     ):
         asyncio.run(engine.start())
     assert engine._servers == []
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_is_launched_again_elsewhere(
+    tmp_path, fake_sglang_package, monkeypatch
+):
+    """sglang binds its port only after loading the model: another process can take it in
+    between. Here the port is held from the start and the free-port probe is made to miss
+    that, as a race would; the server fails to bind, and Ember launches it on another port."""
+    import ember_rollout.sglang_launch as launch
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    monkeypatch.setattr(launch, "port_is_free", lambda host, port: True)
+    engine = build_engine(launch_config(tmp_path, num_servers=1, base_port=taken))
+
+    async def main():
+        async with engine:
+            outs = await engine.generate([request(0, n=1)])
+            return list(engine.urls), outs
+
+    try:
+        (url,), outs = asyncio.run(main())
+    finally:
+        held.close()
+    assert [o.output_ids for o in outs] == [[7]]  # the relaunched server answers
+    port = url.rsplit(":", 1)[1]
+    assert port != str(taken)
+    argvs = [json.loads(line) for line in fake_sglang_package.read_text().splitlines()]
+    assert [argv[argv.index("--port") + 1] for argv in argvs] == [str(taken), port]
+    log = (tmp_path / "logs" / f"sglang-0-{taken}.log").read_text()
+    assert "address already in use" in log.lower()
 
 
 @pytest.mark.parametrize("value", ["1", "True"])

@@ -229,10 +229,12 @@ def test_plugin_combinations_on_a_megatron_worker(dist_env, caplog, names):
     r3 = "r3_routing" in names
     train = backend()
     # make_samples' rollout log-probs are random draws, about 4.6 from the trainer's, not an
-    # engine's: the checker's mismatch ceiling is not what these combinations test.
+    # engine's, and its experts are random: the checker's mismatch ceiling and recorded-routing
+    # floor are not what these combinations test.
     checker = KLCheckerConfig(
         train_rollout_logprob_abs_diff_threshold=10.0,
         train_rollout_logprob_max_abs_diff_threshold=10.0,
+        recorded_routing_agreement_min=0.0,
     )
     sections = {"r3_routing": R3RoutingConfig(), "ci_kl_checker": checker}
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
@@ -294,8 +296,10 @@ REPLAYED = "rollout/ref_replayed_log_probs_max_abs_diff"
 LOOSE = KLCheckerConfig(
     train_rollout_logprob_abs_diff_threshold=10.0,
     train_rollout_logprob_max_abs_diff_threshold=10.0,
+    recorded_routing_agreement_min=0.0,
 )
-"""make_samples' rollout log-probs are random draws, not an engine's: no mismatch ceiling."""
+"""make_samples' rollout log-probs and experts are random draws, not an engine's: no mismatch
+ceiling and no recorded-routing floor."""
 
 
 @pytest.fixture(scope="module")

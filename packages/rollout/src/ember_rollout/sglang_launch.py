@@ -130,6 +130,21 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+PORT_RETRIES = 2
+"""How many times a launched server whose port was taken before it could bind is launched
+again on another port."""
+
+
+def port_taken(log_path: Path) -> bool:
+    """Whether a server's log says it could not bind its port (uvicorn: "[Errno 98] error
+    while attempting to bind on address ...: address already in use")."""
+    if not log_path.is_file():
+        return False
+    with open(log_path, "rb") as file:
+        file.seek(max(file.seek(0, os.SEEK_END) - 64_000, 0))
+        return "address already in use" in file.read().decode(errors="replace").lower()
+
+
 def last_error_line(log_path: Path | None) -> str | None:
     """The last line of a server log that names an error, else its last non-empty line."""
     if log_path is None or not log_path.is_file():
@@ -165,6 +180,8 @@ class ServerLauncher:
     urls: list[str]
     _servers: list[LaunchedServer]
     _http: aiohttp.ClientSession | None
+    _port_retries: dict[int, int]
+    _launch_context: tuple[Path, dict[str, str] | None]
 
     def server_command(self, port: int, index: int = 0) -> list[str]:
         """The command line of launched server `index` (0-based).
@@ -240,23 +257,47 @@ class ServerLauncher:
         log_dir.mkdir(parents=True, exist_ok=True)
         env = sglang_cpu.server_env() if on_cpu else None
         check_server_env(os.environ if env is None else env)
+        self._launch_context = (log_dir, env)
         for i in range(cfg.num_servers):
-            port = self._port(i)
-            command = self.server_command(port, i)
-            log_path = log_dir / f"sglang-{i}-{port}.log"
-            logger.info("launching SGLang server %d (log %s): %s", i, log_path, " ".join(command))
-            with open(log_path, "wb") as sink:
-                process = subprocess.Popen(
-                    command,
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-            host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
-            url = f"http://{host}:{port}"
-            self._servers.append(LaunchedServer(process, url, log_path))
-            self.urls.append(url)
+            server = self._start_server(i, self._port(i))
+            self._servers.append(server)
+            self.urls.append(server.url)
+
+    def _start_server(self, index: int, port: int) -> LaunchedServer:
+        log_dir, env = self._launch_context
+        command = self.server_command(port, index)
+        log_path = log_dir / f"sglang-{index}-{port}.log"
+        logger.info("launching SGLang server %d (log %s): %s", index, log_path, " ".join(command))
+        with open(log_path, "wb") as sink:
+            process = subprocess.Popen(
+                command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+        return LaunchedServer(process, f"http://{host}:{port}", log_path)
+
+    def _relaunch_if_port_taken(self, server: LaunchedServer) -> LaunchedServer | None:
+        """Launch an exited server again on a fresh port when its log says another process
+        took its port: sglang binds its HTTP port only after loading the model and the
+        tokenizer, tens of seconds after Ember chose the port, and on a busy machine a Ray
+        worker or another server can take it in between. Returns the new server, or None when
+        the exit had another cause or the server was relaunched `PORT_RETRIES` times already."""
+        index = self._servers.index(server)
+        retries = self._port_retries.get(index, 0)
+        if retries >= PORT_RETRIES or not port_taken(server.log_path):
+            return None
+        self._port_retries[index] = retries + 1
+        port = free_port(self.config.host)
+        logger.warning(
+            "SGLang server %d could not bind %s (address already in use); launching it again "
+            "on port %d",
+            index,
+            server.url,
+            port,
+        )
+        relaunched = self._start_server(index, port)
+        self._servers[index] = relaunched
+        self.urls[self.urls.index(server.url)] = relaunched.url
+        return relaunched
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Poll GET /health of every server until all answer 200.
@@ -272,6 +313,11 @@ class ServerLauncher:
             for url in list(pending):
                 server = launched.get(url)
                 if server is not None and server.process.poll() is not None:
+                    relaunched = self._relaunch_if_port_taken(server)
+                    if relaunched is not None:
+                        launched[relaunched.url] = relaunched
+                        pending[pending.index(url)] = relaunched.url
+                        continue
                     reason = last_error_line(server.log_path) or "no output"
                     raise EngineError(
                         f"SGLang server {url} exited with code {server.process.returncode} "
