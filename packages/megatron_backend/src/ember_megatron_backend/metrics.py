@@ -177,19 +177,20 @@ def _masked_means(per_token: list[Tensor], masks: list[Tensor]) -> tuple[Tensor,
 
 def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
     """The rollout/* metrics of DESIGN section 3 as means over the samples of all ranks, and
-        `REF_MAX_ABS_DIFF` when a reference exists.
+    `REF_MAX_ABS_DIFF` when a reference exists.
 
-        Token quantities are first averaged over each sample's counted (loss-mask) response tokens;
-        samples without a counted token do not enter those means. rollout/routing_agreement is the
-        mean over samples of each sample's fraction of agreeing (position, MoE layer) routings;
-        rollout/replay_agreement, logged only when routers replay, is the same for the experts the
-        forward actually used. `REF_MAX_ABS_DIFF` (and `REF_REPLAYED_MAX_ABS_DIFF`, when the batch
-        holds the replayed reference's log-probs, and `REF_REBUILT_MAX_ABS_DIFF` against a rebuilt
-    reference) is a maximum over the counted tokens of all ranks.
-        `MISMATCH_MAX_ABS_DIFF` is the same maximum of |trainer - engine| log-prob. When the old
-        log-probs are the engine's (`algorithm.use_rollout_log_probs` outside audit iterations), the
-        metrics that compare the trainer's own log-probs with something (rollout/log_probs, the
-        mismatch, the maxima) are left out. `AUDIT` is 1.0 on an audit iteration.
+    Token quantities are first averaged over each sample's counted (loss-mask) response tokens;
+    samples without a counted token do not enter those means. rollout/routing_agreement is the
+    mean over samples of each sample's fraction of agreeing (position, MoE layer) routings;
+    rollout/replay_agreement, logged only when routers replay, is the same for the experts the
+    forward actually used. `REF_MAX_ABS_DIFF` (and `REF_REPLAYED_MAX_ABS_DIFF`, when the batch
+    holds the replayed reference's log-probs) is a maximum over the counted tokens of all ranks,
+    as is `REF_REBUILT_MAX_ABS_DIFF` (reference against a rebuilt reference, when the batch holds
+    one's log-probs). `MISMATCH_MAX_ABS_DIFF` is the same maximum of |trainer - engine| log-prob.
+    When the old log-probs are the engine's (`algorithm.use_rollout_log_probs` outside audit
+    iterations), the metrics that compare the trainer's own log-probs with something
+    (rollout/log_probs, the mismatch, the maxima) are left out. `AUDIT` is 1.0 on an audit
+    iteration.
     """
     means = SampleMeans(ROLLOUT_KEYS)
     masks = batch.loss_masks

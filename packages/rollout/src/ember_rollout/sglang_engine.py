@@ -12,7 +12,6 @@ import logging
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import aiohttp
@@ -78,10 +77,6 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
         self._info = model_info or model_info_from_dir(self.config.model_path)
         self.urls: list[str] = [u.rstrip("/") for u in self.config.urls]
         self._servers: list[LaunchedServer] = []
-        self._port_retries: dict[int, int] = {}
-        """Per launched server index, how often it was launched again for a taken port."""
-        self._launch_context: tuple[Path, dict[str, str] | None] = (Path("."), None)
-        """The log directory and environment servers are launched with (set by `_launch`)."""
         self._http: aiohttp.ClientSession | None = None
         self._semaphores: list[asyncio.Semaphore] = []
         self._next = 0

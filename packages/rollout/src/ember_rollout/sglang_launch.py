@@ -135,23 +135,27 @@ PORT_RETRIES = 2
 again on another port."""
 
 
-def port_taken(log_path: Path) -> bool:
-    """Whether a server's log says it could not bind its port (uvicorn: "[Errno 98] error
-    while attempting to bind on address ...: address already in use")."""
-    if not log_path.is_file():
-        return False
-    with open(log_path, "rb") as file:
-        file.seek(max(file.seek(0, os.SEEK_END) - 64_000, 0))
-        return "address already in use" in file.read().decode(errors="replace").lower()
-
-
-def last_error_line(log_path: Path | None) -> str | None:
-    """The last line of a server log that names an error, else its last non-empty line."""
+def _log_tail(log_path: Path | None) -> str | None:
+    """The last 64 kB of a server log (None when there is no log file)."""
     if log_path is None or not log_path.is_file():
         return None
     with open(log_path, "rb") as file:
         file.seek(max(file.seek(0, os.SEEK_END) - 64_000, 0))
-        lines = [ln.strip() for ln in file.read().decode(errors="replace").splitlines()]
+        return file.read().decode(errors="replace")
+
+
+def port_taken(log_path: Path) -> bool:
+    """Whether a server's log says it could not bind its port (uvicorn: "[Errno 98] error
+    while attempting to bind on address ...: address already in use")."""
+    return "address already in use" in (_log_tail(log_path) or "").lower()
+
+
+def last_error_line(log_path: Path | None) -> str | None:
+    """The last line of a server log that names an error, else its last non-empty line."""
+    tail = _log_tail(log_path)
+    if tail is None:
+        return None
+    lines = [ln.strip() for ln in tail.splitlines()]
     lines = [ln for ln in lines if ln]
     for line in reversed(lines):
         if "error" in line.lower() or "exception" in line.lower():
@@ -181,7 +185,9 @@ class ServerLauncher:
     _servers: list[LaunchedServer]
     _http: aiohttp.ClientSession | None
     _port_retries: dict[int, int]
+    """Per launched server index, how often it was launched again for a taken port."""
     _launch_context: tuple[Path, dict[str, str] | None]
+    """The log directory and environment of the servers (set by `_launch`)."""
 
     def server_command(self, port: int, index: int = 0) -> list[str]:
         """The command line of launched server `index` (0-based).
@@ -258,6 +264,7 @@ class ServerLauncher:
         env = sglang_cpu.server_env() if on_cpu else None
         check_server_env(os.environ if env is None else env)
         self._launch_context = (log_dir, env)
+        self._port_retries = {}
         for i in range(cfg.num_servers):
             server = self._start_server(i, self._port(i))
             self._servers.append(server)
