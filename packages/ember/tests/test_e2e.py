@@ -113,6 +113,9 @@ def test_the_readme_r3_and_ci_command_audits_the_default_loop(tmp_path):
         ):
             assert re.search(rf"audit rollout {rollout_id}\b[^\n]*: {check} passed: ", output)
     assert output.count("between audits, first_step_ppo_kl") == 1
+    # Rollout 1, one update behind, is the off-policy audit: its recorded versions and replay.
+    for check in ("recorded_versions", "replay_agreement"):
+        assert re.search(rf"off-policy audit rollout 1\b[^\n]*: {check} passed: ", output), check
 
 
 def test_a_resumed_ci_run_checks_the_checkpoints_reference_at_its_first_audit(tmp_path):
@@ -351,6 +354,7 @@ def test_r3_with_partial_rollouts_keeps_the_bound_and_replays_exactly(tmp_path):
     rollouts = records(tmp_path, "rollout")
     assert [r["rollout_id"] for r in rollouts] == list(range(5))
     assert all(r["rollout/staleness_max"] <= 2 for r in rollouts)
+    multi_version = 0
     for rollout_id, r in enumerate(rollouts):
         dump = tmp_path / "rollouts" / f"{rollout_id:06d}.jsonl"
         spans = 0
@@ -362,5 +366,8 @@ def test_r3_with_partial_rollouts_keeps_the_bound_and_replays_exactly(tmp_path):
             assert numbers == sorted(set(numbers)) and rollout_id - 1 - numbers[0] <= 2
             spans += len(versions) > 1
         assert r["rollout/multi_version_samples"] == spans / r["rollout/num_samples"]
+        multi_version += spans
+    # Some push landed mid-request: a push that always waited would leave none.
+    assert multi_version > 0
     steps = records(tmp_path, "train")
     assert len(steps) == 10 and all(s["train/replay_agreement"] == 1.0 for s in steps)

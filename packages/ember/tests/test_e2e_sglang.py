@@ -4,6 +4,7 @@ with the CI checks, on the default overlapped loop) holds with SGLang's own rout
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -63,3 +64,61 @@ def test_r3_and_the_ci_checks_on_the_real_sglang_engine_then_a_wrong_reference(t
     assert wrong.returncode != 0
     assert "ref_replayed_log_probs failed at rollout 0" in wrong.stderr, wrong.stderr[-3000:]
     assert records(tmp_path / "wrong", "train") == []
+
+
+def test_partial_rollouts_on_the_real_sglang_server_keep_routes_and_log_probs_together(tmp_path):
+    """Pushes land while SGLang requests run (paused in place, continued after), and R3 with
+    the CI checks holds: every token's recorded experts and log-prob come from one forward."""
+    run = ember(
+        "--set", "engine.kind=sglang",
+        "--set", "rollout.partial_rollouts=true",
+        "--set", "rollout.max_staleness=2",
+        "--plugins", "r3_routing,ci_kl_checker",
+        "--set", "ci.test=true",
+        "--set", "ci_kl_checker.audit_interval=2",
+        # One request at a time: a rollout's requests then outlast a training iteration, so a
+        # push finds one of them running.
+        "--set", "engine.sglang.max_concurrency=1",
+        "--set", "rollout.rollout_batch_size=8",
+        "--set", "run.num_rollouts=5",
+        "--set", "run.save_interval=0",
+        "--set", "run.dump_rollouts=true",
+        run_dir=tmp_path,
+        timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rollouts = records(tmp_path, "rollout")
+    assert [r.get("rollout/audit") for r in rollouts] == [1.0, None, 1.0, None, 1.0]
+    multi_version = 0
+    for rollout_id, r in enumerate(rollouts):
+        for line in (tmp_path / "rollouts" / f"{rollout_id:06d}.jsonl").read_text().splitlines():
+            versions = json.loads(line)["weight_versions"]
+            numbers = [int(v) for _, v in versions]
+            assert numbers == sorted(set(numbers)) and rollout_id - 1 - numbers[0] <= 2
+            multi_version += len(versions) > 1
+        assert r["rollout/staleness_max"] <= 2
+    # Pushes landed mid-request: the server recorded spans of two versions in some samples.
+    assert multi_version > 0
+    assert sum(r["rollout/multi_version_samples"] * r["rollout/num_samples"] for r in rollouts) == (
+        multi_version
+    )
+    for audit in rollouts[::2]:
+        assert audit["rollout/multi_version_samples"] == 0.0
+        assert audit["rollout/train_rollout_logprob_max_abs_diff"] <= 1e-4
+    steps = records(tmp_path, "train")
+    assert steps and all(s["train/replay_agreement"] == 1.0 for s in steps)
+    output = run.stderr + run.stdout
+    checks = ("train_rollout_mismatch_max", "first_step_ppo_kl_max", "replay_agreement")
+    for audit_id in (0, 2, 4):
+        for check in (*checks, "recorded_routing_agreement"):
+            assert re.search(rf"audit rollout {audit_id}\b[^\n]*: {check} passed: ", output), (
+                audit_id,
+                check,
+            )
+    for audit_id in (1, 3):  # the rollout after each audit holds stale samples
+        for check in ("recorded_versions", "replay_agreement"):
+            assert re.search(
+                rf"off-policy audit rollout {audit_id}\b[^\n]*: {check} passed: ", output
+            ), (audit_id, check)
+    (log,) = (tmp_path / "sglang").glob("sglang-0-*.log")
+    assert "pause_generation" in log.read_text()

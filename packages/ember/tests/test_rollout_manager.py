@@ -378,13 +378,17 @@ def test_max_staleness_decides_the_loop_and_async_is_its_shorthand(tmp_path):
             "rollout.partial_rollouts=True: expected false with max_staleness=0",
         ),
         (
-            ["rollout.max_staleness=2", "rollout.partial_rollouts=true", "engine.kind=sglang"],
-            "rollout.partial_rollouts=true with engine.kind=sglang: Ember's sglang engine takes "
-            "new weights only between requests",
+            ["rollout.max_staleness=2", "rollout.partial_rollouts=true", "engine.kind=plugged"],
+            "rollout.partial_rollouts=true with engine.kind=plugged: only the hf and sglang "
+            "engines take new weights mid-generation",
         ),
     ],
 )
-def test_bad_staleness_settings_get_one_line_naming_them(overrides, start):
+def test_bad_staleness_settings_get_one_line_naming_them(overrides, start, monkeypatch):
+    from ember_rollout.engine import engine_registry
+
+    # An engine a plugin registers, which takes weights only between requests.
+    monkeypatch.setitem(engine_registry()._entries, "plugged", engine_registry().get("hf"))
     with pytest.raises(ValueError) as info:
         load_config("default", overrides=overrides)
     message = str(info.value)

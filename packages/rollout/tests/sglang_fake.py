@@ -22,10 +22,15 @@ What the real server checks, the fakes check, in its answer format:
 - memory released and resumed by tag, where the real scheduler process dies instead of answering
   (a busy release, a tag released twice, a resume of memory not released, generation or weight
   loads into released memory): the fakes refuse those in sglang's error format.
+- /pause_generation and /continue_generation (tokenizer_manager.py, scheduler.py): a /generate
+  that arrives while paused waits; an update asking for a cache flush while paused requests
+  run fails after loading (scheduler_components/weight_updater.py); GET /server_info reports
+  `disable_radix_cache`.
 - `meta_info.weight_version`: the launch version ("default", or `--weight-version`) until an
   update that names a version succeeds; `meta_info.weight_versions` with it, one span
-  {"version", "start": 0, "end": completion_tokens} (srt/utils/weight_versions.py: a request
-  that no update overlapped).
+  {"version", "start": 0, "end": completion_tokens} for a request that no update overlapped,
+  else one span per version it ran under (srt/utils/weight_versions.py; the fake shares the
+  tokens out equally).
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ INIT_GROUP_FIELDS = {
     "backend": (str,),
 }
 DESTROY_GROUP_FIELDS = {**BASE_FIELDS, "group_name": (str,)}
+PAUSE_FIELDS = {**BASE_FIELDS, "mode": ("abort", "retract", "in_place")}
+CONTINUE_FIELDS = {**BASE_FIELDS, "torch_empty_cache": (bool,)}
 DISTRIBUTED_FIELDS = {
     **BASE_FIELDS,
     "names": (list,),
@@ -124,6 +131,8 @@ REQUESTS = {
     "/destroy_weights_update_group": DESTROY_GROUP_FIELDS,
     "/update_weights_from_distributed": DISTRIBUTED_FIELDS,
     **dict.fromkeys(MEMORY_PATHS, MEMORY_FIELDS),
+    "/pause_generation": PAUSE_FIELDS,
+    "/continue_generation": CONTINUE_FIELDS,
 }
 REQUIRED = {
     "/update_weights_from_disk": {"model_path"},
@@ -198,6 +207,10 @@ GROUP_EXISTS = (
 )
 NO_GROUP = "The group to be destroyed does not exist."
 NOT_IDLE = "release_memory_occupation should be called only when server is idle."
+NOT_FLUSHED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
 
 
 def validation_error(errors: list[dict]) -> web.Response:
@@ -448,6 +461,40 @@ class ServerState:
     """Memory tags released and not resumed."""
     groups: dict[str, Any] = field(default_factory=dict)
     """Weight groups joined, by name."""
+    paused: str | None = None
+    """The mode of /pause_generation until /continue_generation."""
+    unpaused: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while not paused: a /generate that arrives during a pause waits for it (sglang's
+    tokenizer manager waits on `is_pause_cond`)."""
+    running: list[list[str]] = field(default_factory=list)
+    """Per /generate being served, the weight versions it has run under, oldest first."""
+    radix_cache: bool = True
+    """What GET /server_info reports as `not disable_radix_cache`."""
+
+    def __post_init__(self) -> None:
+        self.unpaused.set()
+
+    def pause(self, mode: str) -> web.Response:
+        """sglang 0.5.23: the tokenizer manager aborts every request in mode "abort" (the fake
+        does not model that) and hands the others to the scheduler, which keeps requests where
+        they are ("in_place") or retracts them to its waiting queue."""
+        self.paused = mode
+        self.unpaused.clear()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    def resume(self) -> web.Response:
+        self.paused = None
+        self.unpaused.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    def flush_refused(self, body: dict) -> web.Response | None:
+        """An update that asks for a cache flush while requests are paused in the running batch
+        fails after loading (weight_updater.py `flush_cache_after_weight_update`); outside a
+        pause the tokenizer manager holds the update until the requests have finished, which the
+        fake's tests never need to wait for."""
+        if body.get("flush_cache", True) and self.paused and self.running:
+            return failure(NOT_FLUSHED)
+        return None
 
     def begin(self) -> web.Response:
         if self.session:
@@ -471,6 +518,9 @@ class ServerState:
         if weight_version is not None:
             self.weight_version = weight_version
             message += f" Weight version updated to {weight_version}."
+            for versions in self.running:  # utils/weight_versions.py: a new span for each
+                if versions[-1] != weight_version:
+                    versions.append(weight_version)
         return success(message, **extra)
 
     def guard(self, path: str) -> web.Response | None:
@@ -508,10 +558,25 @@ class ServerState:
         return web.json_response(None)
 
 
-def sglang_answer(body, *, finish="length", experts_rows=None, weight_version="default"):
-    """What SGLang's /generate returns for `body`: tokens 10, 11, ... with log-probs -0.5, ..."""
+def version_spans(versions: list[str], n: int) -> list[dict]:
+    """sglang's `meta_info.weight_versions` of a response of `n` tokens generated under
+    `versions` in turn: here each takes an equal share of the tokens (the first gets the rest)."""
+    share = n // len(versions)
+    starts = [0] + [n - share * (len(versions) - i) for i in range(1, len(versions))]
+    ends = [*starts[1:], n]
+    spans = zip(versions, starts, ends, strict=True)
+    return [{"version": v, "start": a, "end": b} for v, a, b in spans]
+
+
+def sglang_answer(
+    body, *, finish="length", experts_rows=None, weight_version="default", versions=None
+):
+    """What SGLang's /generate returns for `body`: tokens 10, 11, ... with log-probs -0.5, ...;
+    `versions` are the weight versions it ran under (default: `weight_version` alone)."""
     n = body["sampling_params"]["max_new_tokens"]
     tokens = [10 + i for i in range(n)]
+    versions = versions or [weight_version]
+    weight_version = versions[-1]
     meta = {
         "id": "5f1c",
         "finish_reason": {"type": "length", "length": n}
@@ -521,7 +586,7 @@ def sglang_answer(body, *, finish="length", experts_rows=None, weight_version="d
         "weight_version": weight_version,
         # sglang reports the spans by weight version of every finished request; with no
         # update while it ran, one span over the whole response.
-        "weight_versions": [{"version": weight_version, "start": 0, "end": n}],
+        "weight_versions": version_spans(versions, n),
         "completion_tokens": n,
         "cached_tokens": 0,
         "e2e_latency": 0.01,
@@ -558,8 +623,11 @@ class FakeSGLang:
         fail_tensor_updates_on: tuple[int, ...] = (),
         model_shapes: dict[str, tuple[int, ...]] | None = None,
         weight_version: str = "default",
+        radix_cache: bool = True,
     ):
         self.bodies: list[dict] = []
+        self.radix_cache = radix_cache
+        """Whether the servers keep their radix cache (launched without --disable-radix-cache)."""
         self.respond = respond
         self.healthy = healthy
         self.hold = hold
@@ -609,17 +677,20 @@ class FakeSGLang:
             self._ignore("/generate", ignored)
         if invalid is not None:
             return invalid
+        await state.unpaused.wait()
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
+        versions = [state.weight_version]
+        state.running.append(versions)
         try:
             if self.hold is not None:
                 await self.hold(self)
             if self.respond is None:
-                answer = sglang_answer(body, weight_version=state.weight_version)
-                return web.json_response(answer)
+                return web.json_response(sglang_answer(body, versions=versions))
             return self.respond(body, hit)
         finally:
             self.in_flight -= 1
+            state.running.remove(versions)
 
     async def _abort(self, request):
         """sglang 0.5.23 http_server.py `abort_request`: 200 with an empty body, known id or
@@ -632,6 +703,21 @@ class FakeSGLang:
 
     async def _health(self, request):
         return web.Response(status=200 if self.healthy else 503)
+
+    async def _pause(self, request):
+        _, state, body, invalid = await self._checked(request)
+        if invalid is not None:
+            return invalid
+        return state.pause(body.get("mode", "abort"))
+
+    async def _continue(self, request):
+        _, state, _, invalid = await self._checked(request)
+        return invalid or state.resume()
+
+    async def _server_info(self, request):
+        """GET /server_info: the launch arguments, resolved (here only the radix cache's)."""
+        _, state = self._server(request)
+        return web.json_response({"disable_radix_cache": not state.radix_cache, "tp_size": 1})
 
     async def _checked(
         self, request, *, record: bool = True
@@ -656,6 +742,9 @@ class FakeSGLang:
             return state.begin()
         if path == "/end_weight_update":
             return state.end()
+        refused = state.flush_refused(body) if path.startswith("/update_weights") else None
+        if refused is not None:
+            return refused
         if path == "/update_weights_from_disk":
             if body["model_path"] == "/missing":
                 return failure(
@@ -700,7 +789,7 @@ class FakeSGLang:
             if groups.pop(name, None) is None:
                 return failure(NO_GROUP)
             return success("Succeeded to destroy custom process group.")
-        outside = state.outside_session(path)
+        outside = state.outside_session(path) or state.flush_refused(body)
         if outside is not None:
             return outside
         if name not in groups:
@@ -777,6 +866,9 @@ class FakeSGLang:
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/abort_request", self._abort)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/server_info", self._server_info)
+        app.router.add_post("/pause_generation", self._pause)
+        app.router.add_post("/continue_generation", self._continue)
         for path in (*SESSION_PATHS, "/begin_weight_update", "/end_weight_update"):
             app.router.add_post(path, self._weights)
         for path in GROUP_PATHS:
@@ -786,7 +878,9 @@ class FakeSGLang:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        self.states.append(ServerState(weight_version=self.weight_version))
+        self.states.append(
+            ServerState(weight_version=self.weight_version, radix_cache=self.radix_cache)
+        )
         self.ports.append(port)
         try:
             yield f"http://127.0.0.1:{port}"
@@ -794,7 +888,7 @@ class FakeSGLang:
             await runner.cleanup()
 
 
-def engine_for(urls, **kw):
+def engine_for(urls, *, partial_rollouts=False, **kw):
     config = SGLangEngineConfig(
         urls=list(urls),
         launch_timeout_s=kw.pop("launch_timeout_s", 5.0),
@@ -805,7 +899,9 @@ def engine_for(urls, **kw):
         request_timeout_s=kw.pop("request_timeout_s", 5.0),
         **kw,
     )
-    return SGLangEngine(config, model_info=INFO)
+    engine = SGLangEngine(config, model_info=INFO)
+    engine.partial_rollouts = partial_rollouts
+    return engine
 
 
 def request(i=0, n=3, routed=False):

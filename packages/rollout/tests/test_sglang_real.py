@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from sglang_real import broadcast_weights, hf_log_probs, hf_model
 
 from ember_rollout.engine import EngineError, GenerateRequest, SamplingParams
+from ember_rollout.routing import ROUTED_EXPERTS_DTYPE_KEY, ROUTED_EXPERTS_KEY
 from ember_rollout.sglang_weights import serialize_named_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -291,6 +292,9 @@ def _scenario(model_path: str) -> list[tuple[str, object]]:
     sampling = {"max_new_tokens": 2, "ignore_eos": True}
     good = {"input_ids": [3, 4, 5], "sampling_params": sampling}
     update = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"}
+    # One tensor of the served checkpoint, sent back unchanged inside a session.
+    (name, tensor), *_ = load_file(f"{model_path}/model.safetensors").items()
+    same = serialize_named_tensors([(name, tensor)])
     return [
         ("/update_weights_from_disk", {"model_path": model_path, "weight_version": "v0"}),
         ("/generate", good),
@@ -311,6 +315,14 @@ def _scenario(model_path: str) -> list[tuple[str, object]]:
         ("/generate", {**good, "return_logprob": True}),
         ("/release_memory_occupation", {"tags": None}),
         ("/resume_memory_occupation", {"tags": None}),
+        ("/generate", {**good, "return_logprob": True, "return_routed_experts": True}),
+        ("/abort_request", {"rid": "no-such-request"}),
+        ("/pause_generation", {"mode": "in_place"}),
+        ("/begin_weight_update", {"selector": "all"}),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": [same], "flush_cache": False}),
+        ("/end_weight_update", {}),
+        ("/continue_generation", {}),
+        ("/generate", {**good, "return_logprob": True}),
     ]
 
 
@@ -327,6 +339,7 @@ def _what_must_agree(path: str, status: int, answer) -> tuple:
         meta = answer["meta_info"]
         entries = meta.get("output_token_logprobs")
         entry = None if entries is None else [type(v).__name__ for v in entries[0]]
+        experts = meta.get(ROUTED_EXPERTS_KEY)
         return (
             status,
             meta["finish_reason"]["type"],
@@ -334,9 +347,11 @@ def _what_must_agree(path: str, status: int, answer) -> tuple:
             entry,
             meta["weight_version"],
             meta.get("weight_versions"),
+            None if experts is None else type(experts).__name__,
+            meta.get(ROUTED_EXPERTS_DTYPE_KEY),
         )
     if isinstance(answer, dict):
-        return status, answer.get("success"), answer.get("message")
+        return status, answer.get("success"), answer.get("message"), answer.get("status")
     return status, answer
 
 

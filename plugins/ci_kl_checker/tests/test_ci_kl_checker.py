@@ -35,6 +35,7 @@ ON_POLICY_ROLLOUT = {
     "rollout/train_rollout_logprob_abs_diff": 0.004,
     "rollout/train_rollout_logprob_max_abs_diff": 0.009,
     "rollout/routing_agreement": 0.98,
+    "rollout/versions_behind_max": 0.0,
     "rollout/audit": 1.0,
 }
 WITHOUT_ENGINE_LOG_PROBS = {k: v for k, v in ON_POLICY_ROLLOUT.items() if "rollout_log" not in k}
@@ -798,3 +799,57 @@ def test_the_routing_floor_is_configurable_and_needs_replay(host):
     for bad in (1.5, -0.1, True, "high"):
         with pytest.raises(ValueError, match="recorded_routing_agreement_min"):
             KLCheckerConfig(recorded_routing_agreement_min=bad)
+
+
+BEHIND = "rollout/versions_behind_max"
+
+
+def test_a_loop_that_runs_ahead_has_an_off_policy_audit_after_each_audit(host, caplog):
+    """With generation ahead (max_staleness 1 here), the first rollout after an audit that holds
+    stale samples reports their recorded versions and its replay agreement; every rollout's
+    versions stay within the bound."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    host.add(Exempting("r3", "replays the rollout's routing", ExemptionScope.ROUTING), "r3")
+    configure(host, reference=False, one_step_off=True, audit_interval=4)
+    between = without(ON_POLICY_ROLLOUT, "rollout/audit")
+    replayed = {**ON_POLICY_STEP, "train/replay_agreement": 1.0}
+    host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)
+    host.after_train_step(0, 0, 0, replayed)
+    for rollout_id in (1, 2):
+        host.after_log_rollout_data(rollout_id, {**between, BEHIND: 1.0})
+        host.after_train_step(rollout_id, 0, rollout_id, replayed)
+    lines = reports(caplog)
+    assert (
+        "ci_kl_checker: off-policy audit rollout 1 (log_rollout_data): recorded_versions "
+        f"passed: {BEHIND} = 1, expected <= 1 (rollout.max_staleness), with stale samples"
+    ) in lines
+    assert (
+        "ci_kl_checker: off-policy audit rollout 1, step 0 (accumulated step 1): "
+        "replay_agreement passed: train/replay_agreement = 1.0, expected exactly 1.0"
+    ) in lines
+    assert not [line for line in lines if "rollout 2" in line]  # one per audit
+    assert any("first rollout with stale samples is an off-policy audit" in m for m in said(caplog))
+    # An on-policy rollout after the audit does not count; the next stale one does.
+    host.after_log_rollout_data(4, ON_POLICY_ROLLOUT)
+    host.after_log_rollout_data(5, {**between, BEHIND: 0.0})
+    host.after_log_rollout_data(6, {**between, BEHIND: 1.0})
+    assert [line for line in reports(caplog) if "off-policy audit rollout 6 " in line]
+    assert not [line for line in reports(caplog) if "rollout 5 " in line]
+    # A sample staler than the bound fails wherever it is, and the metric is required.
+    for bad in (2.0, math.nan):
+        with pytest.raises(KLCheckError) as info:
+            host.after_log_rollout_data(7, {**between, BEHIND: bad})
+        assert info.value.check == Check.RECORDED_VERSIONS
+    with pytest.raises(KLCheckError, match=f"{BEHIND} is not logged; it must be: rollout"):
+        host.after_log_rollout_data(7, without(between, BEHIND))
+
+
+def test_a_loop_in_turn_has_no_off_policy_audit(host, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    configure(host, reference=False)
+    host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)
+    host.after_log_rollout_data(1, without(ON_POLICY_ROLLOUT, "rollout/audit"))
+    assert not [line for line in reports(caplog) if "off-policy" in line]
+    with pytest.raises(KLCheckError, match="expected <= 0"):  # logged, so checked
+        host.after_log_rollout_data(2, {**without(ON_POLICY_ROLLOUT, "rollout/audit"), BEHIND: 1})
+    host.after_log_rollout_data(3, without(ON_POLICY_ROLLOUT, "rollout/audit", BEHIND))

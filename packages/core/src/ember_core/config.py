@@ -248,8 +248,9 @@ class SamplingConfig:
     """With max_staleness >= 1: new weights reach the engines between decode steps, while the
     rollouts ahead are still generating, instead of after they finish; each sample records
     the weight version of every span of its response (`Sample.weight_versions`), and the
-    bound holds for its oldest span. Needs an engine that takes weights mid-generation: the
-    embedded one (`engine.kind: hf`)."""
+    bound holds for its oldest span. Both engines take weights mid-generation: the embedded
+    one between decode steps, SGLang servers paused in place around each update (launched
+    without the radix cache; attached ones must run with --disable-radix-cache)."""
 
     def __post_init__(self) -> None:
         check(self.rollout_batch_size >= 1, "rollout_batch_size", self.rollout_batch_size, ">= 1")

@@ -456,10 +456,19 @@ class RolloutEngine:
         self.loop = asyncio.new_event_loop()
         self.partial_rollouts = self.config.rollout.partial_rollouts
         # Partial rollouts: the weight calls run on a thread of their own (`PartialRolloutEngine`)
-        # while `generate` runs the engine's loop on another, and one asyncio loop cannot run on
-        # two threads at once, so they get a loop of their own. Otherwise every call runs on
-        # the one loop, one call at a time, and a weight load waits for `generate` to finish.
-        self.weight_loop = asyncio.new_event_loop() if self.partial_rollouts else self.loop
+        # while `generate` waits on another. The embedded engine's weight calls get a loop of
+        # their own (one asyncio loop cannot run on two threads at once). The SGLang client's
+        # HTTP session belongs to the loop it was made on, so its loop runs on a thread of its
+        # own instead, and both kinds of call are sent there (`_run`). Otherwise every call runs
+        # on the one loop, one call at a time, and a weight load waits for `generate` to finish.
+        self.loop_thread: threading.Thread | None = None
+        if self.partial_rollouts and engine_config.kind == "sglang":
+            self.loop_thread = threading.Thread(
+                target=self.loop.run_forever, name="sglang-client", daemon=True
+            )
+            self.loop_thread.start()
+        separate = self.partial_rollouts and self.loop_thread is None
+        self.weight_loop = asyncio.new_event_loop() if separate else self.loop
         self.engine: Any = None
         self.groups: Any = None
         _import_rollout_libraries(
@@ -467,6 +476,18 @@ class RolloutEngine:
             model_type=self.config.train.model_config().family,
         )
         mark("engine", "libraries imported")
+
+    def _run(self, coro: Any) -> Any:
+        """Run `coro` on the engine's loop: sent to its thread when it has one, else run here."""
+        if self.loop_thread is not None:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self.loop.run_until_complete(coro)
+
+    def _run_weights(self, coro: Any) -> Any:
+        """Run a weight call's `coro` on the loop of weight calls (`weight_loop`)."""
+        if self.weight_loop is self.loop:
+            return self._run(coro)
+        return self.weight_loop.run_until_complete(coro)
 
     def start(self) -> None:
         """Start the engine from `model_path` (idempotent): the embedded model loads it, SGLang
@@ -478,9 +499,9 @@ class RolloutEngine:
         from ember_rollout.tokenizer import load_tokenizer
 
         engine = build_engine(self.config.engine, plugins=self.plugins)
-        if self.partial_rollouts:  # the config allows it with the hf engine only
+        if self.partial_rollouts:  # engines of `PARTIAL_ROLLOUT_ENGINES` only
             engine.partial_rollouts = True
-        self.loop.run_until_complete(engine.start())
+        self._run(engine.start())
         if self.config.engine.kind == "hf" and engine.weight_version is None:
             engine.weight_version = INITIAL_WEIGHT_VERSION
         tokenizer = load_tokenizer(self.config.data.tokenizer_path)
@@ -490,7 +511,7 @@ class RolloutEngine:
 
     def generate(self, groups: list[Any]) -> list[list[Sample]]:
         """The samples of each `PromptGroup`, in order; plugins see each sample here."""
-        return self.loop.run_until_complete(self.groups.generate_groups(groups))
+        return self._run(self.groups.generate_groups(groups))
 
     def model_info(self) -> Any:
         """The served model's shape (`ModelInfo`), or None when the engine cannot tell."""
@@ -517,7 +538,7 @@ class RolloutEngine:
         backend: str,
     ) -> None:
         """Join the sending rank's weight group (blocks until every member has joined)."""
-        self.weight_loop.run_until_complete(
+        self._run_weights(
             self.engine.init_weights_update_group(
                 master_address=master_address,
                 master_port=master_port,
@@ -530,13 +551,13 @@ class RolloutEngine:
 
     def destroy_weights_group(self, group_name: str) -> None:
         """Leave and destroy weight group `group_name` (after a failed push)."""
-        self.weight_loop.run_until_complete(self.engine.destroy_weights_update_group(group_name))
+        self._run_weights(self.engine.destroy_weights_update_group(group_name))
 
     def begin_weight_update(self) -> None:
-        self.weight_loop.run_until_complete(self.engine.begin_weight_update())
+        self._run_weights(self.engine.begin_weight_update())
 
     def end_weight_update(self) -> None:
-        self.weight_loop.run_until_complete(self.engine.end_weight_update())
+        self._run_weights(self.engine.end_weight_update())
 
     def update_weights_from_distributed(
         self,
@@ -549,7 +570,7 @@ class RolloutEngine:
     ) -> None:
         """Receive and load one bucket the sending rank broadcasts; `version` comes with the
         last bucket of an update."""
-        self.weight_loop.run_until_complete(
+        self._run_weights(
             self.engine.update_weights_from_distributed(
                 names,
                 dtypes,
@@ -564,7 +585,7 @@ class RolloutEngine:
         self, payloads: list[str], version: str | None, flush_cache: bool
     ) -> None:
         """Load one bucket handed over as CUDA IPC handles (SGLang servers on this machine)."""
-        self.weight_loop.run_until_complete(
+        self._run_weights(
             self.engine.update_weights_from_ipc(
                 payloads, weight_version=version, flush_cache=flush_cache
             )
@@ -572,21 +593,23 @@ class RolloutEngine:
 
     def update_weights_from_disk(self, path: str, version: str) -> None:
         """Load every weight from the HF checkpoint directory `path`."""
-        self.weight_loop.run_until_complete(
-            self.engine.update_weights_from_disk(path, weight_version=version)
-        )
+        self._run_weights(self.engine.update_weights_from_disk(path, weight_version=version))
 
     def release_memory(self, tags: list[str] | None) -> None:
         """Free the engine's device memory of `tags` (None: all) while the trainer trains."""
-        self.loop.run_until_complete(self.engine.release_memory(tags))
+        self._run(self.engine.release_memory(tags))
 
     def resume_memory(self, tags: list[str] | None) -> None:
         """Take back the device memory of `tags` (None: all) that `release_memory` freed."""
-        self.loop.run_until_complete(self.engine.resume_memory(tags))
+        self._run(self.engine.resume_memory(tags))
 
     def shutdown(self) -> None:
         if self.engine is not None:
-            self.loop.run_until_complete(self.engine.shutdown())
+            self._run(self.engine.shutdown())
+        if self.loop_thread is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop_thread.join()
+            self.loop_thread = None
 
 
 WEIGHT_CALLS = "weights"

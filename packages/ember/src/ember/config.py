@@ -478,12 +478,12 @@ def check_engine_log_probs(config: RunConfig) -> None:
         )
 
 
-PARTIAL_ROLLOUT_ENGINES = ("hf",)
+PARTIAL_ROLLOUT_ENGINES = ("hf", "sglang")
 """Engine kinds that take new weights mid-generation (`rollout.partial_rollouts`): the
-embedded engine, between decode steps. Ember's SGLang client loads weights only once the
-server's requests have finished: it does not pause generation around a push (sglang 0.5.23's
-`/pause_generation` with mode "retract", then `/continue_generation`, which would record the
-spans by version itself)."""
+embedded engine between decode steps; SGLang servers paused in place around each update
+(sglang 0.5.23 `/pause_generation` mode "in_place", then `/continue_generation`; the servers
+record the spans by version and run without the radix cache, see `ember_rollout.sglang_weights.
+WeightUpdates`)."""
 
 
 def check_partial_rollouts(config: RunConfig) -> None:
@@ -496,10 +496,10 @@ def check_partial_rollouts(config: RunConfig) -> None:
     kind = config.engine.kind
     if config.rollout.partial_rollouts and kind not in PARTIAL_ROLLOUT_ENGINES:
         raise ValueError(
-            f"rollout.partial_rollouts=true with engine.kind={kind}: Ember's {kind} engine "
-            "takes new weights only between requests, not mid-generation; set "
-            "rollout.partial_rollouts=false (rollouts ahead then finish before each push) or "
-            f"engine.kind={PARTIAL_ROLLOUT_ENGINES[0]}"
+            f"rollout.partial_rollouts=true with engine.kind={kind}: only the "
+            f"{' and '.join(PARTIAL_ROLLOUT_ENGINES)} engines take new weights mid-generation; "
+            "set rollout.partial_rollouts=false (rollouts ahead then finish before each push) "
+            f"or engine.kind={PARTIAL_ROLLOUT_ENGINES[0]}"
         )
 
 

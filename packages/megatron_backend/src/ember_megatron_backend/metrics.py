@@ -53,6 +53,10 @@ MISMATCH_MAX_ABS_DIFF = "rollout/train_rollout_logprob_max_abs_diff"
 logged where the trainer scored the rollout (and the engine reported log-probs)."""
 AUDIT = "rollout/audit"
 """1.0 on an audit iteration (`RolloutBatch.audit`); absent otherwise."""
+VERSIONS_BEHIND_MAX = "rollout/versions_behind_max"
+"""The most updates the trainer's weights are ahead of those that began a sample of the rollout
+(its recorded `weight_version`; the oldest span's under partial rollouts), over every rank, as
+the trainer reads it when it scores the rollout; 0 for samples without an integer version."""
 REF_REPLAYED_MAX_ABS_DIFF = "rollout/ref_replayed_log_probs_max_abs_diff"
 """The same maximum against the reference's check-only forward with the rollout's routing
 replayed (`Phase.REPLAY_CHECK`); logged only at the rollouts a plugin asked for it."""

@@ -39,6 +39,7 @@ from ember_megatron_backend.losses import (
     value_head,
 )
 from ember_megatron_backend.metrics import (
+    VERSIONS_BEHIND_MAX,
     accumulate,
     reduce_sums,
     rollout_metrics,
@@ -379,10 +380,15 @@ class MegatronWorker:
         """Whether `sample` came from weights older than the trainer's (its integer
         `weight_version` below the last rollout trained on; -1: the initial weights). A sample
         without an integer version counts as current."""
+        return self._versions_behind(sample) > 0
+
+    def _versions_behind(self, sample: Sample) -> int:
+        """How many updates the trainer's weights are ahead of those that began `sample` (its
+        integer `weight_version`, the oldest of its spans); 0 for a sample without one."""
         try:
-            return int(sample.weight_version) < self.rollout_id  # type: ignore[arg-type]
+            return self.rollout_id - int(sample.weight_version)  # type: ignore[arg-type]
         except (TypeError, ValueError):
-            return False
+            return 0
 
     @staticmethod
     def _all_ranks(flags: list[bool], group: Any) -> list[bool]:
@@ -397,7 +403,14 @@ class MegatronWorker:
         (every rank returns the same dict); then the plugins' ``after_log_rollout_data``."""
         from megatron.core import parallel_state as ps
 
-        metrics = rollout_metrics(batch, ps.get_data_parallel_group())
+        group = ps.get_data_parallel_group()
+        metrics = rollout_metrics(batch, group)
+        # The versions as the trainer reads them from the samples, for the checks (the driver
+        # logs its own staleness metrics from the same versions).
+        behind = torch.tensor(float(max(map(self._versions_behind, batch.samples))))
+        if dist.get_world_size(group) > 1:
+            comm.all_reduce(behind, op=dist.ReduceOp.MAX, group=group)
+        metrics[VERSIONS_BEHIND_MAX] = behind.item()
         self.plugins.after_log_rollout_data(rollout_id, metrics)
         return metrics
 

@@ -108,6 +108,7 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
         self._semaphores = [asyncio.Semaphore(self.config.max_concurrency) for _ in self.urls]
         try:
             await self.wait_healthy(self.config.launch_timeout_s)
+            await self.check_no_radix_cache()
         except BaseException:
             await self.shutdown()
             raise

@@ -130,6 +130,9 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+NO_RADIX_CACHE = "--disable-radix-cache"
+"""The server flag that turns off the prefix (radix) cache, which partial rollouts need."""
+
 PORT_RETRIES = 2
 """How many times a launched server whose port was taken before it could bind is launched
 again on another port."""
@@ -188,12 +191,16 @@ class ServerLauncher:
     """Per launched server index, how often it was launched again for a taken port."""
     _launch_context: tuple[Path, dict[str, str] | None]
     """The log directory and environment of the servers (set by `_launch`)."""
+    partial_rollouts: bool
+    """Whether weights arrive while requests run (`WeightUpdates`): servers then run without
+    the radix cache."""
 
     def server_command(self, port: int, index: int = 0) -> list[str]:
         """The command line of launched server `index` (0-based).
 
         On GPUs server i runs on GPUs `base_gpu_id + i * tp_size` and the `tp_size - 1` after
-        it; on CPU it gets the flags of `sglang_cpu.SERVER_ARGS` that the arguments lack.
+        it; on CPU it gets the flags of `sglang_cpu.SERVER_ARGS` that the arguments lack. Under
+        partial rollouts it runs without the radix cache (`WeightUpdates`).
 
         Raises:
             ValueError: No model_path, or the plugins' arguments set the GPU placement.
@@ -228,6 +235,8 @@ class ServerLauncher:
         if cfg.mem_fraction_static is not None:
             command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         args = list(cfg.server_args) + self.extra_server_args
+        if self.partial_rollouts and NO_RADIX_CACHE not in args:
+            args.append(NO_RADIX_CACHE)
         if resolve_device(cfg.device) == "cpu":  # no GPUs to place servers on
             return command + sglang_cpu.server_args(args)
         # sglang 0.5.23 entrypoints/engine.py: TP rank r runs on GPU base_gpu_id + r (step 1)
@@ -351,6 +360,40 @@ class ServerLauncher:
                 return response.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
+
+    async def check_no_radix_cache(self) -> None:
+        """Under partial rollouts, refuse servers that keep the radix cache.
+
+        Weights change while requests run and the cache cannot be flushed then, so a prefix
+        cached under older weights would be reused by later requests, their prompts' KV computed
+        by other weights than their tokens' (`WeightUpdates`). GET /server_info reports the
+        server's resolved arguments (sglang 0.5.23 utils/common.py `build_server_info`).
+
+        Raises:
+            EngineError: A server keeps its radix cache or does not say; names it.
+        """
+        if not self.partial_rollouts:
+            return
+        assert self._http is not None
+        for url in self.urls:
+            try:
+                async with self._http.get(f"{url}/server_info") as response:
+                    info = await response.json(content_type=None) if response.ok else None
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+                info = None
+            known = isinstance(info, dict) and "disable_radix_cache" in info
+            if not known or info["disable_radix_cache"] is not True:
+                said = (
+                    f"reports disable_radix_cache={info['disable_radix_cache']!r}"
+                    if known
+                    else "does not report disable_radix_cache"
+                )
+                raise EngineError(
+                    f"rollout.partial_rollouts=true: the SGLang server {url} {said} in GET "
+                    f"/server_info; a server that takes weights mid-request must run with "
+                    f"{NO_RADIX_CACHE}, or later requests reuse prefixes cached under older "
+                    "weights (launch it so, or let Ember launch it)"
+                )
 
     async def health(self) -> bool:
         if self._http is None:

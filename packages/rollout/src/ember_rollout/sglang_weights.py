@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -184,13 +185,87 @@ class WeightUpdates:
 
     Disk loads need no session; tensor and distributed updates run inside a weight-update
     session (`begin_weight_update` .. `end_weight_update`), as sglang 0.5.23 requires.
+
+    With `partial_rollouts`, weights arrive while requests run. Each update then pauses
+    generation in place first (POST /pause_generation {"mode": "in_place"}) and continues it
+    after (POST /continue_generation). sglang 0.5.23 (managers/scheduler.py
+    `pause_generation`) keeps a request paused in place where it was: its KV cache, its
+    log-probs and its routed experts (read at the end from the rows of its KV slots,
+    managers/scheduler_components/batch_result_processor.py) all stay those of the forward
+    that produced each token, and the tokens after the update come from the new weights. The
+    server records the version spans itself (utils/weight_versions.py). Retracting instead
+    (mode "retract") would free the KV cache and prefill the tokens again under the new
+    weights, so the routed experts of the old tokens would come from other weights than their
+    log-probs (`Req.reset_for_retract` drops the recorded experts): under R3 the trainer
+    would replay routes that did not produce the tokens.
+
+    Two things follow. The cache cannot be flushed after such an update (sglang refuses a flush
+    while requests are running), so updates are sent with `flush_cache` false; and no later
+    request may reuse a prefix cached under older weights, so the servers must run without the
+    radix cache (`--disable-radix-cache`, added to launched servers; attached ones are checked
+    at start).
     """
 
     config: SGLangEngineConfig
     urls: list[str]
     start: Callable[[], Any]
+    _post: Callable[..., Any]
     _post_all: Callable[..., Any]
     _post_each: Callable[..., Any]
+
+    partial_rollouts: bool = False
+    """Take new weights while requests run (`rollout.partial_rollouts`), pausing generation in
+    place around each update; set it before `start`."""
+
+    async def _generation_control(self, path: str, body: dict[str, Any]) -> None:
+        """POST /pause_generation or /continue_generation to every server at once.
+
+        sglang 0.5.23 http_server.py answers both 200 {"message": ..., "status": "ok"}. Either
+        may be retried: a second pause or continue only sets the same flag again.
+
+        Raises:
+            EngineError: A server failed or answered otherwise; names every such server.
+        """
+        what = path.lstrip("/")
+
+        async def one(url: str) -> str | None:
+            where = f"{what} on {url}"
+            try:
+                answer = await self._post(f"{url}{path}", body, where=where)
+            except EngineError as exc:
+                return str(exc)
+            if not isinstance(answer, dict) or answer.get("status") != "ok":
+                return f"{where} answered {str(answer)[:200]}; expected status ok"
+            return None
+
+        errors = [e for e in await asyncio.gather(*(one(url) for url in self.urls)) if e]
+        if errors:
+            raise EngineError("; ".join(errors))
+
+    async def _pause_generation(self) -> None:
+        """Pause generation in place on every server (partial rollouts only)."""
+        if self.partial_rollouts:
+            await self._generation_control("/pause_generation", {"mode": "in_place"})
+
+    async def _continue_generation(self) -> None:
+        """Continue generation on every server after `_pause_generation`."""
+        if self.partial_rollouts:
+            await self._generation_control("/continue_generation", {})
+
+    @contextlib.asynccontextmanager
+    async def _paused(self) -> AsyncIterator[None]:
+        """Generation paused in place for the block (partial rollouts; else nothing), and
+        always continued after it."""
+        await self._pause_generation()
+        try:
+            yield
+        finally:
+            await self._continue_generation()
+
+    def _flush(self, flush_cache: bool) -> bool:
+        """`flush_cache` as sent: never under partial rollouts, where requests stay paused
+        across the update and sglang refuses to flush while any runs."""
+        return flush_cache and not self.partial_rollouts
 
     @contextlib.asynccontextmanager
     async def _weight_update_session(self) -> AsyncIterator[None]:
@@ -230,11 +305,16 @@ class WeightUpdates:
         payload: dict[str, Any] = {
             "model_path": str(path),
             "load_format": None,  # the server's --load-format
-            "flush_cache": True,  # drop KV cache computed with the old weights
+            "flush_cache": self._flush(True),  # drop KV cache computed with the old weights
             "abort_all_requests": False,
             "weight_version": weight_version,
         }
-        await self._post_all("/update_weights_from_disk", payload, what="update_weights_from_disk")
+        # Paused, sglang 0.5.23 (tokenizer_manager.py) loads at once instead of waiting for the
+        # running requests.
+        async with self._paused():
+            await self._post_all(
+                "/update_weights_from_disk", payload, what="update_weights_from_disk"
+            )
 
     async def update_weights_from_tensors(
         self,
@@ -263,7 +343,7 @@ class WeightUpdates:
                     serialize_named_tensors(tensors) for _ in range(self.config.tp_size)
                 ],
                 "load_format": None,
-                "flush_cache": True,
+                "flush_cache": self._flush(True),
                 "weight_version": weight_version,
             }
 
@@ -288,7 +368,8 @@ class WeightUpdates:
 
         sglang 0.5.23 (scheduler_components/weight_updater.py) takes tensor and distributed
         updates only inside one, and refuses a begin while one is open. If a server refuses,
-        the sessions opened on the others are closed again.
+        the sessions opened on the others are closed again. Under `partial_rollouts` generation
+        is paused in place first and stays paused until `end_weight_update`.
 
         Raises:
             EngineError: This engine has a session open already, or a server refused.
@@ -299,6 +380,14 @@ class WeightUpdates:
                 "begin_weight_update: this engine's weight-update session is open already; "
                 "call end_weight_update() first"
             )
+        await self._pause_generation()
+        try:
+            await self._begin_sessions()
+        except BaseException:
+            await self._continue_generation()
+            raise
+
+    async def _begin_sessions(self) -> None:
         began = await self._post_each(
             "/begin_weight_update", {"selector": "all"}, what="begin_weight_update", once=True
         )
@@ -315,7 +404,8 @@ class WeightUpdates:
         self._session_urls = opened
 
     async def end_weight_update(self) -> None:
-        """Close the session `begin_weight_update` opened, on every server it opened on.
+        """Close the session `begin_weight_update` opened, on every server it opened on, and
+        continue generation under `partial_rollouts`.
 
         Raises:
             EngineError: No session is open, or a server refused (after all were asked).
@@ -326,9 +416,12 @@ class WeightUpdates:
                 "end_weight_update: no weight-update session is open; call "
                 "begin_weight_update() first"
             )
-        ended = await self._post_each(
-            "/end_weight_update", {}, what="end_weight_update", urls=opened, once=True
-        )
+        try:
+            ended = await self._post_each(
+                "/end_weight_update", {}, what="end_weight_update", urls=opened, once=True
+            )
+        finally:
+            await self._continue_generation()
         for error in ended:
             if error is not None:
                 raise error
@@ -418,7 +511,7 @@ class WeightUpdates:
             "shapes": [[int(d) for d in shape] for shape in shapes],
             "group_name": group_name,
             "load_format": "flattened_bucket",
-            "flush_cache": flush_cache,
+            "flush_cache": self._flush(flush_cache),
             "abort_all_requests": False,
             "weight_version": weight_version,
         }
@@ -463,7 +556,7 @@ class WeightUpdates:
             return {
                 "serialized_named_tensors": list(payloads[i * tp : (i + 1) * tp]),
                 "load_format": "flattened_bucket",
-                "flush_cache": flush_cache,
+                "flush_cache": self._flush(flush_cache),
                 "weight_version": weight_version,
             }
 

@@ -42,6 +42,12 @@ class Check(enum.StrEnum):
     """rollout/routing_agreement (the trainer's own top-k expert sets, before replay, against the
     experts the engine recorded) >= recorded_routing_agreement_min at every audit, when a plugin
     replays the rollout's routing: replay agreement alone passes experts recorded wrongly."""
+    RECORDED_VERSIONS = "recorded_versions"
+    """rollout/versions_behind_max (the most updates the trainer is ahead of a sample's
+    recorded weight version) <= rollout.max_staleness at every rollout, and >= 1 at the
+    off-policy audit: the first rollout after each audit that holds stale samples, when the
+    loop lets generation run ahead (max_staleness >= 1). Its steps report the replay agreement
+    too: replay stays exact on experts recorded under older weights."""
     AUDIT = "audit"
     """rollout/audit is logged at every rollout the checker asked to audit."""
 

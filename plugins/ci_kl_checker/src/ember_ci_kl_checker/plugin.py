@@ -42,6 +42,8 @@ ROUTING_AGREEMENT = "rollout/routing_agreement"
 before replay, equals the engine's recorded one."""
 AUDIT = "rollout/audit"
 """1.0 on an audit iteration."""
+VERSIONS_BEHIND = "rollout/versions_behind_max"
+"""The most updates the trainer is ahead of the recorded weight version of a sample."""
 SLIME_CEILING = 0.1
 """slime's train/rollout log-prob ceiling (`--ci-train-rollout-logprob-abs-diff-threshold`)."""
 FP32_MAX_ABS_DIFF = 1e-4
@@ -125,6 +127,8 @@ class KLChecker:
         engine_old_log_probs: The config takes the old log-probs from the engine
             (`algorithm.use_rollout_log_probs`).
         one_step_off: The config overlaps rollout and training (`rollout.async`).
+        staleness_bound: How many updates generation may run ahead (`rollout.max_staleness`,
+            resolved); from 1 on, each audit is followed by an off-policy audit.
         announcements: INFO lines logged once, at the first check of this process.
     """
 
@@ -140,6 +144,7 @@ class KLChecker:
         routing_floor: float = KLCheckerConfig().recorded_routing_agreement_min,
         engine_old_log_probs: bool = False,
         one_step_off: bool = False,
+        staleness_bound: int = 0,
         announcements: Sequence[str] = (),
     ) -> None:
         self.active = active
@@ -158,6 +163,11 @@ class KLChecker:
         self._announced = False
         self._engine_log_probs: set[int] = set()
         """Rollouts whose `log_rollout_data` showed the engine's log-probs."""
+        self.staleness_bound = staleness_bound
+        self._off_policy_due = False
+        """An audit passed and the off-policy audit after it has not run yet."""
+        self._off_policy_audit: int | None = None
+        """The rollout of the latest off-policy audit (its steps report the replay too)."""
         self._first_audit: int | None = None
         """The first audit rollout this process scored: 0 in a run from the start, a later one
         in a run resumed from a checkpoint."""
@@ -208,7 +218,9 @@ class KLChecker:
             reason = self._reference_reason()
             self._expect_zero(Check.KL_LOSS, KL_LOSS, metrics, where, reason, audit)
         if self._replaying() or REPLAY_AGREEMENT in metrics:
-            self._expect_replayed(metrics, where, audit and step_id == 0)
+            off_policy = rollout_id == self._off_policy_audit
+            kind = "off-policy audit" if off_policy else "audit"
+            self._expect_replayed(metrics, where, (audit or off_policy) and step_id == 0, kind)
         self._engine_log_probs = {r for r in self._engine_log_probs if r >= rollout_id}
         engine = rollout_id in self._engine_log_probs
         if not self._same_weights(rollout_id):
@@ -311,6 +323,8 @@ class KLChecker:
                 "a plugin replays the rollout's routing, so the audit's scoring compares the "
                 "trainer's own routing with the experts the engine recorded",
             )
+        if self.staleness_bound >= 1 or VERSIONS_BEHIND in metrics:
+            self._check_versions(rollout_id, metrics, where, audit)
         if ROLLOUT_LOG_PROBS in metrics:
             self._engine_log_probs.add(rollout_id)
         if not (scored and self._same_weights(rollout_id)):
@@ -324,6 +338,33 @@ class KLChecker:
             if engine or name in metrics:
                 reason = self._engine_reason(rollout_id)
                 self._expect_ceiling(check, name, ceiling, metrics, where, reason, audit)
+
+    def _check_versions(
+        self, rollout_id: int, metrics: Mapping[str, Any], where: str, audit: bool
+    ) -> None:
+        """No sample staler than the bound, at every rollout; and after each audit, once a
+        rollout holds stale samples, an off-policy audit that reports it (its training steps
+        then report the replay agreement: replay is exact on experts recorded under older
+        weights)."""
+        check, bound = Check.RECORDED_VERSIONS, self.staleness_bound
+        behind = self._number(
+            check,
+            VERSIONS_BEHIND,
+            metrics,
+            where,
+            f"rollout.max_staleness={bound} lets generation run ahead, so every rollout's "
+            "recorded weight versions are checked against the bound",
+        )
+        off_policy = self._off_policy_due and behind >= 1
+        text = f"{VERSIONS_BEHIND} = {behind:g}, expected <= {bound} (rollout.max_staleness)"
+        if not behind <= bound:  # NaN fails
+            raise KLCheckError(check, where, metrics, text)
+        if off_policy:
+            self._off_policy_due = False
+            self._off_policy_audit = rollout_id
+            self._passed(check, where, text + ", with stale samples", "off-policy audit")
+        if audit and bound >= 1:
+            self._off_policy_due = True
 
     def _applies(self, name: str, metrics: Mapping[str, Any]) -> bool:
         """Whether an actor/reference check runs: a reference by config (or its metric logged
@@ -379,8 +420,8 @@ class KLChecker:
             raise KLCheckError(check, where, metrics, detail) from None
 
     @staticmethod
-    def _passed(check: Check, where: str, text: str) -> None:
-        logger.info("ci_kl_checker: audit %s: %s passed: %s", where, check, text)
+    def _passed(check: Check, where: str, text: str, kind: str = "audit") -> None:
+        logger.info("ci_kl_checker: %s %s: %s passed: %s", kind, where, check, text)
 
     def _expect_zero(
         self,
@@ -399,7 +440,9 @@ class KLChecker:
         if report:
             self._passed(check, where, text)
 
-    def _expect_replayed(self, metrics: Mapping[str, Any], where: str, report: bool) -> None:
+    def _expect_replayed(
+        self, metrics: Mapping[str, Any], where: str, report: bool, kind: str = "audit"
+    ) -> None:
         check = Check.REPLAY_AGREEMENT
         required = (
             "a plugin replays the rollout's routing (a routing exemption), so every training "
@@ -410,7 +453,7 @@ class KLChecker:
         if not number == 1.0:
             raise KLCheckError(check, where, metrics, text)
         if report:
-            self._passed(check, where, text)
+            self._passed(check, where, text, kind)
 
     def _expect_floor(
         self,
@@ -520,6 +563,8 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
     rollout = _get(config, "rollout")
     # A RunConfig holds `async_` (a keyword otherwise); a mapping of the file holds `async`.
     one_step_off = bool(_get(rollout, "async_") or _get(rollout, "async"))
+    bound = _get(rollout, "max_staleness")
+    staleness_bound = int(one_step_off) if bound is None else int(bound)
     ceiling, why = max_ceiling(config, section)
     active = ci_test and not section.disable
     lines = []
@@ -531,6 +576,13 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
         between = _between_audits(engine_old, one_step_off)
         if between:
             lines.append(f"ci_kl_checker: between audits, {between}")
+        if staleness_bound >= 1:
+            lines.append(
+                f"ci_kl_checker: every rollout's recorded weight versions are at most "
+                f"{staleness_bound} behind the trainer (rollout.max_staleness), and after each "
+                "audit the first rollout with stale samples is an off-policy audit, which "
+                f"reports them and its {Check.REPLAY_AGREEMENT} where routing is replayed"
+            )
         if not reference:
             lines.append(
                 f"ci_kl_checker: {Check.KL_LOSS} and {Check.ROLLOUT_REF_LOG_PROBS} do not apply: "
@@ -554,6 +606,7 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
         routing_floor=section.recorded_routing_agreement_min,
         engine_old_log_probs=engine_old,
         one_step_off=one_step_off,
+        staleness_bound=staleness_bound,
         announcements=lines,
     )
 
