@@ -371,3 +371,36 @@ def test_r3_with_partial_rollouts_keeps_the_bound_and_replays_exactly(tmp_path):
     assert multi_version > 0
     steps = records(tmp_path, "train")
     assert len(steps) == 10 and all(s["train/replay_agreement"] == 1.0 for s in steps)
+
+
+def test_parquet_and_datasets_prompts_train_as_the_same_prompts_in_jsonl_do(tmp_path):
+    """The toy task's prompts written as JSONL, parquet and a datasets directory: each run's
+    first rollout samples the same prompts, in the same order, with the same rewards."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ember_rollout.config import ToyTaskConfig
+    from ember_rollout.toy_task import make_toy_prompts
+
+    rows = make_toy_prompts(ToyTaskConfig(num_prompts=16, seed=5))
+    sources = {"jsonl": tmp_path / "p.jsonl", "parquet": tmp_path / "p.parquet"}
+    sources["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), sources["parquet"])
+    sources["datasets"] = tmp_path / "p"
+    datasets.Dataset.from_list(rows).save_to_disk(str(sources["datasets"]))
+    dumps = {}
+    for kind, path in sources.items():
+        run = ember(
+            "--set", f"data.prompt_data={path}",
+            "--set", "run.num_rollouts=1",
+            "--set", "run.eval_interval=0",
+            "--set", "run.save_interval=0",
+            "--set", "run.dump_rollouts=true",
+            run_dir=tmp_path / kind,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        lines = (tmp_path / kind / "rollouts" / "000000.jsonl").read_text().splitlines()
+        dumps[kind] = [(s["prompt"], s["label"], s["reward"]) for s in map(json.loads, lines)]
+    assert dumps["parquet"] == dumps["jsonl"] == dumps["datasets"]
+    assert {prompt for prompt, _, _ in dumps["jsonl"]} <= {r["prompt"] for r in rows}

@@ -70,7 +70,8 @@ class RunSection:
     """Responses per eval prompt; above 1, `eval/<set>/pass@<n>` is logged too (the fraction
     of prompts with a response of full reward, 1.0)."""
     eval_sets: dict[str, str] = field(default_factory=dict)
-    """Eval sets by name: a JSONL path (read with the data section's keys), or `toy` (the toy
+    """Eval sets by name: a path like `data.prompt_data`'s (JSONL, parquet or a datasets
+    directory, read with the data section's keys), or `toy` (the toy
     task's prompts drawn with data.toy.seed + 1). Empty: one set named `toy` when the run trains
     on the toy task (a run on `data.prompt_data` must name its sets)."""
     dump_rollouts: bool = False
@@ -106,7 +107,7 @@ class RunSection:
                 isinstance(source, str) and bool(source),
                 f"eval_sets.{name}",
                 source,
-                "a JSONL path or 'toy'",
+                "a path (JSONL, parquet or a datasets directory) or 'toy'",
             )
 
 

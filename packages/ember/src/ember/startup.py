@@ -15,19 +15,18 @@ TRACE_ENV = "EMBER_STARTUP_TRACE"
 
 
 def process_start_time() -> float:
-    """When this process started (wall seconds), read from /proc; now where that is missing."""
+    """When this process started (wall seconds, psutil's `create_time`); now where the platform
+    cannot tell."""
+    import psutil
+
     try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        return psutil.Process().create_time()
+    except (psutil.Error, OSError):
         return time.time()
 
 
 def mark_process_start(process: str, step: str | None = None) -> None:
-    """Record when this process started (from /proc) and, given `step`, that it reached it
+    """Record when this process started and, given `step`, that it reached it
     now: the first lines of an actor's (or the driver's) trace."""
     if not os.environ.get(TRACE_ENV):
         return

@@ -311,7 +311,10 @@ class DataConfig:
     """Where prompts come from and how they become token ids."""
 
     prompt_data: str | None = None
-    """JSONL file with one prompt per line; None generates the toy task."""
+    """The prompts, by the path's kind: a JSONL file (one prompt per line), a `.parquet` file,
+    or a directory written by HF datasets' `save_to_disk` (one row per prompt; the last two need
+    the rollout package's `data` extra, which the dev group installs). None generates the toy
+    task."""
     input_key: str = "prompt"
     """Key of the prompt: a string, or a list of chat messages ({role, content})."""
     label_key: str | None = "label"

@@ -1,11 +1,12 @@
-"""Prompt data: JSONL files or the generated toy task, epoch-shuffled, encoded to token ids."""
+"""Prompt data: JSONL or parquet files, HF `datasets` directories, or the generated toy task;
+epoch-shuffled, encoded to token ids."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,128 @@ def _check_prompt(prompt: Any, where: str, key: str) -> Prompt:
     )
 
 
+DATA_EXTRA_HINT = (
+    "install the data extra: `uv sync` in this repository (the dev group has it) or "
+    "`pip install 'ember-rollout[data]'`"
+)
+
+
+def _record(
+    row: Any,
+    where: str,
+    *,
+    input_key: str,
+    label_key: str | None,
+    metadata_key: str | None,
+) -> PromptRecord:
+    """One prompt row (a mapping of its keys) as a record; errors name `where` and the key."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object, got {type(row).__name__}")
+    for name in (input_key, label_key, metadata_key):
+        if name is not None and name not in row:
+            raise ValueError(f"{where}: no {name!r} key (keys: {', '.join(sorted(row))})")
+    metadata = row[metadata_key] if metadata_key else {}
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise ValueError(
+            f"{where}: {metadata_key!r} must be an object, got {type(metadata).__name__}"
+        )
+    return PromptRecord(
+        prompt=_check_prompt(row[input_key], where, input_key),
+        label=row[label_key] if label_key else None,
+        metadata=dict(metadata),
+        source=where,
+    )
+
+
+def _records(
+    rows: Iterable[tuple[str, Any]], path: Path, key: str, **keys: Any
+) -> list[PromptRecord]:
+    records = [_record(row, where, **keys) for where, row in rows]
+    if not records:
+        raise ValueError(f"{key}={str(path)!r}: no prompts in it")
+    return records
+
+
+def read_prompt_data(
+    path: str | Path,
+    *,
+    input_key: str = "prompt",
+    label_key: str | None = "label",
+    metadata_key: str | None = None,
+    key: str = "data.prompt_data",
+) -> list[PromptRecord]:
+    """Read prompts from `path`, by its kind: a directory written by HF datasets'
+    `save_to_disk`, a `.parquet` file, else a JSONL file. Every row needs the same keys
+    (columns) whatever the kind, and errors name the file (as `key`) and the row.
+
+    Raises:
+        ValueError: The path is missing or unreadable, holds no prompts, or a row lacks a key
+            or has a value of the wrong type; one line naming them.
+    """
+    path = Path(path)
+    keys = {"input_key": input_key, "label_key": label_key, "metadata_key": metadata_key}
+    if path.is_dir():
+        return _records(_dataset_rows(path, key, keys), path, key, **keys)
+    if path.suffix == ".parquet":
+        return _records(_parquet_rows(path, key, keys), path, key, **keys)
+    return read_jsonl(path, key=key, **keys)
+
+
+def _columns_present(columns: list[str], keys: dict[str, Any], path: Path, key: str) -> None:
+    for name in keys.values():
+        if name is not None and name not in columns:
+            raise ValueError(
+                f"{key}={str(path)!r}: no {name!r} column (columns: {', '.join(columns)})"
+            )
+
+
+def _parquet_rows(path: Path, key: str, keys: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+    """(where, row) of every row of a parquet file, read with pyarrow."""
+    if not path.is_file():
+        raise ValueError(f"{key}={str(path)!r}: no such file")
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(
+            f"{key}={str(path)!r}: reading parquet needs pyarrow; {DATA_EXTRA_HINT}"
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except (OSError, pyarrow.ArrowException) as exc:
+        raise ValueError(f"{key}={str(path)!r}: not a readable parquet file ({exc})") from None
+    _columns_present(table.column_names, keys, path, key)
+    return ((f"{path} row {i}", row) for i, row in enumerate(table.to_pylist(), start=1))
+
+
+def _dataset_rows(path: Path, key: str, keys: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+    """(where, row) of every row of a dataset directory (`datasets.Dataset.save_to_disk`)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"{key}={str(path)!r}: reading a datasets directory needs the datasets package; "
+            f"{DATA_EXTRA_HINT}"
+        ) from None
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise ValueError(
+            f"{key}={str(path)!r}: a directory, but not one written by datasets' save_to_disk "
+            f"({str(exc).splitlines()[0][:160]})"
+        ) from None
+    if isinstance(dataset, datasets.DatasetDict):
+        splits = list(dataset)
+        raise ValueError(
+            f"{key}={str(path)!r}: a dataset with the splits {', '.join(splits)}; name one "
+            f"directory, for example {path / splits[0]}"
+        )
+    _columns_present(list(dataset.column_names), keys, path, key)
+    return ((f"{path} row {i}", row) for i, row in enumerate(dataset, start=1))
+
+
 def read_jsonl(
     path: str | Path,
     *,
@@ -67,11 +190,12 @@ def read_jsonl(
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{key}={str(path)!r}: no such file")
-    records = []
+    keys = {"input_key": input_key, "label_key": label_key, "metadata_key": metadata_key}
     try:
         handle = path.open("rb")
     except OSError as exc:
         raise ValueError(f"{key}={str(path)!r}: cannot read ({exc.strerror})") from None
+    records = []
     with handle:
         for lineno, raw in enumerate(handle, start=1):
             where = f"{path}:{lineno}"
@@ -91,29 +215,16 @@ def read_jsonl(
                 ) from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for name in (input_key, label_key, metadata_key):
-                if name is not None and name not in row:
-                    raise ValueError(f"{where}: no {name!r} key (keys: {', '.join(sorted(row))})")
-            metadata = row[metadata_key] if metadata_key else {}
-            if not isinstance(metadata, dict):
-                raise ValueError(f"{where}: {metadata_key!r} must be an object")
-            records.append(
-                PromptRecord(
-                    prompt=_check_prompt(row[input_key], where, input_key),
-                    label=row[label_key] if label_key else None,
-                    metadata=dict(metadata),
-                    source=where,
-                )
-            )
+            records.append(_record(row, where, **keys))
     if not records:
         raise ValueError(f"{key}={str(path)!r}: no prompts in the file")
     return records
 
 
 def load_prompts(config: DataConfig) -> list[PromptRecord]:
-    """The configured prompts: the JSONL file, or the generated toy task."""
+    """The configured prompts: `data.prompt_data` (`read_prompt_data`), or the toy task."""
     if config.prompt_data is not None:
-        return read_jsonl(
+        return read_prompt_data(
             config.prompt_data,
             input_key=config.input_key,
             label_key=config.label_key,
@@ -135,7 +246,8 @@ def load_eval_sets(
 ) -> dict[str, list[PromptRecord]]:
     """The named eval sets (`run.eval_sets`), each cut to its first `prompts` prompts.
 
-    A source is a JSONL path, read with the data section's keys like `data.prompt_data`, or
+    A source is a path (JSONL, parquet or a datasets directory), read with the data section's
+    keys like `data.prompt_data`, or
     `toy`: the toy task of `data.toy` drawn with seed `data.toy.seed + 1`. No sets: one named
     `toy` when the run trains on the toy task.
 
@@ -156,7 +268,7 @@ def load_eval_sets(
             toy = dataclasses.replace(data.toy, seed=data.toy.seed + 1, num_prompts=prompts)
             out[name] = _toy_records(toy, "eval toy")
             continue
-        records = read_jsonl(
+        records = read_prompt_data(
             source,
             input_key=data.input_key,
             label_key=data.label_key,
