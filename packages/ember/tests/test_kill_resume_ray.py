@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ember import processes
@@ -68,8 +69,8 @@ def logged_rollouts(run_dir: Path) -> list[int]:
 
 def command(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())[:200]
+    except psutil.Error:
         return f"{pid} (gone)"
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ember.startup import TRACE_ENV, mark, process_start_time
@@ -92,13 +93,11 @@ def test_the_engine_imports_its_familys_modeling_module_before_it_starts():
 def _processes_with(marker: str) -> list[str]:
     """Command lines of the live processes whose environment holds `marker`."""
     found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for process in psutil.process_iter():
         try:
-            if marker.encode() in (proc / "environ").read_bytes():
-                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:  # gone meanwhile, or not ours to read
+            if any(marker in value for value in process.environ().values()):
+                found.append(" ".join(process.cmdline()))
+        except psutil.Error:  # gone meanwhile, or not ours to read
             continue
     return found
 
