@@ -404,3 +404,70 @@ def test_parquet_and_datasets_prompts_train_as_the_same_prompts_in_jsonl_do(tmp_
         dumps[kind] = [(s["prompt"], s["label"], s["reward"]) for s in map(json.loads, lines)]
     assert dumps["parquet"] == dumps["jsonl"] == dumps["datasets"]
     assert {prompt for prompt, _, _ in dumps["jsonl"]} <= {r["prompt"] for r in rows}
+
+
+def _figures(record: dict) -> dict:
+    """A metrics record less its timings and bookkeeping."""
+    return {
+        k: v
+        for k, v in record.items()
+        if not k.startswith("perf/") and "time" not in k and k not in ("step", "time")
+    }
+
+
+def test_a_run_debugs_in_halves_rollout_only_then_training_from_its_dump(tmp_path):
+    """A run that dumps its rollouts; training from that dump with no engine repeats its
+    training exactly; generating with no trainer from its initial weights repeats its first
+    rollout exactly."""
+    whole = ember(
+        "--set", "run.num_rollouts=2",
+        "--set", "run.save_interval=0",
+        "--set", "run.dump_rollouts=true",
+        run_dir=tmp_path / "whole",
+    )  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    trained = ember(
+        "--train-from-rollouts", str(tmp_path / "whole" / "rollouts"),
+        "--set", "run.num_rollouts=2",
+        run_dir=tmp_path / "trained",
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "no engine" in trained.stderr and not (tmp_path / "trained" / "hf_init").exists()
+    steps = [_figures(s) for s in records(tmp_path / "whole", "train")]
+    assert [_figures(s) for s in records(tmp_path / "trained", "train")] == steps
+    assert len(steps) == 4 and not (tmp_path / "trained" / "checkpoints").exists()
+
+    generated = ember(
+        "--rollout-only",
+        "--set", f"train.hf_load={tmp_path / 'whole' / 'hf_init'}",
+        "--set", "run.num_rollouts=1",
+        run_dir=tmp_path / "generated",
+    )  # fmt: skip
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert records(tmp_path / "generated", "train") == []
+    (rollout,) = records(tmp_path / "generated", "rollout")
+    first = records(tmp_path / "whole", "rollout")[0]
+    assert rollout["rollout/rewards"] == first["rollout/rewards"]
+    dump = (tmp_path / "generated" / "rollouts" / "000000.jsonl").read_text()
+    assert dump == (tmp_path / "whole" / "rollouts" / "000000.jsonl").read_text()
+
+
+def test_half_runs_refuse_what_they_cannot_do_in_one_line(tmp_path, capsys):
+    from ember.cli import main
+
+    cases = [
+        (["--rollout-only"], "run.rollout_only=true: the engines need weights to serve"),
+        (
+            ["--train-from-rollouts", str(tmp_path)],
+            f"run.train_from_rollouts={str(tmp_path)!r}: no 000000.jsonl for rollout 0",
+        ),
+        (
+            ["--rollout-only", "--train-from-rollouts", str(tmp_path)],
+            "run.rollout_only=True: expected false with train_from_rollouts",
+        ),
+        (["--rollout-only", "--resume", str(tmp_path)], "--resume continues a run"),
+    ]
+    for argv, start in cases:
+        assert main(["train", *argv, "--set", f"run.dir={tmp_path / 'x'}"]) != 0
+        err = capsys.readouterr().err.strip()
+        assert start in err and len(err.splitlines()) == 1, err

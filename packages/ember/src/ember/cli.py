@@ -34,6 +34,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     args.config = args.config or args.config_option
     config_source: str | dict | None = args.config
+    halves = args.rollout_only or args.train_from_rollouts is not None
+    if args.resume and halves:
+        raise ValueError(
+            "--resume continues a run from its checkpoints; half a run (--rollout-only, "
+            "--train-from-rollouts) writes none: start it again instead"
+        )
     if args.resume:
         run_dir = Path(args.resume)
         resolved = run_dir / "config.yaml"
@@ -46,7 +52,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "--resume continues a run with its own config; drop the CONFIG argument"
             )
         config_source = yaml.safe_load(resolved.read_text())
-    config, plugins = load_config(config_source, overrides=args.set, plugins=args.plugins)
+    overrides = list(args.set)
+    if args.rollout_only:
+        overrides.append("run.rollout_only=true")
+    if args.train_from_rollouts is not None:
+        overrides.append(f"run.train_from_rollouts={args.train_from_rollouts}")
+    config, plugins = load_config(config_source, overrides=overrides, plugins=args.plugins)
     check_inputs(config)  # bad prompt files, reward names, paths: fail before Ray starts
     logging.getLogger("ember").info("%s", describe_loop(config))
     mark("driver", "config loaded and checked")
@@ -142,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="RUN_DIR",
         help="continue a run from its newest complete checkpoint (an error if it has none)",
+    )
+    train.add_argument(
+        "--rollout-only",
+        action="store_true",
+        help="generate, score and dump rollouts without training (run.rollout_only; the "
+        "engines serve train.hf_load)",
+    )
+    train.add_argument(
+        "--train-from-rollouts",
+        metavar="DIR",
+        help="train on the rollouts a run dumped in DIR (its rollouts/ directory), with no "
+        "engine (run.train_from_rollouts)",
     )
     train.set_defaults(func=cmd_train)
 

@@ -75,7 +75,20 @@ class RunSection:
     task's prompts drawn with data.toy.seed + 1). Empty: one set named `toy` when the run trains
     on the toy task (a run on `data.prompt_data` must name its sets)."""
     dump_rollouts: bool = False
-    """Write every rollout's samples to rollouts/<id>.jsonl in the run directory."""
+    """Write every rollout's samples to rollouts/<id>.jsonl in the run directory (tokens,
+    rewards, loss masks, the engine's log-probs, weight versions and, where recorded, routed
+    experts: what `train_from_rollouts` trains on; sample metadata is left out)."""
+    rollout_only: bool = False
+    """Generate, score and dump rollouts (as `dump_rollouts` does) without training: no trainer
+    process, no weight push, no checkpoint. Every rollout comes from the weights of
+    `train.hf_load` (an HF checkpoint, for example an earlier run's hf_init). With
+    `train_from_rollouts` on the dump, the two halves of a run debug apart (`ember train
+    --rollout-only`)."""
+    train_from_rollouts: str | None = None
+    """Train on the rollouts an earlier run dumped (its rollouts/ directory, rollout i read
+    from <i>.jsonl) instead of generating them: no engine process, no weight push, no
+    evaluation, no checkpoint. The same config and seed train as the run that dumped them did
+    (`ember train --train-from-rollouts DIR`)."""
     tensorboard: bool = True
     """Write TensorBoard events to <dir>/tensorboard."""
     wandb_project: str | None = None
@@ -90,6 +103,12 @@ class RunSection:
         check(self.eval_interval >= 0, "eval_interval", self.eval_interval, ">= 0")
         check(self.eval_prompts >= 1, "eval_prompts", self.eval_prompts, ">= 1")
         check(self.eval_temperature > 0, "eval_temperature", self.eval_temperature, "> 0")
+        check(
+            not (self.rollout_only and self.train_from_rollouts is not None),
+            "rollout_only",
+            self.rollout_only,
+            "false with train_from_rollouts (one half of a run at a time)",
+        )
         check(
             self.eval_samples_per_prompt >= 1,
             "eval_samples_per_prompt",
@@ -504,6 +523,38 @@ def check_partial_rollouts(config: RunConfig) -> None:
         )
 
 
+def check_debug_halves(config: RunConfig) -> None:
+    """`run.rollout_only` needs the weights its engines serve (`train.hf_load`);
+    `run.train_from_rollouts` needs a dump of every rollout the run trains.
+
+    Raises:
+        ValueError: One line naming the key and what is missing.
+    """
+    run = config.run
+    if run.rollout_only and config.train.hf_load is None:
+        raise ValueError(
+            "run.rollout_only=true: the engines need weights to serve and no trainer makes "
+            "them; set train.hf_load to an HF checkpoint (for example an earlier run's hf_init)"
+        )
+    if run.train_from_rollouts is None:
+        return
+    source = Path(run.train_from_rollouts)
+    if not source.is_dir():
+        raise ValueError(f"run.train_from_rollouts={str(source)!r}: no such directory")
+    for rollout_id in range(run.num_rollouts):
+        if not dump_path(source, rollout_id).is_file():
+            raise ValueError(
+                f"run.train_from_rollouts={str(source)!r}: no {dump_path(source, rollout_id).name}"
+                f" for rollout {rollout_id} of run.num_rollouts={run.num_rollouts} (dumped by a "
+                "run with run.dump_rollouts=true or run.rollout_only=true)"
+            )
+
+
+def dump_path(directory: Path, rollout_id: int) -> Path:
+    """The file of rollout `rollout_id` in a directory of dumped rollouts."""
+    return directory / f"{rollout_id:06d}.jsonl"
+
+
 def weight_transport(config: RunConfig) -> str:
     """The transport (`WEIGHT_TRANSPORTS`) that carries weights to this run's engines:
     `weights.transport`, with auto resolved.
@@ -615,6 +666,7 @@ def check_inputs(config: RunConfig) -> None:
         from ember_rollout.sglang_launch import check_server_env
 
         check_server_env(os.environ)  # the launched servers inherit this environment
+    check_debug_halves(config)
     records = load_prompts(config.data)
     if config.run.eval_interval:
         load_eval_sets(config.run.eval_sets, config.data, prompts=config.run.eval_prompts)

@@ -30,7 +30,8 @@ from ember.checkpoints import (
     rollout_state,
     truncate_metrics,
 )
-from ember.config import RunConfig, default_run_dir, write_resolved
+from ember.config import RunConfig, default_run_dir, dump_path, write_resolved
+from ember.dumps import read_dump, write_dump
 from ember.metrics import MetricsLogger
 from ember.placement import MemoryHandoff, Placement
 from ember.quiet import VERBOSE_ENV, verbose
@@ -144,6 +145,16 @@ class Driver:
         """The trainer's initial weights, which the engines start from."""
         return self.run_dir / HF_INIT
 
+    @property
+    def rollout_only(self) -> bool:
+        """Half a run: generate, score and dump rollouts, with no trainer (`run.rollout_only`)."""
+        return self.config.run.rollout_only
+
+    @property
+    def from_dump(self) -> bool:
+        """Half a run: train on dumped rollouts, with no engine (`run.train_from_rollouts`)."""
+        return self.config.run.train_from_rollouts is not None
+
     # -- setup -------------------------------------------------------------------------------
 
     def start_ray(self) -> None:
@@ -198,33 +209,38 @@ class Driver:
         # fails here, before any actor starts. CPU actors reserve nothing: the thread counts
         # above are what shares the cores.
         self.placement = placement = Placement.create(cfg)
-        model_dir = self.init_dir
+        # A rollout-only run serves train.hf_load as it is; the others the trainer's export.
+        model_dir = Path(cfg.train.hf_load) if self.rollout_only else self.init_dir
         # Every actor is created now and imports its libraries at once; the engines and the
         # manager load the model only when `start` is called, after the trainer's export.
+        # Half a run (rollout_only, train_from_rollouts) leaves out the other half's actors.
         train = [
             TrainRank.options(**placement.train_options(rank)).remote(
                 resolved, rank=rank, world_size=ray_cfg.data_parallel, threads=threads
             )
-            for rank in range(ray_cfg.data_parallel)
+            for rank in range(0 if self.rollout_only else ray_cfg.data_parallel)
         ]
         engines = [
             engine_actor(cfg)
             .options(**placement.engine_options(j))
             .remote(resolved, model_path=str(model_dir), threads=engine_threads)
-            for j in range(ray_cfg.num_engines)
+            for j in range(0 if self.from_dump else ray_cfg.num_engines)
         ]
-        manager = RolloutManager.options(**placement.manager_options()).remote(
-            resolved, engines=engines, model_path=str(model_dir)
-        )
+        manager = None
+        if not self.from_dump:
+            manager = RolloutManager.options(**placement.manager_options()).remote(
+                resolved, engines=engines, model_path=str(model_dir)
+            )
         self.actors = Actors(train=train, engines=engines, manager=manager)
         mark("driver", "actors created")
-        # The rendezvous lives on rank 0's node, which need not be this one: ask rank 0 for
-        # its address before any rank initialises torch.distributed.
-        init_method = ray.get(train[0].rendezvous.remote())
-        mark("driver", "rank 0 answered (rendezvous)")
-        self.data_ranks = ray.get([t.setup.remote(init_method) for t in train])
-        mark("driver", "trainer built")
-        if not (reuse_init and _init_complete(model_dir)):
+        if train:
+            # The rendezvous lives on rank 0's node, which need not be this one: ask rank 0
+            # for its address before any rank initialises torch.distributed.
+            init_method = ray.get(train[0].rendezvous.remote())
+            mark("driver", "rank 0 answered (rendezvous)")
+            self.data_ranks = ray.get([t.setup.remote(init_method) for t in train])
+            mark("driver", "trainer built")
+        if engines and train and not (reuse_init and _init_complete(model_dir)):
             ray.get([t.export_hf.remote(str(model_dir)) for t in train])
             ray.get(train[0].save_tokenizer.remote(str(model_dir)))
             mark("driver", "initial weights exported")
@@ -233,8 +249,9 @@ class Driver:
         handoff.to_rollout()
         ray.get([e.start.remote() for e in engines])
         mark("driver", "engines started")
-        ray.get(manager.start.remote())
-        mark("driver", "rollout manager started")
+        if manager is not None:
+            ray.get(manager.start.remote())
+            mark("driver", "rollout manager started")
 
     # -- one iteration -----------------------------------------------------------------------
 
@@ -312,7 +329,7 @@ class Driver:
         loaded = ray.get([e.loaded_model_path.remote() for e in engines])
         if all(loaded):
             return
-        transport = weight_transport(self.config)
+        transport = "disk" if self.rollout_only else weight_transport(self.config)
         if transport != "disk":
             # Engines that loaded hf_init get the same weights again: a broadcast or a
             # bucket goes to every engine at once. The trainer sends, so it takes the GPUs.
@@ -321,7 +338,7 @@ class Driver:
                 lambda: self._push_in_session(INITIAL_WEIGHT_VERSION, transport)
             )
             return
-        path = str(self.init_dir)
+        path = self.config.train.hf_load if self.rollout_only else str(self.init_dir)
         ray.get(
             [
                 e.update_weights_from_disk.remote(path, INITIAL_WEIGHT_VERSION)
@@ -331,8 +348,11 @@ class Driver:
         )
 
     def _start(self, rollout_id: int) -> None:
-        """Start generating rollout `rollout_id` (unless it is already started or restored)."""
+        """Start generating rollout `rollout_id` (unless it is already started or restored, or
+        the run trains on dumped rollouts)."""
         assert self.actors is not None
+        if self.from_dump:
+            return
         if rollout_id < self.config.run.num_rollouts and rollout_id not in self._pending:
             self._pending[rollout_id] = self.actors.manager.generate.remote(rollout_id)
 
@@ -397,7 +417,13 @@ class Driver:
         assert self.actors is not None
         timings: dict[str, float] = {}
         started = t0 = time.perf_counter()
-        batch = self._take(rollout_id)
+        if self.rollout_only:
+            return self._generate_only(rollout_id)
+        if self.from_dump:
+            source = Path(self.config.run.train_from_rollouts)
+            batch = RolloutBatch(read_dump(dump_path(source, rollout_id)))
+        else:
+            batch = self._take(rollout_id)
         waited = time.perf_counter() - t0
         self._start_ahead(rollout_id)
 
@@ -428,7 +454,8 @@ class Driver:
         timings["perf/rollout_time"] = waited
 
         t0 = time.perf_counter()
-        self.handoff.after_training(lambda: self.push_weights(rollout_id))
+        if self.actors.engines:
+            self.handoff.after_training(lambda: self.push_weights(rollout_id))
         timings["perf/weight_push_time"] = time.perf_counter() - t0
         timings["perf/iteration_time"] = time.perf_counter() - started
 
@@ -441,8 +468,21 @@ class Driver:
             **timings,
         }
         if self.config.run.dump_rollouts:
-            self._dump(rollout_id, batch.samples)
+            write_dump(dump_path(self.run_dir / "rollouts", rollout_id), batch.samples)
         return rollout_metrics, step_metrics, timings
+
+    def _generate_only(
+        self, rollout_id: int
+    ) -> tuple[dict[str, float], list[dict[str, float]], dict]:
+        """A rollout-only iteration: generate and score rollout `rollout_id` from the weights
+        the engines serve, and dump it; nothing trains, nothing is pushed."""
+        assert self.actors is not None
+        started = time.perf_counter()
+        batch = _collect(self.actors.manager.generate.remote(rollout_id))
+        timings = {"perf/rollout_time": time.perf_counter() - started}
+        write_dump(dump_path(self.run_dir / "rollouts", rollout_id), batch.samples)
+        timings["perf/iteration_time"] = time.perf_counter() - started
+        return {**batch.metrics, **timings}, [], timings
 
     def _eval_due(self, rollout_id: int) -> bool:
         """Evaluate after rollouts interval - 1, 2 x interval - 1, ... and after the last."""
@@ -456,32 +496,6 @@ class Driver:
         generating ahead)."""
         assert self.actors is not None
         return ray.get(self.actors.manager.evaluate.remote(rollout_id))
-
-    def _dump(self, rollout_id: int, samples: list[Sample]) -> None:
-        out = self.run_dir / "rollouts"
-        out.mkdir(exist_ok=True)
-        with (out / f"{rollout_id:06d}.jsonl").open("w") as handle:
-            for s in samples:
-                handle.write(
-                    json.dumps(
-                        {
-                            "index": s.index,
-                            "group_index": s.group_index,
-                            "prompt": s.prompt,
-                            "response": s.response,
-                            "label": s.label,
-                            "reward": s.reward,
-                            "status": str(s.status),
-                            "tokens": s.tokens,
-                            "response_length": s.response_length,
-                            "loss_mask": s.effective_loss_mask(),
-                            "rollout_log_probs": s.rollout_log_probs,
-                            "weight_version": s.weight_version,
-                            "weight_versions": s.weight_versions,
-                        }
-                    )
-                    + "\n"
-                )
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -577,6 +591,15 @@ class Driver:
             wandb_config=cfg.to_dict(),
         )
         total = cfg.run.num_rollouts
+        half = self.rollout_only or self.from_dump
+        if half:
+            logger.info(
+                "%s: no checkpoints are written%s",
+                "run.rollout_only (no trainer)"
+                if self.rollout_only
+                else f"run.train_from_rollouts={cfg.run.train_from_rollouts} (no engine)",
+                "" if self.rollout_only else ", and nothing is evaluated",
+            )
         bar = tqdm(total=total, initial=start, desc="rollouts", unit="rollout", dynamic_ncols=True)
         try:
             for rollout_id in range(start, total):
@@ -588,12 +611,12 @@ class Driver:
                 bar.update(1)
                 bar.write(summary_line(rollout_id, rollout_metrics, steps))
                 mark("driver", f"rollout {rollout_id} trained")
-                if self._eval_due(rollout_id):
+                if self._eval_due(rollout_id) and self.actors.manager is not None:
                     evaluation = self.evaluate(rollout_id)
                     sink.log("eval", rollout_id, rollout_id, evaluation)
                     bar.set_postfix_str(eval_line(evaluation), refresh=False)
                     bar.write(f"eval    {rollout_id:4d} | {eval_line(evaluation)}")
-                interval = cfg.run.save_interval
+                interval = 0 if half else cfg.run.save_interval
                 if interval and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == total):
                     self.save(rollout_id, accumulated)
                     mark("driver", f"checkpoint {rollout_id} saved")
