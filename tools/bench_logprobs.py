@@ -8,8 +8,9 @@ the temperature, takes `log_softmax`, gathers the targets and computes the entro
 `-(p * log p).sum(-1)`; the other side is `PolicyHead.log_probs` (chunked over the same rows).
 
 Each repetition runs naive then chunked in one process, and for each run records its time and
-its extra peak RSS: the process's peak resident memory (VmHWM, reset before the run through
-/proc/self/clear_refs, Linux only) minus its resident memory just before it. The table prints the
+its extra peak RSS: the process's peak resident memory (`getrusage`'s ru_maxrss, the kernel's
+high-water mark, reset before the run by writing 5 to /proc/self/clear_refs: Linux only) minus
+its resident memory just before it. The table prints the
 median of each over the repetitions; the ratios are the medians over repetitions of the
 chunked / naive ratio within a repetition, so load shared with other processes affects both
 sides of a ratio alike.
@@ -22,7 +23,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
-import re
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -38,8 +39,9 @@ MEMORY_TARGET = 0.25
 """Chunked forward: extra peak memory at most this fraction of the logits' size."""
 TIME_TARGET = 1.0
 """Chunked forward: time at most this fraction of the naive one."""
-STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
+"""Writing 5 resets the process's peak RSS to its current RSS (Linux's proc(5)); no library
+offers that reset."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,7 +130,8 @@ def run_once(variant, pass_, head, logits_TV, tokens_T, total_lengths, response_
 
 
 def _peak_rss_kib() -> int:
-    return int(re.search(r"^VmHWM:\s+(\d+) kB", STATUS.read_text(), re.M).group(1))
+    """The process's peak resident memory since the last reset (KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def _libc_malloc_trim():
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float | None]]:
         "weighted sum (its extra includes the [T, V] gradient, 1.0x logits)."
     )
     if not result["memory"]:
-        print("extra peak RSS: not measured (needs Linux's /proc/self/clear_refs)")
+        print("extra peak RSS: not measured (resetting the peak needs Linux's clear_refs)")
         return summary
     forward = summary["forward"]
     mem = forward["chunked_extra"] / logits_bytes
