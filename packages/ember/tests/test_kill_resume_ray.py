@@ -108,3 +108,37 @@ def test_sigkill_of_the_overlapped_driver_resumes_to_the_uninterrupted_runs_metr
     finish(train("--resume", str(run)))
     assert logged_rollouts(run) == [0, 1, 2, 3, 4]
     assert comparable(run) == comparable(reference)
+
+
+def _actor_process(driver: subprocess.Popen, name: str) -> psutil.Process:
+    """The live process of the actor class `name` below `driver` (Ray titles it ray::Name)."""
+    for pid in processes.descendants([driver.pid]):
+        try:
+            if f"ray::{name}" in " ".join(psutil.Process(pid).cmdline()):
+                return psutil.Process(pid)
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no ray::{name} process below the driver")
+
+
+def test_a_killed_training_rank_stops_the_run_with_one_line_naming_it_and_the_resume(tmp_path):
+    run = tmp_path / "run"
+    driver = train(*RUN, "--set", "run.num_rollouts=50", "--set", f"run.dir={run}")
+    deadline = time.monotonic() + 900
+    while 2 not in logged_rollouts(run):  # checkpoints of rollouts 0 and 1 published
+        assert driver.poll() is None, driver.stdout.read().decode(errors="replace")[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    rank = _actor_process(driver, "TrainRank")
+    rank.kill()
+    out, _ = driver.communicate(timeout=300)
+    from ember.cli import RUN_ERROR
+
+    assert driver.returncode == RUN_ERROR, out.decode(errors="replace")[-3000:]
+    last = out.decode(errors="replace").strip().splitlines()[-1]
+    newest = int(complete_checkpoints(run)[-1].name.removeprefix("rollout_"))
+    assert last.startswith(f"ember train: error: training rank 0 (pid {rank.pid} on "), last
+    assert last.endswith(
+        f"continue from the checkpoint of rollout {newest} with: ember train --resume {run}"
+    ), last
+    assert newest >= 1

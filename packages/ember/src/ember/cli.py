@@ -20,6 +20,10 @@ RUN_ERROR = 1
 """Exit status of a run stopped by an error raised inside a Ray actor (other than bad input)."""
 
 
+class RunStopped(Exception):
+    """A process of the run died and stopped it; the message names it and how to continue."""
+
+
 def _split_plugins(value: str) -> list[str]:
     return [p.strip() for p in value.split(",") if p.strip()]
 
@@ -66,6 +70,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     driver = Driver(config, run_dir, plugins)
     try:
         out = driver.run(resume=bool(args.resume))
+    except Exception as exc:
+        line = driver.stopped_by(exc)  # before shutdown: it names the actors it holds
+        if line is None:
+            raise
+        raise RunStopped(line) from exc
     finally:
         driver.shutdown()
     print(f"run directory: {out}")
@@ -288,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     try:
         return args.func(args)
+    except RunStopped as exc:
+        print(f"ember {args.command}: error: {exc}", file=sys.stderr)
+        return RUN_ERROR
     except Exception as exc:
         from_actor = actor_error(exc)
         if args.verbose or (

@@ -136,6 +136,11 @@ class Driver:
         waits for everything below them too."""
         self._plotting: threading.Thread | None = None
         """The end-of-run plots, drawn while `shutdown` stops the actors and Ray."""
+        self._roles: dict[str, str] = {}
+        """What each actor is ("training rank 0", "rollout engine 1", "the rollout manager"),
+        by actor id, for the error that names a process that died."""
+        self._logs: Path | None = None
+        """The log directory of the Ray session this driver started (workers' stderr there)."""
         self._regenerated: dict[int, int] = {}
         """Samples of a rollout dropped as staler than `rollout.max_staleness` (a restored
         rollout, with a lower bound than the checkpoint's run had), by rollout id."""
@@ -169,7 +174,7 @@ class Driver:
             os.environ.update(env)
         mark("driver", "ray.init starts")
         before = processes.children(os.getpid())
-        ray.init(
+        context = ray.init(
             # "local" starts a Ray of our own: with no address, ray.init joins whatever Ray
             # another process on this machine started last (ray 2.60 worker.py).
             address=ray_cfg.address or "local",
@@ -185,6 +190,8 @@ class Driver:
             logging_level=logging.WARNING,
         )
         self._started_ray = True
+        session = getattr(context, "address_info", {}).get("session_dir")
+        self._logs = Path(session) / "logs" if session else None
         self._ray_processes = processes.children(os.getpid()) - before
         mark("driver", "ray.init done")
 
@@ -232,6 +239,11 @@ class Driver:
                 resolved, engines=engines, model_path=str(model_dir)
             )
         self.actors = Actors(train=train, engines=engines, manager=manager)
+        self._roles = {
+            **{a._actor_id.hex(): f"training rank {i}" for i, a in enumerate(train)},
+            **{a._actor_id.hex(): f"rollout engine {j}" for j, a in enumerate(engines)},
+            **({manager._actor_id.hex(): "the rollout manager"} if manager is not None else {}),
+        }
         mark("driver", "actors created")
         if train:
             # The rendezvous lives on rank 0's node, which need not be this one: ask rank 0
@@ -629,6 +641,53 @@ class Driver:
             self._plotting = threading.Thread(target=self._plot, name="ember-plots", daemon=True)
             self._plotting.start()
         return self.run_dir
+
+    def stopped_by(self, exc: BaseException) -> str | None:
+        """One line for an actor death that stopped the run: which process died (role, pid,
+        node), what Ray says of its exit, the last line of its log, and the command that
+        continues from the newest checkpoint. None for any other error."""
+        if not isinstance(exc, ray.exceptions.RayActorError) or exc.actor_init_failed:
+            return None
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        fields = dict(line.split(": ", 1) for line in lines[1:] if ": " in line[:20])
+        role = self._roles.get(exc.actor_id or "", fields.get("class_name", "an actor"))
+        pid = fields.get("pid")
+        where = f"pid {pid}" if pid else "pid unknown"
+        if fields.get("ip"):
+            where += f" on {fields['ip']}"
+        # Ray's ActorDiedErrorContext: "... Worker exit detail: <why>. <possible causes>".
+        exits = [line for line in lines if "exit detail:" in line] or lines[-1:]
+        detail = exits[0].split("exit detail:", 1)[-1].split(". ")[0].strip() if exits else ""
+        log = self._log_tail(pid)
+        checkpoints = complete_checkpoints(self.run_dir)
+        if checkpoints:
+            rollout = int(checkpoints[-1].name.removeprefix("rollout_"))
+            resume = (
+                f"continue from the checkpoint of rollout {rollout} with: ember train "
+                f"--resume {self.run_dir}"
+            )
+        else:
+            resume = "no checkpoint was saved yet (run.save_interval): start the run again"
+        parts = [f"{role} ({where}) died: {detail or 'Ray gives no reason'}"]
+        if log:
+            parts.append(f"last line of its log: {log}")
+        parts.append(resume)
+        return "; ".join(parts)
+
+    def _log_tail(self, pid: str | None) -> str | None:
+        """The last non-empty line the worker process `pid` wrote to stderr (Ray's session
+        logs, on this machine), or None."""
+        if not pid or self._logs is None:
+            return None
+        for path in sorted(self._logs.glob(f"worker-*-{pid}.err")):
+            try:
+                lines = [line.strip() for line in path.read_text(errors="replace").splitlines()]
+            except OSError:
+                continue
+            lines = [line for line in lines if line and not line.startswith(":")]
+            if lines:
+                return lines[-1][:300]
+        return None
 
     def _plot(self) -> None:
         from ember.plot import plot_run
