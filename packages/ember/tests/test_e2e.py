@@ -453,7 +453,15 @@ def test_a_run_debugs_in_halves_rollout_only_then_training_from_its_dump(tmp_pat
 
 
 def test_half_runs_refuse_what_they_cannot_do_in_one_line(tmp_path, capsys):
+    import yaml
+
     from ember.cli import main
+    from ember.config import load_config
+
+    resumable = tmp_path / "resumable"
+    resumable.mkdir()
+    config = load_config("default")[0].to_dict()
+    (resumable / "config.yaml").write_text(yaml.safe_dump(config))
 
     cases = [
         (["--rollout-only"], "run.rollout_only=true: the engines need weights to serve"),
@@ -466,6 +474,10 @@ def test_half_runs_refuse_what_they_cannot_do_in_one_line(tmp_path, capsys):
             "run.rollout_only=True: expected false with train_from_rollouts",
         ),
         (["--rollout-only", "--resume", str(tmp_path)], "--resume continues a run"),
+        (  # the key in the config rather than the flag
+            ["--resume", str(resumable), "--set", f"run.train_from_rollouts={tmp_path}"],
+            "--resume continues a run from its checkpoints; half a run",
+        ),
     ]
     for argv, start in cases:
         assert main(["train", *argv, "--set", f"run.dir={tmp_path / 'x'}"]) != 0

@@ -121,7 +121,12 @@ def _actor_process(driver: subprocess.Popen, name: str) -> psutil.Process:
     raise AssertionError(f"no ray::{name} process below the driver")
 
 
-def test_a_killed_training_rank_stops_the_run_with_one_line_naming_it_and_the_resume(tmp_path):
+@pytest.mark.parametrize(
+    ("actor", "role"), [("TrainRank", "training rank 0"), ("RolloutEngine", "rollout engine 0")]
+)
+def test_a_killed_process_stops_the_run_with_one_line_naming_it_and_the_resume(
+    tmp_path, actor, role
+):
     run = tmp_path / "run"
     driver = train(*RUN, "--set", "run.num_rollouts=50", "--set", f"run.dir={run}")
     deadline = time.monotonic() + 900
@@ -129,15 +134,15 @@ def test_a_killed_training_rank_stops_the_run_with_one_line_naming_it_and_the_re
         assert driver.poll() is None, driver.stdout.read().decode(errors="replace")[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    rank = _actor_process(driver, "TrainRank")
-    rank.kill()
+    victim = _actor_process(driver, actor)
+    victim.kill()
     out, _ = driver.communicate(timeout=300)
     from ember.cli import RUN_ERROR
 
     assert driver.returncode == RUN_ERROR, out.decode(errors="replace")[-3000:]
     last = out.decode(errors="replace").strip().splitlines()[-1]
     newest = int(complete_checkpoints(run)[-1].name.removeprefix("rollout_"))
-    assert last.startswith(f"ember train: error: training rank 0 (pid {rank.pid} on "), last
+    assert last.startswith(f"ember train: error: {role} (pid {victim.pid} on "), last
     assert last.endswith(
         f"continue from the checkpoint of rollout {newest} with: ember train --resume {run}"
     ), last

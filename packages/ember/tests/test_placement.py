@@ -242,6 +242,15 @@ def test_busy_gpus_time_out_and_leave_nothing_behind(cluster, tmp_path):
     assert live_groups() == set()
 
 
+def test_half_a_run_holds_no_gpu_for_the_other_half(tmp_path):
+    gpus = ("ray.colocate=false", "ray.gpus_per_rank=1", "ray.gpus_per_engine=1")
+    assert set(plan_layout(config_of(*gpus)).bundles) == {TRAIN, ROLLOUT}
+    rollout_only = plan_layout(config_of(*gpus, "run.rollout_only=true"))
+    assert rollout_only.bundles == {ROLLOUT: [1]} and rollout_only.train is None
+    from_dump = plan_layout(config_of(*gpus, f"run.train_from_rollouts={tmp_path}"))
+    assert from_dump.bundles == {TRAIN: [1]} and from_dump.engines is None
+
+
 def test_engine_shares_pack_onto_gpus_ranks_never_do_and_bad_shares_name_the_key():
     layout = plan_layout(
         config_of(

@@ -624,9 +624,12 @@ class FakeSGLang:
         model_shapes: dict[str, tuple[int, ...]] | None = None,
         weight_version: str = "default",
         radix_cache: bool = True,
+        fail_pause_on: tuple[int, ...] = (),
     ):
         self.bodies: list[dict] = []
         self.radix_cache = radix_cache
+        self.fail_pause_on = fail_pause_on
+        """Servers whose /pause_generation fails (a server in trouble answers 500)."""
         """Whether the servers keep their radix cache (launched without --disable-radix-cache)."""
         self.respond = respond
         self.healthy = healthy
@@ -705,9 +708,11 @@ class FakeSGLang:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _pause(self, request):
-        _, state, body, invalid = await self._checked(request)
+        server, state, body, invalid = await self._checked(request)
         if invalid is not None:
             return invalid
+        if server in self.fail_pause_on:
+            return web.Response(status=500, text="Internal Server Error")
         return state.pause(body.get("mode", "abort"))
 
     async def _continue(self, request):

@@ -158,3 +158,18 @@ def test_launched_servers_run_without_the_radix_cache_under_partial_rollouts(tmp
     command = engine.server_command(30000)
     assert (NO_RADIX_CACHE in command) is partial
     assert command.count(NO_RADIX_CACHE) <= 1
+
+
+def test_a_pause_that_fails_on_one_server_leaves_no_server_paused():
+    fake = FakeSGLang(radix_cache=False, fail_pause_on=(1,))
+
+    async def body(engine):
+        with pytest.raises(EngineError, match="pause_generation on .* HTTP 500"):
+            await engine.begin_weight_update()
+        return await asyncio.wait_for(engine.generate([request(), request(1)]), 5)
+
+    run(fake, body, n_servers=2, partial_rollouts=True, max_retries=0)
+    assert [state.paused for state in fake.states] == [None, None]
+    assert fake.open_sessions == set()
+    continued = [s for s, path, _ in fake.weight_calls if path == "/continue_generation"]
+    assert sorted(continued) == [0, 1]

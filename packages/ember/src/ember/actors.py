@@ -444,7 +444,8 @@ class RolloutEngine:
         engine_config.hf.model_path = model_path
         sglang.model_path = model_path
         if sglang.log_dir is None:  # launched servers log next to the run's other files
-            sglang.log_dir = str(Path(model_path).parent / "sglang")
+            run_dir = Path(self.config.run.dir) if self.config.run.dir else Path(model_path).parent
+            sglang.log_dir = str(run_dir / "sglang")
         self.attached = engine_config.kind == "sglang" and bool(sglang.urls)
         if engine_config.kind == "sglang" and not self.attached:
             # sglang 0.5.23 (arg_groups/fields/serving.py) serves version "default" until the

@@ -62,6 +62,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.train_from_rollouts is not None:
         overrides.append(f"run.train_from_rollouts={args.train_from_rollouts}")
     config, plugins = load_config(config_source, overrides=overrides, plugins=args.plugins)
+    if args.resume and (config.run.rollout_only or config.run.train_from_rollouts is not None):
+        raise ValueError(
+            "--resume continues a run from its checkpoints; half a run (run.rollout_only, "
+            "run.train_from_rollouts) writes none: start it again instead"
+        )
     check_inputs(config)  # bad prompt files, reward names, paths: fail before Ray starts
     logging.getLogger("ember").info("%s", describe_loop(config))
     mark("driver", "config loaded and checked")

@@ -288,9 +288,15 @@ class Driver:
         opened: list[Any] = []
         try:
             begun = [e.begin_weight_update.remote() for e in engines]
+            failed: BaseException | None = None
             for engine, ref in zip(engines, begun, strict=True):
-                ray.get(ref)
-                opened.append(engine)
+                try:  # every answer, so that each session that opened is closed again
+                    ray.get(ref)
+                    opened.append(engine)
+                except Exception as exc:
+                    failed = failed or exc
+            if failed is not None:
+                raise failed
             if transport == "broadcast":
                 self._push_broadcast(version)
             else:
@@ -434,6 +440,15 @@ class Driver:
         if self.from_dump:
             source = Path(self.config.run.train_from_rollouts)
             batch = RolloutBatch(read_dump(dump_path(source, rollout_id)))
+            why = self._untrainable(batch, rollout_id)
+            if why:  # nothing can generate it again: trained as dumped, and said so
+                logger.warning(
+                    "rollout %d of %s: %s; trained as dumped (a dump from other weights, "
+                    "such as a rollout-only run's, trains off-policy)",
+                    rollout_id,
+                    source,
+                    why,
+                )
         else:
             batch = self._take(rollout_id)
         waited = time.perf_counter() - t0
@@ -704,7 +719,11 @@ class Driver:
         self._pending.clear()
         try:
             if self.actors is not None:
-                ray.get([e.shutdown.remote() for e in self.actors.engines])
+                for ref in [e.shutdown.remote() for e in self.actors.engines]:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError:  # died already: nothing to stop
+                        pass
         finally:
             self.actors = None
             if self.placement is not None:

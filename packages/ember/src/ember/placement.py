@@ -146,6 +146,11 @@ def plan_layout(config: RunConfig) -> Layout:
             f"{_gpus(n)}"
         )
         return Layout(bundles=bundles, train=train, engines=engines, arithmetic=arithmetic)
+    # Half a run (run.rollout_only, run.train_from_rollouts) holds no GPU for the other half.
+    if config.run.rollout_only:
+        gpr = 0
+    if config.run.train_from_rollouts is not None:
+        gpe = 0
     if gpr > 0:
         bundles[TRAIN], train = _shared(dp, gpr, TRAIN)
         packed = f", {_per_gpu(gpr)} ranks per GPU" if gpr < 1 else ""

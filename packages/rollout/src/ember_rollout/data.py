@@ -161,7 +161,7 @@ def _dataset_rows(path: Path, key: str, keys: dict[str, Any]) -> Iterable[tuple[
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise ValueError(
             f"{key}={str(path)!r}: a directory, but not one written by datasets' save_to_disk "
-            f"({str(exc).splitlines()[0][:160]})"
+            f"({(str(exc).splitlines() or [type(exc).__name__])[0][:160]})"
         ) from None
     if isinstance(dataset, datasets.DatasetDict):
         splits = list(dataset)

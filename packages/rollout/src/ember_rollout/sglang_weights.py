@@ -243,9 +243,19 @@ class WeightUpdates:
             raise EngineError("; ".join(errors))
 
     async def _pause_generation(self) -> None:
-        """Pause generation in place on every server (partial rollouts only)."""
-        if self.partial_rollouts:
+        """Pause generation in place on every server (partial rollouts only). If a server
+        refuses, every server is continued again (continuing one that is not paused changes
+        nothing) before the refusal is raised: none is left paused."""
+        if not self.partial_rollouts:
+            return
+        try:
             await self._generation_control("/pause_generation", {"mode": "in_place"})
+        except BaseException:
+            try:
+                await self._generation_control("/continue_generation", {})
+            except EngineError as exc:
+                logger.error("while continuing generation after a failed pause: %s", exc)
+            raise
 
     async def _continue_generation(self) -> None:
         """Continue generation on every server after `_pause_generation`."""
