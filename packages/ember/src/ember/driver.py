@@ -239,11 +239,12 @@ class Driver:
                 resolved, engines=engines, model_path=str(model_dir)
             )
         self.actors = Actors(train=train, engines=engines, manager=manager)
-        self._roles = {
-            **{a._actor_id.hex(): f"training rank {i}" for i, a in enumerate(train)},
-            **{a._actor_id.hex(): f"rollout engine {j}" for j, a in enumerate(engines)},
-            **({manager._actor_id.hex(): "the rollout manager"} if manager is not None else {}),
-        }
+        named = [(a, f"training rank {i}") for i, a in enumerate(train)]
+        named += [(a, f"rollout engine {j}") for j, a in enumerate(engines)]
+        named += [(manager, "the rollout manager")] if manager is not None else []
+        # Ray's handles carry their actor id; stand-ins (tests running actors in-process) none.
+        ids = [(getattr(a, "_actor_id", None), role) for a, role in named]
+        self._roles = {actor_id.hex(): role for actor_id, role in ids if actor_id is not None}
         mark("driver", "actors created")
         if train:
             # The rendezvous lives on rank 0's node, which need not be this one: ask rank 0
