@@ -75,9 +75,9 @@ def test_partial_rollouts_on_the_real_sglang_server_keep_routes_and_log_probs_to
         "--set", "rollout.max_staleness=2",
         "--plugins", "r3_routing,ci_kl_checker",
         "--set", "ci.test=true",
-        "--set", "ci_kl_checker.audit_interval=2",
+        "--set", "ci_kl_checker.audit_interval=4",
         # One request at a time: a rollout's requests then outlast a training iteration, so a
-        # push finds one of them running.
+        # push finds one of them running (three pushes between the audits at 0 and 4).
         "--set", "engine.sglang.max_concurrency=1",
         "--set", "rollout.rollout_batch_size=8",
         "--set", "run.num_rollouts=5",
@@ -88,7 +88,7 @@ def test_partial_rollouts_on_the_real_sglang_server_keep_routes_and_log_probs_to
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rollouts = records(tmp_path, "rollout")
-    assert [r.get("rollout/audit") for r in rollouts] == [1.0, None, 1.0, None, 1.0]
+    assert [r.get("rollout/audit") for r in rollouts] == [1.0, None, None, None, 1.0]
     multi_version = 0
     for rollout_id, r in enumerate(rollouts):
         for line in (tmp_path / "rollouts" / f"{rollout_id:06d}.jsonl").read_text().splitlines():
@@ -102,23 +102,22 @@ def test_partial_rollouts_on_the_real_sglang_server_keep_routes_and_log_probs_to
     assert sum(r["rollout/multi_version_samples"] * r["rollout/num_samples"] for r in rollouts) == (
         multi_version
     )
-    for audit in rollouts[::2]:
+    for audit in rollouts[::4]:
         assert audit["rollout/multi_version_samples"] == 0.0
         assert audit["rollout/train_rollout_logprob_max_abs_diff"] <= 1e-4
     steps = records(tmp_path, "train")
     assert steps and all(s["train/replay_agreement"] == 1.0 for s in steps)
     output = run.stderr + run.stdout
     checks = ("train_rollout_mismatch_max", "first_step_ppo_kl_max", "replay_agreement")
-    for audit_id in (0, 2, 4):
+    for audit_id in (0, 4):
         for check in (*checks, "recorded_routing_agreement"):
             assert re.search(rf"audit rollout {audit_id}\b[^\n]*: {check} passed: ", output), (
                 audit_id,
                 check,
             )
-    for audit_id in (1, 3):  # the rollout after each audit holds stale samples
-        for check in ("recorded_versions", "replay_agreement"):
-            assert re.search(
-                rf"off-policy audit rollout {audit_id}\b[^\n]*: {check} passed: ", output
-            ), (audit_id, check)
+    # The first rollout after audit 0 that holds stale samples is the off-policy audit.
+    for check in ("recorded_versions", "replay_agreement"):
+        found = re.search(rf"off-policy audit rollout [123]\b[^\n]*: {check} passed: ", output)
+        assert found, check
     (log,) = (tmp_path / "sglang").glob("sglang-0-*.log")
     assert "pause_generation" in log.read_text()
