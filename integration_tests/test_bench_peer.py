@@ -258,7 +258,7 @@ def test_summary_of_a_synthetic_run():
     assert summary["max_drop"] == pytest.approx(0.3)
     assert summary["wall_s"] == 200.0 and summary["rollouts"] == 80
     short = bench_peer.summarize(bench_peer.rollout_records(synthetic_run([0.1, 0.2]), 1000.0), 30)
-    assert short["reach"] == {"0.5": None, "0.9": None}
+    assert short["reach"] == {"0.5": None, "0.7": None, "0.9": None}
     assert short["max_drop"] is None  # the run never got to rollout 50
     with pytest.raises(ValueError, match="no rollout records"):
         bench_peer.summarize([], 1.0)
@@ -346,7 +346,8 @@ def test_config_arguments_take_the_configs_work_and_its_figures(arith):
     assert args.thresholds == [figures.Threshold(0.6), figures.Threshold(0.1, relative=True)]
     assert (args.first, args.last) == (5, 3)
     toy = bench_peer.parse_args([])
-    assert toy.thresholds == [figures.Threshold(0.5), figures.Threshold(0.9)] and toy.last == 20
+    assert toy.thresholds == [figures.Threshold(0.5), figures.Threshold(0.7), figures.Threshold(0.9)]
+    assert toy.last == 20
     example = bench_peer.parse_args(["--config", str(ROOT / "examples/smollm2-arith.yaml")])
     assert example.config == "examples/smollm2-arith.yaml"  # as the commands (at the root) read it
     for bad in (
@@ -747,7 +748,22 @@ def test_learning_report_from_results_run_in_parts(tmp_path, capsys):
     ember_last = statistics.fmean([0.92, 0.92, 0.3])
     assert rows["mean reward, last 20 rollouts"].split()[0] == f"{ember_last:.3f}"
     assert "TRL last-20 by seed: 1: 0.920, 2: 0.920, 3: -" in out
+    assert "Ember first >= 0.7 by seed: 1: 10, 2: 20, 3: None" in out
+    assert rows["first rollout with reward >= 0.7"].split()[:4] == ["15.0", "+-", "7.1", "(2/3)"]
+    assert (tmp_path / "copy-2-4.png").is_file()
     assert math.isclose(found["ember"][2]["last_reward"], 0.3)
     # Other overrides (here: more rollouts) do not pick up these results.
     tables = bench_learning.main([*argv[:-1], "80"])
     assert all(s is None for side in tables[task].values() for s in side)
+    # An Ember variant in its own directory, against the TRL runs made without --set.
+    variant = tmp_path / "variant"
+    sets = bench_peer.ember_overrides(*task, rollouts, 1, ["train.shuffle_mini_batches=true"])
+    directory = bench_peer.task_dir(variant, *task, 1) / "ember"
+    directory.mkdir(parents=True)
+    records = bench_peer.rollout_records(synthetic_run([0.3] * 5 + [0.92] * 55), 1000.0)
+    bench_peer.save_result(directory, "ember", sets, ["cmd"], 100.0, records)
+    found = bench_learning.main(["--report", "--out", str(variant), "--trl-out", str(tmp_path),
+                                 "--tasks", "copy:2-4", "--rollouts", "60", "--seeds", "1", "2",
+                                 "--set", "train.shuffle_mini_batches=true"])[task]  # fmt: skip
+    assert [s is not None for s in found["ember"]] == [True, False]
+    assert [figures.reach_of(s, 0.9, 0) for s in found["trl"]] == [30, 30]

@@ -2,7 +2,7 @@
 
     uv run --group peer python tools/bench_learning.py [--tasks copy:3 copy:2-4 reverse:3 sort:3]
         [--seeds 1 2 3] [--rollouts N] [--only ember|trl] [--out DIR] [--force] [--report]
-        [--set key=value ...]
+        [--trl-out DIR] [--set key=value ...]
 
 Each (task, seed) pair is one run of each side, set up exactly as `tools/bench_peer.py` sets it
 up (same initial weights, tokenizer, prompts, reward and mapped hyper-parameters; the seed sets
@@ -10,13 +10,16 @@ rollout.seed, train.seed and data.seed, so the initial weights change with it). 
 `NAME:DIGITS` or `NAME:MIN-MAX`. Results are kept in `--out` (default runs/bench_learning): a
 run already there with the same overrides is not run again (`--force` reruns it), so the
 comparison can be run in parts, one task or seed at a time, and `--report` prints the table
-of what is there without running anything.
+of what is there without running anything. `--trl-out` reads TRL's runs from another
+directory (those run there without `--set`), so an Ember variant (`--only ember --set ...`
+in its own `--out`) is compared with the same TRL runs.
 
 Per task it prints, for each side, the mean +- sample standard deviation over seeds of the
-mean reward of the last 20 rollouts, of the first rollout whose mean reward reaches 0.5 and
-0.9 ("(k/n)": only k of the n seeds got there; the mean is over those), and of the largest fall
-of a rollout's mean reward below the best before it, from rollout 50 on; then the Ember/TRL
-ratio of the means, and each seed's last-20 reward.
+mean reward of the last 20 rollouts, of the first rollout whose mean reward reaches 0.5, 0.7
+and 0.9 ("(k/n)": only k of the n seeds got there; the mean is over those), and of the largest
+fall of a rollout's mean reward below the best before it, from rollout 50 on; then the
+Ember/TRL ratio of the means, and each seed's figures. Each task's curves, both sides and
+every seed, go to `<out>/<task>-<min>-<max>.png`.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import peer_figures as figures
 
 DEFAULT_TASKS = ("copy:3", "copy:2-4", "reverse:3", "sort:3")
 DEFAULT_SEEDS = (1, 2, 3)
-TASK = re.compile(r"^(copy|reverse|sort):(\d+)(?:-(\d+))?$")
+TASK = re.compile(r"^(copy|reverse|sort|shift):(\d+)(?:-(\d+))?$")
 
 LEARNING_ROWS = (
     (f"mean reward, last {figures.LAST} rollouts", lambda s: s["last_reward"], 3),
     ("first rollout with reward >= 0.5", lambda s: figures.reach_of(s, 0.5, 0), 1),
+    ("first rollout with reward >= 0.7", lambda s: figures.reach_of(s, 0.7, 0), 1),
     ("first rollout with reward >= 0.9", lambda s: figures.reach_of(s, 0.9, 0), 1),
     (f"largest fall below best, from {figures.DROP_AFTER}", lambda s: s["max_drop"], 3),
 )
@@ -46,7 +50,7 @@ def parse_task(text: str) -> tuple[str, int, int]:
     match = TASK.match(text.strip())
     if match is None:
         raise ValueError(f"task {text!r}: expected NAME:DIGITS or NAME:MIN-MAX, NAME one of "
-                         "copy, reverse, sort (for example copy:2-4)")  # fmt: skip
+                         "copy, reverse, sort, shift (for example copy:2-4)")  # fmt: skip
     low = int(match.group(2))
     high = int(match.group(3) or low)
     if not 1 <= low <= high:
@@ -59,6 +63,8 @@ def parse_args(argv: Sequence[str] | None = None):
     parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), metavar="TASK")
     parser.add_argument("--force", action="store_true", help="rerun runs that are already there")
     parser.add_argument("--report", action="store_true", help="print the table, run nothing")
+    parser.add_argument("--trl-out", type=Path, default=None, metavar="DIR",
+                        help="read TRL's runs (made without --set) from DIR instead of --out")  # fmt: skip
     parser.set_defaults(seeds=list(DEFAULT_SEEDS), out=peer.ROOT / "runs" / "bench_learning")
     args = parser.parse_args(argv)
     for flag in ("task", "min_digits", "max_digits"):
@@ -77,14 +83,17 @@ def parse_args(argv: Sequence[str] | None = None):
     return args
 
 
-def task_summaries(out: Path, task: tuple[str, int, int], seeds: Sequence[int],
-                   sets_of) -> dict[str, list[dict[str, Any] | None]]:  # fmt: skip
-    """Each side's summary per seed (None where that run is not there)."""
+def task_summaries(out: Path, task: tuple[str, int, int], seeds: Sequence[int], sets_of,
+                   trl_out: Path | None = None, trl_sets_of=None,
+                   ) -> dict[str, list[dict[str, Any] | None]]:  # fmt: skip
+    """Each side's summary per seed (None where that run is not there); TRL's from `trl_out`
+    with `trl_sets_of`'s overrides when given."""
     found: dict[str, list[dict[str, Any] | None]] = {side: [] for side in peer.SIDES}
     for seed in seeds:
-        where = peer.task_dir(out, *task, seed)
         for side in peer.SIDES:
-            result = peer.load_result(where / side, sets_of(seed))
+            other = side == "trl" and trl_out is not None
+            where = peer.task_dir(trl_out if other else out, *task, seed)
+            result = peer.load_result(where / side, (trl_sets_of if other else sets_of)(seed))
             found[side].append(
                 None if result is None else figures.summarize(result["records"], result["wall_s"])
             )
@@ -106,9 +115,14 @@ def learning_table(found: dict[str, list[dict[str, Any] | None]], seeds: Sequenc
             f"{seed}: " + ("-" if s is None else f"{s['last_reward']:.3f}")
             for seed, s in zip(seeds, found[side], strict=True)
         )
-        lines.append(
-            f"  {'Ember' if side == 'ember' else 'TRL'} last-{figures.LAST} by seed: {per_seed}"
-        )
+        name = "Ember" if side == "ember" else "TRL"
+        lines.append(f"  {name} last-{figures.LAST} by seed: {per_seed}")
+        for level in (0.5, 0.7):
+            per_seed = ", ".join(
+                f"{seed}: " + ("-" if s is None else str(figures.reach_of(s, level, 0)))
+                for seed, s in zip(seeds, found[side], strict=True)
+            )
+            lines.append(f"  {name} first >= {level} by seed: {per_seed}")
     return "\n".join(lines)
 
 
@@ -117,8 +131,8 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, int, int], dict[s
     if not args.report and args.only != "ember":
         peer.require_trl()
 
-    def sets_for(task):
-        return lambda seed: peer.ember_overrides(*task, args.rollouts, seed, args.set)
+    def sets_for(task, user_sets=args.set):
+        return lambda seed: peer.ember_overrides(*task, args.rollouts, seed, user_sets)
 
     if not args.report:
         first = sets_for(args.tasks[0])(args.seeds[0])
@@ -131,11 +145,17 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, int, int], dict[s
                 peer.run_pair(where, sets_for(task)(seed), seed, args.only, reuse=not args.force)
     tables = {}
     for task in args.tasks:
-        found = task_summaries(args.out, task, args.seeds, sets_for(task))
+        found = task_summaries(args.out, task, args.seeds, sets_for(task), args.trl_out,
+                               sets_for(task, []))  # fmt: skip
         tables[task] = found
         seeds = " ".join(map(str, args.seeds))
-        print(f"\n{task[0]} {task[1]}-{task[2]} digits, {args.rollouts} rollouts, seeds {seeds}:")
+        title = f"{task[0]} {task[1]}-{task[2]} digits, {args.rollouts} rollouts, seeds {seeds}"
+        print(f"\n{title}:")
         print(learning_table(found, args.seeds))
+        drawn = {side: [s for s in runs if s is not None] for side, runs in found.items()}
+        if any(drawn.values()):
+            path = args.out / f"{task[0]}-{task[1]}-{task[2]}.png"
+            print(f"  curves: {figures.plot_curves(drawn, path, title)}")
     return tables
 
 

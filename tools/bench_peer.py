@@ -1,6 +1,6 @@
 """Ember against TRL's GRPOTrainer on the same work: wall time, time to a reward, s/rollout.
 
-    uv run python tools/bench_peer.py [--task copy|reverse|sort]
+    uv run python tools/bench_peer.py [--task copy|reverse|sort|shift]
         [--min-digits N] [--max-digits N] [--rollouts N] [--seeds S ...] [--only ember|trl]
         [--out DIR] [--set key=value ...]
     uv run python tools/bench_peer.py --config CONFIG [--rollouts N] [--seeds S ...] ...
@@ -122,7 +122,8 @@ RESULT = "result.json"
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description or __doc__.splitlines()[0])
-    parser.add_argument("--task", choices=("copy", "reverse", "sort"), default=None)
+    parser.add_argument("--task", choices=("copy", "reverse", "sort", "shift"),
+                        default=None)  # fmt: skip
     parser.add_argument("--min-digits", type=int, default=None)
     parser.add_argument("--max-digits", type=int, default=None)
     parser.add_argument("--rollouts", type=int, default=None, help="default: the config's")
@@ -295,6 +296,8 @@ NOTES = {
     "generation_batch_size": "rollout_batch_size x n_samples_per_prompt; TRL derives it",
     "per_device_train_batch_size": "Ember's None: one micro-batch per mini-batch",
     "steps_per_generation": "micro-batches per rollout: one optimizer step per mini-batch",
+    "shuffle": "TRL always shuffles a rollout's samples before it splits them into steps; Ember "
+    "with false keeps arrival order (whole prompt groups per step)",
     "top_k": "TRL's 0 keeps every token",
     "scale_rewards": "both divide by the unbiased group std, + 1e-6 in Ember, + 1e-4 in TRL",
     "beta": "no KL in either loss; Ember still runs the reference forward for its logged KL, "
@@ -415,6 +418,8 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
     add("(micro-batches per step)", accum, "gradient_accumulation_steps", accum)
     add("train.num_steps_per_rollout", steps, "steps_per_generation", steps * accum, True)
     add("(passes over a rollout)", 1, "num_iterations", 1)
+    add("train.shuffle_mini_batches", train.shuffle_mini_batches, "(shuffles the batch)", True,
+        "shuffle", kwarg=False)  # fmt: skip
     unmapped("train.max_tokens_per_micro_batch", train.max_tokens_per_micro_batch,
              train.max_tokens_per_micro_batch is not None)  # fmt: skip
     add("run.num_rollouts", rollouts, "max_steps", rollouts * steps, True)

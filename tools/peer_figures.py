@@ -52,7 +52,7 @@ def parse_threshold(text: str) -> Threshold:
     return Threshold(value, relative)
 
 
-THRESHOLDS = (Threshold(0.5), Threshold(0.9))
+THRESHOLDS = (Threshold(0.5), Threshold(0.7), Threshold(0.9))
 """The toy task's thresholds: it starts near 0 and ends near 1."""
 RELATIVE_THRESHOLDS = (Threshold(0.25, relative=True),)
 """A task on prompt data: the pretrained model starts somewhere, the bench reports its gain."""

@@ -442,3 +442,51 @@ def test_an_audit_scores_for_the_checks_and_trains_as_between_audits(dist_env, c
     for name, value in theirs.items():
         if torch.is_tensor(value):
             assert torch.equal(mine[name], value), name
+
+
+def test_shuffled_mini_batches_train_as_the_samples_dealt_in_that_order(dist_env):
+    """`shuffle_mini_batches` deals the rank's samples into steps in a seeded random order; the
+    update equals the unshuffled worker's on the samples handed over in that order."""
+    from ember_megatron_backend.batches import plan_steps, shuffled_order
+
+    samples = make_samples(num_groups=4, per_group=4)
+    order = shuffled_order(len(samples), 1234, 0)
+    assert sorted(order) == list(range(16)) and order != list(range(16))
+    assert order == shuffled_order(16, 1234, 0) != shuffled_order(16, 1234, 1)
+    runs = []
+    for shuffle, given in ((True, samples), (False, [samples[i] for i in order])):
+        worker = MegatronWorker(
+            backend(seed=1234, shuffle_mini_batches=shuffle, micro_batch_size=None),
+            algorithm(loss_reduction="token"),
+            sampling(),
+        )
+        batch = worker.prepare(0, given)
+        runs.append((worker, batch, worker.train(0, batch)))
+    (shuffled, batch, steps), (plain, plain_batch, plain_steps) = runs
+    step_samples = [[batch.samples[i].index for mb in step for i in mb] for step in batch.steps]
+    assert step_samples == [[samples[i].index for i in part] for part in (order[:8], order[8:])]
+    # Arrival order would give each step two whole groups; the shuffle mixes them.
+    groups = [{samples[i].group_index for i in part} for part in (order[:8], order[8:])]
+    assert any(len(g) > 2 for g in groups)
+    unshuffled = plan_steps(samples, 2, micro_batch_size=None, max_tokens_per_micro_batch=None)
+    assert unshuffled == [[list(range(8))], [list(range(8, 16))]]
+    for got, want in zip(steps, plain_steps, strict=True):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    # Packed in another order, the sums round differently; Adam's first update of a weight
+    # whose gradient is near 0 amplifies that to a few 1e-6 (docs/learning-stability.md).
+    for a, b in zip(shuffled.actor.parameters(), plain.actor.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def test_plan_steps_takes_a_permutation_only(dist_env):
+    from ember_megatron_backend.batches import plan_steps
+
+    samples = make_samples()
+    with pytest.raises(ValueError, match="expected a permutation"):
+        plan_steps(samples, 2, micro_batch_size=1, max_tokens_per_micro_batch=None,
+                   order=[0, 0, 1, 2, 3, 4, 5, 6])  # fmt: skip
+    steps = plan_steps(samples, 2, micro_batch_size=2, max_tokens_per_micro_batch=None,
+                       order=[7, 6, 5, 4, 3, 2, 1, 0])  # fmt: skip
+    assert sorted(i for mb in steps[0] for i in mb) == [4, 5, 6, 7]
+    assert all(len(mb) == 2 for step in steps for mb in step)

@@ -27,6 +27,35 @@ def test_toy_prompts_are_seeded_and_labelled():
         toy_prompt("add", "12")
 
 
+def test_shift_prompts_ask_for_each_digit_plus_the_shift_mod_10():
+    from ember_rollout.config import ToyTaskConfig
+    from ember_rollout.tokenizer import TOY_UNK, toy_tokenizer
+
+    assert toy_prompt("shift", "3149", 2) == {"prompt": "3149 : 2 =", "label": "5361"}
+    for bad in (None, 0, 10):
+        with pytest.raises(ValueError, match="shift: shift="):
+            toy_prompt("shift", "31", bad)
+    with pytest.raises(ValueError, match="shift task only"):
+        toy_prompt("copy", "31", 2)
+    records = make_toy_prompts(ToyTaskConfig(task="shift", num_prompts=300, min_digits=2,
+                                             max_digits=4, seed=5))  # fmt: skip
+    tokenizer = toy_tokenizer()
+    shifts = set()
+    for record in records:
+        digits, colon, shift, eq = record["prompt"].split()
+        shifts.add(int(shift))
+        assert (colon, eq) == (":", "=") and 2 <= len(digits) <= 4
+        assert record["label"] == "".join(str((int(d) + int(shift)) % 10) for d in digits)
+        ids = tokenizer(record["prompt"])["input_ids"]
+        assert tokenizer.convert_tokens_to_ids(TOY_UNK) not in ids
+        assert len(ids) == len(digits) + 3
+    assert shifts == set(range(1, 10))
+    # The first prompt's digits come from the same stream as a word task's.
+    first = make_toy_prompts(ToyTaskConfig(task="shift", num_prompts=1, seed=5))[0]
+    copy = make_toy_prompts(ToyTaskConfig(task="copy", num_prompts=1, seed=5))[0]
+    assert first["prompt"].split()[0] == copy["label"]
+
+
 def test_toy_tokenizer_round_trips_through_auto_tokenizer(tmp_path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

@@ -23,6 +23,7 @@ __all__ = [
     "pack_micro_batch",
     "plan_layouts",
     "plan_steps",
+    "shuffled_order",
     "split_evenly",
 ]
 
@@ -127,6 +128,13 @@ def split_evenly(count: int, parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+def shuffled_order(count: int, seed: int, rollout_id: int) -> list[int]:
+    """A permutation of range(count), the same for the same (seed, rollout_id) on every rank
+    and pipeline stage (`train.shuffle_mini_batches`)."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + rollout_id) % (1 << 63))
+    return torch.randperm(count, generator=generator).tolist()
+
+
 def _split_to(plan: list[list[int]], count: int) -> list[list[int]]:
     """Halve the micro-batches with the most samples until there are `count` (or none splits)."""
     plan = [list(mb) for mb in plan]
@@ -147,12 +155,13 @@ def plan_steps(
     max_tokens_per_micro_batch: int | None,
     group: Any = None,
     strict_counts: bool = False,
+    order: Sequence[int] | None = None,
 ) -> list[list[list[int]]]:
     """Sample indices per optimizer step and micro-batch, the same number of micro-batches on
     every rank of `group`.
 
-    The rank's samples split into `num_steps` contiguous mini-batches of (almost) equal size;
-    each mini-batch into micro-batches by count or token budget (one micro-batch when neither
+    The rank's samples, taken in `order`, split into `num_steps` contiguous mini-batches of
+    (almost) equal size; each mini-batch into micro-batches by count or token budget (one micro-batch when neither
     is given). Ranks then agree on the largest micro-batch count of each step and split their
     largest micro-batches until they reach it, so collective forward passes (expert parallelism)
     stay in step.
@@ -165,6 +174,8 @@ def plan_steps(
         group: Process group whose ranks must agree (the data-parallel group); None: no
             agreement.
         strict_counts: Fail when a rank has too few samples to reach the agreed count.
+        order: A permutation of the sample indices (`shuffled_order`); None: arrival order, so
+            each mini-batch holds whole prompt groups.
 
     Raises:
         ValueError: with fewer samples than steps, or, with `strict_counts`, fewer samples in a
@@ -175,18 +186,23 @@ def plan_steps(
             f"this rank has {len(samples)} samples for train.num_steps_per_rollout={num_steps}: "
             "every optimizer step needs at least one sample per data-parallel rank"
         )
+    if order is None:
+        order = range(len(samples))
+    elif sorted(order) != list(range(len(samples))):
+        raise ValueError(f"order {list(order)}: expected a permutation of 0..{len(samples) - 1}")
     lengths = [s.total_length for s in samples]
     steps = []
-    for part in split_evenly(len(samples), num_steps):
+    for span in split_evenly(len(samples), num_steps):
+        part = [order[k] for k in span]
         if micro_batch_size is None and max_tokens_per_micro_batch is None:
-            local = [list(part)]
+            local = [part]
         else:
             local = plan_micro_batches(
                 [lengths[i] for i in part],
                 micro_batch_size=micro_batch_size,
                 max_tokens_per_micro_batch=max_tokens_per_micro_batch,
             )
-            local = [[part.start + i for i in mb] for mb in local]
+            local = [[part[i] for i in mb] for mb in local]
         steps.append(local)
     if group is None or dist.get_world_size(group) == 1:
         return steps

@@ -140,6 +140,10 @@ class BackendConfig:
     """The critic (PPO)."""
     num_steps_per_rollout: int = 1
     """Optimizer steps per rollout; each rank's samples split into this many mini-batches."""
+    shuffle_mini_batches: bool = False
+    """Deal each rank's samples into the mini-batches in a random order (seeded by `seed` and
+    the rollout id), as TRL's GRPOTrainer shuffles its generation batch before splitting it;
+    false keeps arrival order, so each optimizer step trains on whole prompt groups."""
     micro_batch_size: int | None = None
     """Samples per micro-batch (gradient accumulation); None with no token budget means one
     micro-batch per mini-batch."""

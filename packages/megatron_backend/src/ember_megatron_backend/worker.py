@@ -27,6 +27,7 @@ from ember_megatron_backend.batches import (
     pack_micro_batch,
     plan_layouts,
     plan_steps,
+    shuffled_order,
 )
 from ember_megatron_backend.config import BackendConfig, is_hf_checkpoint
 from ember_megatron_backend.forward import run_model
@@ -266,6 +267,11 @@ class MegatronWorker:
             max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
             group=dp_group,
             strict_counts=ps.get_expert_model_parallel_world_size() > 1,
+            order=(
+                shuffled_order(len(samples), self.config.seed, rollout_id)
+                if self.config.shuffle_mini_batches
+                else None
+            ),
         )
         layouts = plan_layouts(self.actor, samples, steps, dp_group)
         routing = None

@@ -282,10 +282,11 @@ class EngineConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ToyTaskConfig:
-    """The default task: transform a short digit string; reward = fraction of correct digits."""
+    """The toy task: transform a short digit string; reward = fraction of correct digits."""
 
-    task: Literal["copy", "reverse", "sort"] = "copy"
-    """copy, reverse or sort the digits."""
+    task: Literal["copy", "reverse", "sort", "shift"] = "copy"
+    """copy, reverse or sort the digits ("sort 314 =" -> "134"), or shift each by the digit
+    after the colon, mod 10 ("314 : 2 =" -> "536")."""
     num_prompts: int = 4096
     """Distinct prompts generated."""
     min_digits: int = 2

@@ -1,4 +1,5 @@
-"""The default task: copy, reverse or sort a short digit string, with partial credit per digit."""
+"""The toy tasks: copy, reverse, sort or shift a short digit string, with partial credit per
+digit."""
 
 from __future__ import annotations
 
@@ -11,15 +12,30 @@ TRANSFORMS = {
     "reverse": lambda digits: digits[::-1],
     "sort": lambda digits: "".join(sorted(digits)),
 }
-"""What each task asks for, as a function of the prompt's digit string."""
+"""What each word task asks for, as a function of the prompt's digit string."""
+TASKS = (*TRANSFORMS, "shift")
+"""Every toy task. `shift` is modular arithmetic: "314 : 2 =" asks for each digit plus 2,
+mod 10 ("536"); its prompts carry no task word, the shift digit (1 to 9) after the colon."""
 
 
-def toy_prompt(task: str, digits: str) -> dict[str, str]:
-    """One prompt record: {"prompt": "copy 314 =", "label": "314"}."""
-    if task not in TRANSFORMS:
-        raise ValueError(f"toy task {task!r}: expected one of {', '.join(TRANSFORMS)}")
+def shifted(digits: str, shift: int) -> str:
+    """Each digit plus `shift`, mod 10."""
+    return "".join(str((int(d) + shift) % 10) for d in digits)
+
+
+def toy_prompt(task: str, digits: str, shift: int | None = None) -> dict[str, str]:
+    """One prompt record: {"prompt": "copy 314 =", "label": "314"}; for `shift` (which needs
+    `shift` in 1..9) {"prompt": "314 : 2 =", "label": "536"}."""
+    if task not in TASKS:
+        raise ValueError(f"toy task {task!r}: expected one of {', '.join(TASKS)}")
     if not digits.isdigit():
         raise ValueError(f"toy task digits {digits!r}: expected a string of digits")
+    if task == "shift":
+        if shift is None or not 1 <= shift <= 9:
+            raise ValueError(f"toy task shift: shift={shift!r}, expected 1 to 9")
+        return {"prompt": f"{digits} : {shift} =", "label": shifted(digits, shift)}
+    if shift is not None:
+        raise ValueError(f"toy task {task!r}: shift={shift!r} belongs to the shift task only")
     return {"prompt": f"{task} {digits} =", "label": TRANSFORMS[task](digits)}
 
 
@@ -30,7 +46,8 @@ def make_toy_prompts(config: ToyTaskConfig) -> list[dict[str, str]]:
     for _ in range(config.num_prompts):
         length = rng.randint(config.min_digits, config.max_digits)
         digits = "".join(rng.choice("0123456789") for _ in range(length))
-        records.append(toy_prompt(config.task, digits))
+        shift = rng.randint(1, 9) if config.task == "shift" else None
+        records.append(toy_prompt(config.task, digits, shift))
     return records
 
 
