@@ -346,7 +346,11 @@ def test_config_arguments_take_the_configs_work_and_its_figures(arith):
     assert args.thresholds == [figures.Threshold(0.6), figures.Threshold(0.1, relative=True)]
     assert (args.first, args.last) == (5, 3)
     toy = bench_peer.parse_args([])
-    assert toy.thresholds == [figures.Threshold(0.5), figures.Threshold(0.7), figures.Threshold(0.9)]
+    assert toy.thresholds == [
+        figures.Threshold(0.5),
+        figures.Threshold(0.7),
+        figures.Threshold(0.9),
+    ]
     assert toy.last == 20
     example = bench_peer.parse_args(["--config", str(ROOT / "examples/smollm2-arith.yaml")])
     assert example.config == "examples/smollm2-arith.yaml"  # as the commands (at the root) read it

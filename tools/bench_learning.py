@@ -64,7 +64,7 @@ def parse_args(argv: Sequence[str] | None = None):
     parser.add_argument("--force", action="store_true", help="rerun runs that are already there")
     parser.add_argument("--report", action="store_true", help="print the table, run nothing")
     parser.add_argument("--trl-out", type=Path, default=None, metavar="DIR",
-                        help="read TRL's runs (made without --set) from DIR instead of --out")  # fmt: skip
+                        help="read TRL's runs (made without --set) from DIR")  # fmt: skip
     parser.set_defaults(seeds=list(DEFAULT_SEEDS), out=peer.ROOT / "runs" / "bench_learning")
     args = parser.parse_args(argv)
     for flag in ("task", "min_digits", "max_digits"):

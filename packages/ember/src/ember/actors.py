@@ -72,6 +72,13 @@ def _import_rollout_libraries(*, embedded_engine: bool, model_type: str | None =
             getattr(transformers, name)
 
 
+def _actor_key(actor: Any) -> Any:
+    """What tells engine actors apart: Ray's actor id (the handle itself for an in-process
+    stand-in)."""
+    actor_id = getattr(actor, "_actor_id", None)
+    return id(actor) if actor_id is None else actor_id.hex()
+
+
 def _with_last(items: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
     """Each item with whether it is the last (one item of lookahead)."""
     current = next(items, None)
@@ -179,6 +186,8 @@ class TrainRank:
         self.worker: Any = None
         self._batch = None
         self._weight_group: Any = None
+        self._weight_members: list[Any] = []
+        """The engines `_weight_group` was formed with (`_actor_key`)."""
         self._offload: Any = None
 
     def rendezvous(self) -> str:
@@ -274,8 +283,12 @@ class TrainRank:
             joins,
         )
 
-    def send_weights(self, engines: list[Any], version: str) -> dict[str, float]:
-        """Broadcast the actor's weights to `engines` as weight version `version`.
+    def send_weights(
+        self, engines: list[Any], version: str, one_off: bool = False
+    ) -> dict[str, float]:
+        """Broadcast the actor's weights to `engines` as weight version `version`; with
+        `one_off` (a replacement engine's first load) over a group formed for this push
+        alone, which leaves the run's weight group as it is.
 
         Collective: every rank walks the weights in step (the gathers over TP/EP are
         collective); the sending rank (`is_weight_sender`) packs them into flattened buckets
@@ -288,16 +301,37 @@ class TrainRank:
         Returns:
             On the sending rank, how much it sent (`bytes`, `buckets`); elsewhere {}.
         """
-        from ember_megatron_backend.weight_sync import bucket_weights, is_weight_sender
+        from ember_megatron_backend.weight_sync import is_weight_sender
 
         named = self.worker.hf_weights()
         if not is_weight_sender():
             for _ in named:  # take part in the gathers, send nothing
                 pass
             return {}
+        if one_off:
+            group = self._join_engines(engines)
+            sent = self._broadcast(group, engines, version, named)  # drops it if it fails
+            _drop_weight_group(group, engines)
+            return sent
+        members = [_actor_key(e) for e in engines]
+        if self._weight_group is not None and members != self._weight_members:
+            # An engine was replaced: the old group goes, and its members that are still
+            # here leave it (the engines are idle: a push waits for generation, or runs its
+            # calls on a thread of their own).
+            old, self._weight_group = self._weight_group, None
+            _drop_weight_group(old, [e for e in engines if _actor_key(e) in self._weight_members])
         if self._weight_group is None:
             self._weight_group = self._join_engines(engines)
-        group = self._weight_group
+            self._weight_members = members
+        return self._broadcast(self._weight_group, engines, version, named)
+
+    def _broadcast(
+        self, group: Any, engines: list[Any], version: str, named: Any
+    ) -> dict[str, float]:
+        """Send the weights `named` over `group` to `engines` (the sending rank's part of
+        `send_weights`)."""
+        from ember_megatron_backend.weight_sync import bucket_weights
+
         sent = {"bytes": 0.0, "buckets": 0.0}
         buckets = bucket_weights(
             named, self.config.weights.bucket_bytes, dtype=self._wire_dtype(), device=group.device
@@ -323,7 +357,8 @@ class TrainRank:
         except BaseException:
             # The group may hold a broadcast some members wait in: abort it here, have every
             # engine destroy it, and form a new one on the next push.
-            self._weight_group = None
+            if self._weight_group is group:
+                self._weight_group = None
             _drop_weight_group(group, engines)
             raise
         return sent
@@ -402,7 +437,12 @@ class TrainRank:
         self.worker.load_checkpoint(Path(path))
 
 
-@ray.remote
+HEALTH_CALLS = "health"
+"""The concurrency group of an engine's health calls: a thread of their own, so a probe is
+answered while `generate` runs (an engine that cannot answer it is hung)."""
+
+
+@ray.remote(concurrency_groups={HEALTH_CALLS: 1})
 class RolloutEngine:
     """One rollout engine: it generates the prompt groups the `RolloutManager` sends it, and
     nothing else (the prompt stream, rewards and filters live in the manager).
@@ -517,6 +557,33 @@ class RolloutEngine:
     def model_info(self) -> Any:
         """The served model's shape (`ModelInfo`), or None when the engine cannot tell."""
         return self.engine.model_info
+
+    @ray.method(concurrency_group=HEALTH_CALLS)
+    def health(self, timeout_s: float = 10.0) -> str | None:
+        """Why this engine cannot serve, or None: answered on a thread of its own beside
+        `generate` (`Engine.probe`: for SGLang, its servers' processes and GET /health)."""
+        engine = self.engine
+        return None if engine is None else engine.probe(timeout_s)
+
+    @ray.method(concurrency_group=HEALTH_CALLS)
+    def process(self) -> tuple[int, str]:
+        """This actor's pid and node address, for the errors that name it."""
+        return os.getpid(), ray.util.get_node_ip_address()
+
+    def weights_digest(self) -> str | None:
+        """A SHA-256 over the served weights (names, dtypes, shapes and bytes, in name order),
+        or None when the engine cannot read its weights (SGLang servers)."""
+        import hashlib
+
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            return None
+        digest = hashlib.sha256()
+        for name, tensor in sorted(model.state_dict().items()):
+            tensor = tensor.detach().cpu().contiguous()
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
     def loaded_model_path(self) -> bool:
         """Whether the engine loaded `model_path` itself when it started (not an attached
@@ -654,7 +721,9 @@ class _PartialRolloutEngine(RolloutEngine.__ray_actor_class__):  # type: ignore[
 for _name in WEIGHT_METHODS:
     setattr(_PartialRolloutEngine, _name, _on_weight_thread(_name))
 
-PartialRolloutEngine = ray.remote(concurrency_groups={WEIGHT_CALLS: 1})(_PartialRolloutEngine)
+PartialRolloutEngine = ray.remote(concurrency_groups={WEIGHT_CALLS: 1, HEALTH_CALLS: 1})(
+    _PartialRolloutEngine
+)
 
 
 def engine_actor(config: Any) -> Any:

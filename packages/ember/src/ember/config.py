@@ -226,6 +226,42 @@ class RaySection:
             )
 
 
+@dataclass(kw_only=True, slots=True)
+class FaultToleranceSection:
+    """What happens when a rollout engine dies or hangs (docs/architecture.md, "Engine
+    failures").
+
+    While an engine generates, the rollout manager waits on it for at most
+    `health_check_interval_s` at a time; each time it has not answered, it probes the engine
+    (a call on a thread of the engine's own that answers beside generation, and for SGLang a
+    GET /health of each server) and counts it hung when no answer comes within
+    `health_check_timeout_s`. The driver probes every engine before each weight push. A crashed
+    engine is seen at once (Ray reports the actor's death, or the server's requests fail and
+    its probe confirms it). A failed engine is killed and leaves the pool; the requests it held
+    are generated anew on the live engines; the driver starts a replacement in its slot, loads
+    the trainer's current weights into it, and puts it back in the pool.
+    """
+
+    enabled: bool = True
+    """Replace failed engines; false: the first engine failure stops the run (with the error
+    that names it and the resume command)."""
+    health_check_interval_s: float = 10.0
+    """How long the manager waits on a generating engine before probing it."""
+    health_check_timeout_s: float = 30.0
+    """An engine that does not answer a probe within this is hung."""
+    first_start_timeout_s: float = 600.0
+    """The grace a replacement has to load the model (or launch its SGLang servers) and answer
+    before it counts as failed too."""
+    max_restarts: int = 3
+    """Replacements per engine slot over the run; one more failure of that slot stops the
+    run."""
+
+    def __post_init__(self) -> None:
+        for key in ("health_check_interval_s", "health_check_timeout_s", "first_start_timeout_s"):
+            check(getattr(self, key) > 0, key, getattr(self, key), "> 0 (seconds)")
+        check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
+
+
 WEIGHT_TRANSPORTS = ("broadcast", "ipc", "disk")
 """How the trainer's weights can reach the engines (`weights.transport`)."""
 
@@ -286,6 +322,8 @@ class RunConfig(RolloutSections):
     """CI-only invariants."""
     weights: WeightsSection = field(default_factory=WeightsSection)
     """Weight transfer from the trainer to the engines."""
+    fault_tolerance: FaultToleranceSection = field(default_factory=FaultToleranceSection)
+    """Engine health checks and replacement."""
     plugin_sections: dict[str, Any] = field(default_factory=dict)
     """Each enabled plugin's parsed section, by name (filled from top-level keys)."""
 

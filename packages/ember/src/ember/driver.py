@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 from tqdm import tqdm
 
 from ember import RAY_ENV, processes
@@ -32,6 +33,7 @@ from ember.checkpoints import (
 )
 from ember.config import RunConfig, default_run_dir, dump_path, write_resolved
 from ember.dumps import read_dump, write_dump
+from ember.failures import EnginesExhausted, actor_death, kill, probe
 from ember.metrics import MetricsLogger
 from ember.placement import MemoryHandoff, Placement
 from ember.quiet import VERBOSE_ENV, verbose
@@ -144,6 +146,19 @@ class Driver:
         self._regenerated: dict[int, int] = {}
         """Samples of a rollout dropped as staler than `rollout.max_staleness` (a restored
         rollout, with a lower bound than the checkpoint's run had), by rollout id."""
+        self._engine_spec: dict[str, Any] = {}
+        """How `build` created the engines (resolved config, threads, model path): a
+        replacement is created alike."""
+        self._engine_process: dict[int, tuple[int, str]] = {}
+        """Each engine slot's (pid, node address), for the error that names it."""
+        self._restarts: dict[int, int] = {}
+        """Replacements per engine slot over this process's run."""
+        self._new_restarts = 0
+        """Replacements since the last rollout's metrics (`rollout/engine_restarts`)."""
+        self._replaced = False
+        """An engine was replaced since the last push: the next one checks its weights."""
+        self._trained_version = INITIAL_WEIGHT_VERSION
+        """The weight version the trainer holds (a replacement is loaded with it)."""
 
     @property
     def init_dir(self) -> Path:
@@ -203,7 +218,7 @@ class Driver:
             reuse_init: Keep an existing `hf_init` (on resume, where the checkpoint's weights
                 are pushed next anyway); otherwise it is written from the trainer's weights.
         """
-        from ember.actors import TrainRank, engine_actor
+        from ember.actors import TrainRank
         from ember.rollout_manager import RolloutManager
 
         cfg = self.config
@@ -227,12 +242,10 @@ class Driver:
             )
             for rank in range(0 if self.rollout_only else ray_cfg.data_parallel)
         ]
-        engines = [
-            engine_actor(cfg)
-            .options(**placement.engine_options(j))
-            .remote(resolved, model_path=str(model_dir), threads=engine_threads)
-            for j in range(0 if self.from_dump else ray_cfg.num_engines)
-        ]
+        self._engine_spec = {
+            "config": resolved, "model_path": str(model_dir), "threads": engine_threads
+        }  # fmt: skip
+        engines = [self._new_engine(j) for j in range(0 if self.from_dump else ray_cfg.num_engines)]
         manager = None
         if not self.from_dump:
             manager = RolloutManager.options(**placement.manager_options()).remote(
@@ -261,10 +274,177 @@ class Driver:
         self.handoff = handoff = MemoryHandoff.for_run(cfg, engines, train)
         handoff.to_rollout()
         ray.get([e.start.remote() for e in engines])
+        self._engine_process = dict(enumerate(ray.get([e.process.remote() for e in engines])))
         mark("driver", "engines started")
         if manager is not None:
             ray.get(manager.start.remote())
             mark("driver", "rollout manager started")
+
+    # -- engine failures ---------------------------------------------------------------------
+
+    MEND_POLL_S = 1.0
+    """While it waits on the manager, how often the driver asks it for failed engines."""
+
+    def _new_engine(self, slot: int) -> Any:
+        """An engine actor for `slot`, created as `build` creates them (not started)."""
+        from ember.actors import engine_actor
+
+        assert self.placement is not None
+        spec = self._engine_spec
+        return (
+            engine_actor(self.config)
+            .options(**self.placement.engine_options(slot))
+            .remote(spec["config"], model_path=spec["model_path"], threads=spec["threads"])
+        )
+
+    def _tolerant(self) -> bool:
+        """Whether failed engines are replaced: `fault_tolerance.enabled`, and the actors are
+        Ray's (in-process stand-ins in tests neither fail nor probe)."""
+        return (
+            self.config.fault_tolerance.enabled
+            and self.actors is not None
+            and isinstance(self.actors.manager, ActorHandle)
+        )
+
+    def _get(self, pending: Any) -> Any:
+        """`ray.get` of a manager call, mending failed engines while it runs (a rollout whose
+        engines all failed waits for a replacement, which only this process starts)."""
+        if isinstance(pending, RolloutBatch):
+            return pending
+        if self._tolerant():
+            self._wait([pending])
+        return ray.get(pending)
+
+    def _wait(self, refs: list[Any]) -> None:
+        """Wait until every call of `refs` finished, mending failed engines meanwhile."""
+        pending = list(refs)
+        if not self._tolerant():
+            ray.wait(pending, num_returns=len(pending), fetch_local=False)
+            return
+        while pending:
+            _, pending = ray.wait(
+                pending, num_returns=len(pending), timeout=self.MEND_POLL_S, fetch_local=False
+            )
+            if pending:
+                self._mend_engines()
+
+    def _mend_engines(self, *, probe_all: bool = False) -> bool:
+        """Replace every engine the manager found failed (and, with `probe_all`, every engine
+        that fails a health probe now); returns whether one was replaced. The trainer is idle
+        here (the driver waits on the manager, or is about to push).
+
+        Raises:
+            EnginesExhausted: a slot failed once more than `fault_tolerance.max_restarts`
+                allows, or cannot be replaced in a colocated run.
+        """
+        if not self._tolerant():
+            return False
+        assert self.actors is not None
+        ft = self.config.fault_tolerance
+        manager = self.actors.manager
+        failed = ray.get(manager.engine_failures.remote())
+        if probe_all:
+            for slot, engine in enumerate(self.actors.engines):
+                if slot not in failed:
+                    why = probe(engine, ft.health_check_timeout_s)
+                    if why is not None:
+                        ray.get(manager.fail_engine.remote(slot, why))
+                        failed[slot] = why
+        for slot, why in sorted(failed.items()):
+            self._replace(slot, why)
+        return bool(failed)
+
+    def _replace(self, slot: int, why: str) -> None:
+        """Start an engine in `slot` in place of the failed one, load the trainer's current
+        weights into it and hand it to the manager; a replacement that fails to start counts
+        as a failure of the slot too."""
+        assert self.actors is not None
+        ft = self.config.fault_tolerance
+        while True:
+            done = self._restarts.get(slot, 0)
+            if done >= ft.max_restarts or self.handoff.enabled:
+                raise EnginesExhausted(self._exhausted(slot, why, done))
+            self._restarts[slot] = done + 1
+            self._new_restarts += 1
+            kill(self.actors.engines[slot])
+            logger.warning(
+                "rollout engine %d failed (%s); starting replacement %d of at most %d",
+                slot, why, done + 1, ft.max_restarts,
+            )  # fmt: skip
+            engine = self._new_engine(slot)
+            self.actors.engines[slot] = engine
+            actor_id = getattr(engine, "_actor_id", None)
+            if actor_id is not None:
+                self._roles[actor_id.hex()] = f"rollout engine {slot}"
+            started = engine.start.remote()
+            ready, _ = ray.wait([started], timeout=ft.first_start_timeout_s)
+            try:
+                if not ready:
+                    raise TimeoutError(
+                        f"its replacement did not start within fault_tolerance."
+                        f"first_start_timeout_s={ft.first_start_timeout_s:g}"
+                    )
+                ray.get(started)
+                self._engine_process[slot] = ray.get(engine.process.remote())
+                self._load_current(engine)
+            except Exception as exc:
+                death = actor_death(exc)
+                why = f"its replacement failed to start: {death.detail if death else exc}"
+                continue
+            ray.get(self.actors.manager.install_engine.remote(slot, engine))
+            self._replaced = True
+            logger.warning(
+                "rollout engine %d replaced (pid %s), serving weight version %s",
+                slot, self._engine_process[slot][0], self._trained_version,
+            )  # fmt: skip
+            return
+
+    def _load_current(self, engine: Any) -> None:
+        """Bring a started replacement to the weights the trainer holds now: the initial ones
+        it loaded itself, or a push to it alone (attached servers always get one)."""
+        assert self.actors is not None
+        loaded = ray.get(engine.loaded_model_path.remote())
+        if self._trained_version == INITIAL_WEIGHT_VERSION and loaded:
+            return
+        if self._trained_version == INITIAL_WEIGHT_VERSION:
+            path = self.config.train.hf_load if self.rollout_only else str(self.init_dir)
+            ray.get(engine.update_weights_from_disk.remote(path, INITIAL_WEIGHT_VERSION))
+            return
+        if self.rollout_only:
+            raise RuntimeError("a rollout-only run has no trainer to load a replacement from")
+        self._push(self._trained_version, [engine])
+
+    def _check_replacements(self) -> None:
+        """After a push that reached a replacement: every engine that can hash its weights
+        serves the same bytes (the push gave each the trainer's weights)."""
+        assert self.actors is not None
+        self._replaced = False
+        digests = ray.get([e.weights_digest.remote() for e in self.actors.engines])
+        known = {slot: d for slot, d in enumerate(digests) if d is not None}
+        if len(set(known.values())) > 1:
+            raise RuntimeError(
+                "after replacing a rollout engine, the engines serve different weights "
+                f"(SHA-256 per engine slot: {known}); the push did not reach every engine"
+            )
+        if len(known) > 1:
+            logger.info("the %d engines serve the same weights (sha256 %s...)", len(known),
+                        next(iter(known.values()))[:12])  # fmt: skip
+
+    def _exhausted(self, slot: int, why: str, restarts: int) -> str:
+        """The one-line error of a slot that cannot be replaced."""
+        pid, node = self._engine_process.get(slot, (None, None))
+        where = f"pid {pid}" + (f" on {node}" if node else "") if pid else "pid unknown"
+        if self.handoff.enabled:
+            cause = "a colocated run cannot load a replacement while the others generate"
+        else:
+            ft_max = self.config.fault_tolerance.max_restarts
+            cause = f"it was replaced {restarts} time(s), fault_tolerance.max_restarts={ft_max}"
+        parts = [f"rollout engine {slot} ({where}) failed: {why}; {cause}"]
+        log = self._log_tail(str(pid) if pid else None)
+        if log:
+            parts.append(f"last line of its log: {log}")
+        parts.append(self._resume_hint())
+        return "; ".join(parts)
 
     # -- one iteration -----------------------------------------------------------------------
 
@@ -275,17 +455,37 @@ class Driver:
         the weights and the engines take them: this process only starts the calls and opens
         and closes the engines' weight-update sessions, and never holds a weight.
         """
+        self._mend_engines(probe_all=True)
+        try:
+            self._push(str(rollout_id))
+        except Exception:
+            # An engine that died or hung during the push: replace it (the replacement takes
+            # these weights) and push once more; any other failure is the push's own.
+            if not self._mend_engines(probe_all=True):
+                raise
+            logger.warning("weight push %d failed on a failed engine; pushing again", rollout_id)
+            self._push(str(rollout_id))
+        self._trained_version = str(rollout_id)
+        if self._replaced:
+            self._check_replacements()
+
+    def _push(self, version: str, engines: list[Any] | None = None) -> None:
+        """The trainer's current weights, as `version`, into `engines` (None: every engine)."""
         transport = weight_transport(self.config)
         if transport == "disk":
-            self._push_disk(rollout_id)
+            self._push_disk(version, engines)
         else:
-            self._push_in_session(str(rollout_id), transport)
+            self._push_in_session(version, transport, engines)
 
-    def _push_in_session(self, version: str, transport: str) -> None:
-        """Broadcast or ipc, inside a weight-update session on every engine (closed even when
-        the push fails, and then the push's error is the one raised)."""
+    def _push_in_session(
+        self, version: str, transport: str, engines: list[Any] | None = None
+    ) -> None:
+        """Broadcast or ipc, inside a weight-update session on every engine of `engines`
+        (None: all; closed even when the push fails, and then the push's error is the one
+        raised)."""
         assert self.actors is not None
-        engines = self.actors.engines
+        one_off = engines is not None
+        engines = self.actors.engines if engines is None else engines
         opened: list[Any] = []
         try:
             begun = [e.begin_weight_update.remote() for e in engines]
@@ -299,44 +499,48 @@ class Driver:
             if failed is not None:
                 raise failed
             if transport == "broadcast":
-                self._push_broadcast(version)
+                self._push_broadcast(version, engines, one_off=one_off)
             else:
-                self._push_ipc(version)
+                self._push_ipc(version, engines)
         except BaseException:
             _end_sessions(opened, quiet=True)
             raise
         _end_sessions(opened)
 
-    def _push_broadcast(self, version: str) -> None:
-        """Every rank walks the weights; the sending rank broadcasts them to the engines."""
+    def _push_broadcast(self, version: str, engines: list[Any], *, one_off: bool) -> None:
+        """Every rank walks the weights; the sending rank broadcasts them to `engines` (with
+        `one_off`, a replacement alone, over a group of their own)."""
         assert self.actors is not None
-        engines = self.actors.engines
-        ray.get([t.send_weights.remote(engines, version) for t in self.actors.train])
+        args = (engines, version, True) if one_off else (engines, version)
+        ray.get([t.send_weights.remote(*args) for t in self.actors.train])
 
-    def _push_ipc(self, version: str) -> None:
-        """Training rank i hands its copy to engine i, on the same GPU (`ray.colocate`)."""
+    def _push_ipc(self, version: str, engines: list[Any]) -> None:
+        """Training rank i hands its copy to engine i, on the same GPU (`ray.colocate`), where
+        engine i is one of `engines`."""
         assert self.actors is not None
-        engines = self.actors.engines
+        slots = self.actors.engines
         ray.get(
             [
-                t.send_weights_ipc.remote(engines[i] if i < len(engines) else None, version)
+                t.send_weights_ipc.remote(
+                    slots[i] if i < len(slots) and slots[i] in engines else None, version
+                )
                 for i, t in enumerate(self.actors.train)
             ]
         )
 
-    def _push_disk(self, rollout_id: int) -> None:
+    def _push_disk(self, version: str, engines: list[Any] | None = None) -> None:
         assert self.actors is not None
         # A fresh directory per version: a server never reads one that is being written, and
         # the previous one goes only after every engine has loaded the new one.
+        # A replacement's load has a directory of its own, gone once it is loaded.
         root = self.run_dir / PUSHED_WEIGHTS
-        target = root / checkpoint_name(rollout_id)
+        name = checkpoint_name(int(version))
+        target = root / (name if engines is None else f"{name}-replacement")
         ray.get([t.export_hf.remote(str(target)) for t in self.actors.train])
-        version = str(rollout_id)
-        ray.get(
-            [e.update_weights_from_disk.remote(str(target), version) for e in self.actors.engines]
-        )
+        into = self.actors.engines if engines is None else engines
+        ray.get([e.update_weights_from_disk.remote(str(target), version) for e in into])
         for old in root.iterdir():
-            if old != target:
+            if old != target or engines is not None:
                 shutil.rmtree(old, ignore_errors=True)
 
     def load_initial_weights(self) -> None:
@@ -393,13 +597,13 @@ class Driver:
         counted in `rollout/regenerated`."""
         assert self.actors is not None
         self._start(rollout_id)
-        batch = _collect(self._pending.pop(rollout_id))
+        batch = self._get(self._pending.pop(rollout_id))
         why = self._untrainable(batch, rollout_id)
         if why:
             logger.warning("rollout %d: %s; generating it again", rollout_id, why)
             self._regenerated[rollout_id] = len(batch.samples)
             prompts = prompts_of(batch.samples)
-            batch = _collect(self.actors.manager.generate.remote(rollout_id, prompts))
+            batch = self._get(self.actors.manager.generate.remote(rollout_id, prompts))
         return batch
 
     def _untrainable(self, batch: RolloutBatch, rollout_id: int) -> str | None:
@@ -472,12 +676,13 @@ class Driver:
 
         t0 = time.perf_counter()
         step_metrics = ray.get([t.train.remote(rollout_id) for t in self.actors.train])[0]
+        self._trained_version = str(rollout_id)
         timings["perf/train_time"] = time.perf_counter() - t0
 
         generating = [ref for ref in self._pending.values() if not isinstance(ref, RolloutBatch)]
         if generating and not self.config.rollout.partial_rollouts:
             t0 = time.perf_counter()
-            ray.wait(generating, num_returns=len(generating), fetch_local=False)
+            self._wait(generating)
             waited += time.perf_counter() - t0
         timings["perf/rollout_time"] = waited
 
@@ -493,8 +698,10 @@ class Driver:
             **rollout_metrics,
             **staleness_metrics(batch.samples, rollout_id - 1, self.config.rollout.max_staleness),
             "rollout/regenerated": float(self._regenerated.pop(rollout_id, 0)),
+            "rollout/engine_restarts": float(self._new_restarts),
             **timings,
         }
+        self._new_restarts = 0
         if self.config.run.dump_rollouts:
             write_dump(dump_path(self.run_dir / "rollouts", rollout_id), batch.samples)
         return rollout_metrics, step_metrics, timings
@@ -506,7 +713,7 @@ class Driver:
         the engines serve, and dump it; nothing trains, nothing is pushed."""
         assert self.actors is not None
         started = time.perf_counter()
-        batch = _collect(self.actors.manager.generate.remote(rollout_id))
+        batch = self._get(self.actors.manager.generate.remote(rollout_id))
         timings = {"perf/rollout_time": time.perf_counter() - started}
         write_dump(dump_path(self.run_dir / "rollouts", rollout_id), batch.samples)
         timings["perf/iteration_time"] = time.perf_counter() - started
@@ -523,7 +730,7 @@ class Driver:
         (pushed at the end of its iteration; the manager answers after the rollouts it is
         generating ahead)."""
         assert self.actors is not None
-        return ray.get(self.actors.manager.evaluate.remote(rollout_id))
+        return self._get(self.actors.manager.evaluate.remote(rollout_id))
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -548,11 +755,11 @@ class Driver:
         state = {
             "rollout_id": rollout_id,
             "accumulated_step": accumulated_step,
-            "rollout": ray.get(self.actors.manager.state_dict.remote()),
+            "rollout": self._get(self.actors.manager.state_dict.remote()),
         }
         # The rollouts generating ahead finish first: their samples and versions are part of
         # the run's state (the prompt stream has moved past them).
-        ahead = {j: _collect(pending) for j, pending in sorted(self._pending.items())}
+        ahead = {j: self._get(pending) for j, pending in sorted(self._pending.items())}
         if ahead:
             with (tmp / PENDING_ROLLOUTS).open("wb") as handle:
                 pickle.dump(ahead, handle)
@@ -579,6 +786,7 @@ class Driver:
         ray.get(self.actors.manager.load_state_dict.remote(stream))
         self._pending.clear()
         self._pending.update(pending_rollouts(checkpoint, state["rollout_id"]))
+        self._trained_version = str(state["rollout_id"])
         self.handoff.after_training(lambda: self.push_weights(state["rollout_id"]))
         truncate_metrics(self.run_dir, state["rollout_id"])
         return state["rollout_id"] + 1, state["accumulated_step"]
@@ -659,36 +867,33 @@ class Driver:
         return self.run_dir
 
     def stopped_by(self, exc: BaseException) -> str | None:
-        """One line for an actor death that stopped the run: which process died (role, pid,
-        node), what Ray says of its exit, the last line of its log, and the command that
-        continues from the newest checkpoint. None for any other error."""
-        if not isinstance(exc, ray.exceptions.RayActorError) or exc.actor_init_failed:
+        """One line for a process failure that stopped the run: which process died (role,
+        pid, node), what Ray says of its exit, the last line of its log, and the command that
+        continues from the newest checkpoint; an engine slot past its restarts says so. None
+        for any other error."""
+        if isinstance(exc, EnginesExhausted):
+            return str(exc)
+        death = actor_death(exc)
+        if death is None:
             return None
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        fields = dict(line.split(": ", 1) for line in lines[1:] if ": " in line[:20])
-        role = self._roles.get(exc.actor_id or "", fields.get("class_name", "an actor"))
-        pid = fields.get("pid")
-        where = f"pid {pid}" if pid else "pid unknown"
-        if fields.get("ip"):
-            where += f" on {fields['ip']}"
-        # Ray's ActorDiedErrorContext: "... Worker exit detail: <why>. <possible causes>".
-        exits = [line for line in lines if "exit detail:" in line] or lines[-1:]
-        detail = exits[0].split("exit detail:", 1)[-1].split(". ")[0].strip() if exits else ""
-        log = self._log_tail(pid)
-        checkpoints = complete_checkpoints(self.run_dir)
-        if checkpoints:
-            rollout = int(checkpoints[-1].name.removeprefix("rollout_"))
-            resume = (
-                f"continue from the checkpoint of rollout {rollout} with: ember train "
-                f"--resume {self.run_dir}"
-            )
-        else:
-            resume = "no checkpoint was saved yet (run.save_interval): start the run again"
-        parts = [f"{role} ({where}) died: {detail or 'Ray gives no reason'}"]
+        role = self._roles.get(death.actor_id or "", death.class_name or "an actor")
+        parts = [f"{role} ({death.where()}) died: {death.detail or 'Ray gives no reason'}"]
+        log = self._log_tail(death.pid)
         if log:
             parts.append(f"last line of its log: {log}")
-        parts.append(resume)
+        parts.append(self._resume_hint())
         return "; ".join(parts)
+
+    def _resume_hint(self) -> str:
+        """The command that continues from the newest checkpoint, or that there is none."""
+        checkpoints = complete_checkpoints(self.run_dir)
+        if not checkpoints:
+            return "no checkpoint was saved yet (run.save_interval): start the run again"
+        rollout = int(checkpoints[-1].name.removeprefix("rollout_"))
+        return (
+            f"continue from the checkpoint of rollout {rollout} with: ember train "
+            f"--resume {self.run_dir}"
+        )
 
     def _log_tail(self, pid: str | None) -> str | None:
         """The last non-empty line the worker process `pid` wrote to stderr (Ray's session
@@ -788,11 +993,6 @@ def eval_line(metrics: dict[str, float]) -> str:
         if key.startswith("eval/") and (key.endswith("/reward") or "/pass@" in key):
             parts.append(f"{key[len('eval/') :]} {value:.3f}")
     return " | ".join(parts)
-
-
-def _collect(pending: Any) -> RolloutBatch:
-    """A rollout: restored from a checkpoint already, or the result of a generate call."""
-    return pending if isinstance(pending, RolloutBatch) else ray.get(pending)
 
 
 def _configured_plugins(config: RunConfig) -> EmberPlugins:

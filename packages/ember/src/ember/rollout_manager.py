@@ -4,14 +4,20 @@ filters and rewards, and spreads each rollout's prompt groups over the engine ac
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
+from ember.failures import EngineFailure, actor_death, kill, probe
 from ember_core.types import Sample
 from ember_rollout.rollout import PromptGroup, RolloutBatch
+
+logger = logging.getLogger(__name__)
 
 
 def assign_groups(sizes: Sequence[int], loads: Sequence[int]) -> list[int]:
@@ -39,17 +45,35 @@ def assign_groups(sizes: Sequence[int], loads: Sequence[int]) -> list[int]:
 
 class EnginePool:
     """A `GroupRunner` over engine actors: each round's groups are split by `assign_groups`
-    and every engine gets one `generate` call with its groups, all engines at once.
+    over the live engines, and every engine gets one `generate` call with its groups, all
+    engines at once.
 
-    It counts the requests each engine served since `start_rollout`, for the
-    `rollout/engine{k}_requests` metrics.
+    With `fault_tolerance.enabled`, an engine that dies, hangs (no answer to a health probe:
+    `ember.failures.probe`) or loses its servers during a call is killed and leaves the pool
+    (`failed`), and its groups are generated anew on the live engines: every sample comes
+    whole from one engine, with the version, log-probs and routes of that engine's forward.
+    With no live engine left the pool waits until the driver installs a replacement
+    (`install`). Otherwise the first failure is raised.
+
+    It counts the requests each engine served since `start_rollout`
+    (`rollout/engine{k}_requests`), and since the last `metrics` the engines that failed
+    (`rollout/engine_failures`) and the requests sent again (`rollout/resent_requests`).
     """
 
-    def __init__(self, engines: Sequence[Any], *, kind: str) -> None:
+    WAIT_FOR_ENGINE_S = 0.2
+    """How often a round with no live engine looks for a replacement."""
+
+    def __init__(self, engines: Sequence[Any], *, kind: str, fault_tolerance: Any = None) -> None:
         self.engines = list(engines)
         self._kind = kind
+        self.fault_tolerance = fault_tolerance
         self.in_flight = [0] * len(self.engines)
         self.requests = [0] * len(self.engines)
+        self.failed: dict[int, str] = {}
+        """Slots whose engine failed and has no replacement yet, with why."""
+        self.failures = 0
+        self.resent = 0
+        self._lock = threading.Lock()
 
     @property
     def kind(self) -> str:
@@ -59,39 +83,113 @@ class EnginePool:
         self.requests = [0] * len(self.engines)
 
     def metrics(self) -> dict[str, float]:
-        return {f"rollout/engine{k}_requests": float(n) for k, n in enumerate(self.requests)}
+        """The rollout's figures; failures and re-sent requests since the last call (a failure
+        found between rollouts counts in the next one)."""
+        out = {f"rollout/engine{k}_requests": float(n) for k, n in enumerate(self.requests)}
+        with self._lock:
+            out["rollout/engine_failures"] = float(self.failures)
+            out["rollout/resent_requests"] = float(self.resent)
+            self.failures = self.resent = 0
+        return out
+
+    def install(self, slot: int, engine: Any) -> None:
+        """Put `engine` (started, holding the trainer's current weights) in `slot`."""
+        with self._lock:
+            self.engines[slot] = engine
+            self.failed.pop(slot, None)
+
+    def fail(self, slot: int, reason: str) -> None:
+        """Take the engine of `slot` out of the pool and kill it (once)."""
+        with self._lock:
+            if slot in self.failed:
+                return
+            self.failed[slot] = reason
+            self.failures += 1
+            engine = self.engines[slot]
+        logger.warning("rollout engine %d failed: %s; its requests go to the others", slot, reason)
+        kill(engine)
+
+    async def _live(self) -> list[int]:
+        """The slots whose engine serves, once there is one."""
+        while True:
+            with self._lock:
+                live = [k for k in range(len(self.engines)) if k not in self.failed]
+            if live:
+                return live
+            await asyncio.sleep(self.WAIT_FOR_ENGINE_S)
 
     async def generate_groups(self, groups: Sequence[PromptGroup]) -> list[list[Sample]]:
         sizes = [len(g.requests) for g in groups]
-        owners = assign_groups(sizes, self.in_flight)
-        calls = []
-        for k in range(len(self.engines)):
-            mine = [i for i, owner in enumerate(owners) if owner == k]
-            if mine:
-                calls.append((k, mine, sum(sizes[i] for i in mine)))
-        for k, _, load in calls:
-            self.in_flight[k] += load
-            self.requests[k] += load
-        try:
-            # One worker thread per engine call: the engines generate at the same time, and
-            # this event loop waits for all of them, in whatever order they finish.
-            results = await asyncio.gather(
-                *(
-                    asyncio.to_thread(self._generate, k, [groups[i] for i in mine])
-                    for k, mine, _ in calls
-                )
-            )
-        finally:
+        out: list[list[Sample] | None] = [None] * len(groups)
+        todo = list(range(len(groups)))
+        while todo:
+            live = await self._live()
+            owners = assign_groups([sizes[i] for i in todo], [self.in_flight[k] for k in live])
+            calls = []
+            for j, k in enumerate(live):
+                mine = [i for i, owner in zip(todo, owners, strict=True) if owner == j]
+                if mine:
+                    calls.append((k, mine, sum(sizes[i] for i in mine)))
             for k, _, load in calls:
-                self.in_flight[k] -= load
-        out: list[list[Sample]] = [[] for _ in groups]
-        for (_, mine, _), samples in zip(calls, results, strict=True):
-            for i, group_samples in zip(mine, samples, strict=True):
-                out[i] = group_samples
-        return out
+                self.in_flight[k] += load
+                self.requests[k] += load
+            try:
+                # One worker thread per engine call: the engines generate at the same time,
+                # and this event loop waits for all of them, in whatever order they finish.
+                results = await asyncio.gather(
+                    *(
+                        asyncio.to_thread(self._generate, k, [groups[i] for i in mine])
+                        for k, mine, _ in calls
+                    ),
+                    return_exceptions=True,
+                )
+            finally:
+                for k, _, load in calls:
+                    self.in_flight[k] -= load
+            todo = []
+            for (k, mine, load), result in zip(calls, results, strict=True):
+                if isinstance(result, EngineFailure):
+                    self.fail(k, result.reason)
+                    with self._lock:
+                        self.resent += load
+                    todo += mine
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    for i, group_samples in zip(mine, result, strict=True):
+                        out[i] = group_samples
+            todo.sort()
+        return out  # type: ignore[return-value]
 
-    def _generate(self, engine: int, groups: list[PromptGroup]) -> list[list[Sample]]:
-        return ray.get(self.engines[engine].generate.remote(groups))
+    def _generate(self, slot: int, groups: list[PromptGroup]) -> list[list[Sample]]:
+        """Engine `slot`'s samples of `groups`; raises `EngineFailure` when it fails meanwhile
+        (with fault tolerance on)."""
+        engine = self.engines[slot]
+        ref = engine.generate.remote(groups)
+        ft = self.fault_tolerance
+        if ft is None or not ft.enabled or not isinstance(engine, ActorHandle):
+            return ray.get(ref)  # in-process stand-ins (tests) neither fail nor probe
+        while True:
+            ready, _ = ray.wait([ref], timeout=ft.health_check_interval_s)
+            if ready:
+                try:
+                    return ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    death = actor_death(exc)
+                    if death is None:
+                        raise
+                    detail = death.detail or "Ray gives no reason"
+                    raise EngineFailure(slot, f"died ({death.where()}): {detail}") from exc
+                except Exception as exc:
+                    # A server that went away fails the call; anything else is the call's own.
+                    why = probe(engine, ft.health_check_timeout_s)
+                    if why is None:
+                        raise
+                    first = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
+                    raise EngineFailure(slot, f"{why} (its generate failed: {first})") from exc
+            why = probe(engine, ft.health_check_timeout_s)
+            if why is not None:
+                raise EngineFailure(slot, why)
 
 
 async def evaluate_sets(
@@ -116,7 +214,12 @@ async def evaluate_sets(
     return metrics
 
 
-@ray.remote
+CONTROL_CALLS = "control"
+"""The concurrency group of the manager's pool calls (failures, replacements): answered while
+a rollout generates on the default thread."""
+
+
+@ray.remote(concurrency_groups={CONTROL_CALLS: 1})
 class RolloutManager:
     """Generates rollouts over `ray.num_engines` engine actors: the run's one `RolloutGenerator`
     (prompt stream, group sampling, dynamic filter, rewards) around an `EnginePool`.
@@ -140,7 +243,9 @@ class RolloutManager:
         self.config, self.plugins = load_config(config)
         if self.config.data.tokenizer_path is None:
             self.config.data.tokenizer_path = model_path
-        self.pool = EnginePool(engines, kind=self.config.engine.kind)
+        self.pool = EnginePool(
+            engines, kind=self.config.engine.kind, fault_tolerance=self.config.fault_tolerance
+        )
         self.loop = asyncio.new_event_loop()
         self.generator: Any = None
         self.eval_sets: dict[str, Any] | None = None
@@ -186,6 +291,22 @@ class RolloutManager:
         batch = self.loop.run_until_complete(self.generator.generate(rollout_id, prompts))
         batch.metrics.update(self.pool.metrics())
         return batch
+
+    @ray.method(concurrency_group=CONTROL_CALLS)
+    def engine_failures(self) -> dict[int, str]:
+        """The slots whose engine failed and awaits a replacement, with why."""
+        with self.pool._lock:
+            return dict(self.pool.failed)
+
+    @ray.method(concurrency_group=CONTROL_CALLS)
+    def fail_engine(self, slot: int, reason: str) -> None:
+        """Take engine `slot` out of the pool (the driver's probe found it failed)."""
+        self.pool.fail(slot, reason)
+
+    @ray.method(concurrency_group=CONTROL_CALLS)
+    def install_engine(self, slot: int, engine: Any) -> None:
+        """Put a replacement, holding the trainer's current weights, in `slot`."""
+        self.pool.install(slot, engine)
 
     def state_dict(self) -> dict[str, Any]:
         """The prompt stream's position (request seeds derive from rollout ids)."""

@@ -161,10 +161,10 @@ def plan_steps(
     every rank of `group`.
 
     The rank's samples, taken in `order`, split into `num_steps` contiguous mini-batches of
-    (almost) equal size; each mini-batch into micro-batches by count or token budget (one micro-batch when neither
-    is given). Ranks then agree on the largest micro-batch count of each step and split their
-    largest micro-batches until they reach it, so collective forward passes (expert parallelism)
-    stay in step.
+    (almost) equal size; each mini-batch into micro-batches by count or token budget (one
+    micro-batch when neither is given). Ranks then agree on the largest micro-batch count of
+    each step and split their largest micro-batches until they reach it, so collective forward
+    passes (expert parallelism) stay in step.
 
     Args:
         samples: The rank's samples.

@@ -402,6 +402,12 @@ class Engine(abc.ABC):
     async def health(self) -> bool:
         """Whether the engine can serve requests now."""
 
+    def probe(self, timeout_s: float) -> str | None:
+        """Why the engine cannot serve now, or None: a synchronous check that any thread may
+        run while another generates (the health probe of `fault_tolerance`). An engine in
+        this process is healthy whenever the process answers, so the base class says None."""
+        return None
+
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Release the model or stop launched servers; safe to call twice."""

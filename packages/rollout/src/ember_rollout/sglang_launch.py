@@ -175,6 +175,25 @@ class LaunchedServer:
     log_path: Path
 
 
+ENDED_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('the process that launched this server is gone')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+"""Run before a launched server's own command: Linux then sends the server SIGTERM when the
+process that launched it dies, so a killed engine actor (a hung one too) leaves no server
+behind; sglang's workers end with their server. The setting survives the exec."""
+
+
+def _ended_with_parent(command: list[str]) -> list[str]:
+    """`command`, started through `ENDED_WITH_PARENT` on Linux (as it is elsewhere)."""
+    if sys.platform != "linux":
+        return command
+    return [sys.executable, "-c", ENDED_WITH_PARENT, str(os.getpid()), *command]
+
+
 class ServerLauncher:
     """The part of `SGLangEngine` that launches servers, watches them come up and stops them.
 
@@ -286,7 +305,11 @@ class ServerLauncher:
         logger.info("launching SGLang server %d (log %s): %s", index, log_path, " ".join(command))
         with open(log_path, "wb") as sink:
             process = subprocess.Popen(
-                command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                _ended_with_parent(command),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
         return LaunchedServer(process, f"http://{host}:{port}", log_path)
@@ -394,6 +417,31 @@ class ServerLauncher:
                     f"{NO_RADIX_CACHE}, or later requests reuse prefixes cached under older "
                     "weights (launch it so, or let Ember launch it)"
                 )
+
+    def probe(self, timeout_s: float) -> str | None:
+        """Why a server cannot serve (a launched one exited, or one did not answer GET /health
+        with 200 within `timeout_s`), or None. Synchronous, without the client's HTTP session,
+        so a health probe runs on any thread while requests are in flight."""
+        import urllib.error
+        import urllib.request
+
+        for server in self._servers:
+            code = server.process.poll()
+            if code is not None:
+                log = server.log_path
+                return f"SGLang server {server.url} exited with code {code} (log: {log})"
+        for url in self.urls:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
+                    if response.status == 200:
+                        continue
+                    said = f"HTTP {response.status}"
+            except urllib.error.HTTPError as exc:
+                said = f"HTTP {exc.code}"
+            except (OSError, ValueError) as exc:  # refused, reset, timed out
+                said = str(getattr(exc, "reason", exc))
+            return f"SGLang server {url} failed GET /health: {said}"
+        return None
 
     async def health(self) -> bool:
         if self._http is None:

@@ -1,0 +1,86 @@
+"""Engine failures: how an actor's death reads, health probes, and the error that stops a run.
+
+Light on purpose: the rollout manager imports it as well as the driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ray
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ActorDeath:
+    """What Ray says of an actor that died."""
+
+    actor_id: str | None
+    class_name: str | None
+    pid: str | None
+    ip: str | None
+    detail: str
+    """Ray's exit detail ("Worker unexpectedly exits with a connection error code 2. ..."),
+    cut at its first sentence; empty when Ray gives none."""
+
+    def where(self) -> str:
+        text = f"pid {self.pid}" if self.pid else "pid unknown"
+        return f"{text} on {self.ip}" if self.ip else text
+
+
+def actor_death(exc: BaseException) -> ActorDeath | None:
+    """The death a `ray.exceptions.RayActorError` reports (None for any other error, and for
+    an actor whose __init__ failed: that is a bad config or input, not a death)."""
+    if not isinstance(exc, ray.exceptions.RayActorError) or exc.actor_init_failed:
+        return None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    fields = dict(line.split(": ", 1) for line in lines[1:] if ": " in line[:20])
+    # Ray's ActorDiedErrorContext: "... Worker exit detail: <why>. <possible causes>".
+    exits = [line for line in lines if "exit detail:" in line] or lines[-1:]
+    detail = exits[0].split("exit detail:", 1)[-1].split(". ")[0].strip() if exits else ""
+    return ActorDeath(
+        actor_id=exc.actor_id,
+        class_name=fields.get("class_name"),
+        pid=fields.get("pid"),
+        ip=fields.get("ip"),
+        detail=detail,
+    )
+
+
+class EngineFailure(Exception):
+    """An engine died, hung or lost its servers; `slot` is its index in the pool."""
+
+    def __init__(self, slot: int, reason: str, *, pid: str | None = None) -> None:
+        super().__init__(f"rollout engine {slot}: {reason}")
+        self.slot = slot
+        self.reason = reason
+        self.pid = pid
+
+
+class EnginesExhausted(Exception):
+    """An engine slot failed once more than `fault_tolerance.max_restarts` allows (or cannot be
+    replaced); the message is the run's one-line error."""
+
+
+def probe(engine: Any, timeout_s: float) -> str | None:
+    """Why `engine` (an engine actor) is not healthy, or None when it is: it answered its
+    health call within `timeout_s` with nothing wrong."""
+    ref = engine.health.remote()
+    ready, _ = ray.wait([ref], timeout=timeout_s)
+    if not ready:
+        return f"did not answer a health probe within {timeout_s:g} s (hung)"
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as exc:
+        death = actor_death(exc)
+        detail = death.detail if death is not None and death.detail else "its process is gone"
+        return f"died: {detail}"
+
+
+def kill(engine: Any) -> None:
+    """Stop an engine actor for good (a hung one included: SIGKILL reaches a stopped process).
+    Servers it launched go with it (`sglang_launch` ties them to its life)."""
+    try:
+        ray.kill(engine, no_restart=True)
+    except Exception:  # gone already
+        pass
