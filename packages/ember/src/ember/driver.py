@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import threading
 import time
@@ -439,6 +440,7 @@ class Driver:
         else:
             ft_max = self.config.fault_tolerance.max_restarts
             cause = f"it was replaced {restarts} time(s), fault_tolerance.max_restarts={ft_max}"
+        why = re.sub(r"^died \([^)]*\): ", "died: ", why)  # the process is named already
         parts = [f"rollout engine {slot} ({where}) failed: {why}; {cause}"]
         log = self._log_tail(str(pid) if pid else None)
         if log:

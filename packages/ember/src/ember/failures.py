@@ -73,8 +73,9 @@ def probe(engine: Any, timeout_s: float) -> str | None:
         return ray.get(ref)
     except ray.exceptions.RayActorError as exc:
         death = actor_death(exc)
-        detail = death.detail if death is not None and death.detail else "its process is gone"
-        return f"died: {detail}"
+        if death is None:
+            return "died"
+        return f"died ({death.where()}): {death.detail or 'Ray gives no reason'}"
 
 
 def kill(engine: Any) -> None:
