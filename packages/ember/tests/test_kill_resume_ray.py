@@ -128,7 +128,10 @@ def test_a_killed_process_stops_the_run_with_one_line_naming_it_and_the_resume(
     tmp_path, actor, role
 ):
     run = tmp_path / "run"
-    driver = train(*RUN, "--set", "run.num_rollouts=50", "--set", f"run.dir={run}")
+    # An engine stops the run only without fault tolerance (otherwise it is replaced:
+    # test_engine_faults_ray.py); a training rank always does.
+    driver = train(*RUN, "--set", "run.num_rollouts=50", "--set", f"run.dir={run}",
+                   "--set", "fault_tolerance.enabled=false")  # fmt: skip
     deadline = time.monotonic() + 900
     while 2 not in logged_rollouts(run):  # checkpoints of rollouts 0 and 1 published
         assert driver.poll() is None, driver.stdout.read().decode(errors="replace")[-3000:]
