@@ -365,7 +365,7 @@ class RolloutGenerator:
         truncated0, dropped0 = self.encoder.truncated, self.encoder.dropped
         kept: list[list[Sample]] = []
         filtered: list[list[Sample]] = []
-        counts = {"aborted": 0, "zero_std": 0, "groups": 0, "tokens": 0}
+        counts = {"aborted": 0, "zero_std": 0, "groups": 0, "tokens": 0, "prompt_tokens": 0}
         gen_time = 0.0
         rounds = 0
         while len(kept) < need and rounds < cfg.max_rounds:
@@ -378,6 +378,7 @@ class RolloutGenerator:
             for group in groups:
                 counts["groups"] += 1
                 counts["tokens"] += sum(s.response_length for s in group)
+                counts["prompt_tokens"] += sum(s.total_length - s.response_length for s in group)
                 if any(s.status == SampleStatus.ABORTED for s in group):
                     counts["aborted"] += 1
                     continue
@@ -411,6 +412,10 @@ class RolloutGenerator:
         metrics["rollout/prompts_dropped"] = float(self.encoder.dropped - dropped0)
         metrics["perf/rollout_time_s"] = time.perf_counter() - started
         metrics["perf/rollout_tokens_per_s"] = counts["tokens"] / gen_time if gen_time else 0.0
+        # The work of every sample generated, filtered ones too (the roofline's generation).
+        metrics["perf/rollout_gen_time"] = gen_time
+        metrics["perf/rollout_gen_tokens"] = float(counts["tokens"])
+        metrics["perf/rollout_prompt_tokens"] = float(counts["prompt_tokens"])
         return RolloutBatch(samples=samples, metrics=metrics)
 
     def _next_prompts(self, count: int) -> list[tuple[PromptRecord, list[int]]]:
@@ -555,6 +560,9 @@ class RolloutGenerator:
             "rollout/rewards": statistics.fmean(rewards),
             "rollout/rewards_std": statistics.pstdev(rewards),
             "rollout/response_len_mean": statistics.fmean(lengths),
+            "rollout/prompt_len_mean": statistics.fmean(
+                [s.total_length - s.response_length for s in samples] or [0]
+            ),
             "rollout/response_len_max": float(max(lengths)),
             "rollout/response_len_min": float(min(lengths)),
             "rollout/loss_tokens_mean": statistics.fmean(
