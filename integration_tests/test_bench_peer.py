@@ -755,6 +755,12 @@ def test_learning_report_from_results_run_in_parts(tmp_path, capsys):
     assert "Ember first >= 0.7 by seed: 1: 10, 2: 20, 3: None" in out
     assert rows["first rollout with reward >= 0.7"].split()[:4] == ["15.0", "+-", "7.1", "(2/3)"]
     assert (tmp_path / "copy-2-4.png").is_file()
+    bench_learning.main([*argv, "--markdown"])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| copy")]
+    assert table[1] == (
+        "| copy 2-4 | first >= 0.5 | 15.0 +- 7.1 (2/3) | 30.0 +- 0.0 | 10, 20, never "
+        "| 30, 30, not run |"
+    )
     assert math.isclose(found["ember"][2]["last_reward"], 0.3)
     # Other overrides (here: more rollouts) do not pick up these results.
     tables = bench_learning.main([*argv[:-1], "80"])

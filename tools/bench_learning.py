@@ -2,7 +2,7 @@
 
     uv run --group peer python tools/bench_learning.py [--tasks copy:3 copy:2-4 reverse:3 sort:3]
         [--seeds 1 2 3] [--rollouts N] [--only ember|trl] [--out DIR] [--force] [--report]
-        [--trl-out DIR] [--set key=value ...]
+        [--trl-out DIR] [--markdown] [--set key=value ...]
 
 Each (task, seed) pair is one run of each side, set up exactly as `tools/bench_peer.py` sets it
 up (same initial weights, tokenizer, prompts, reward and mapped hyper-parameters; the seed sets
@@ -19,7 +19,8 @@ mean reward of the last 20 rollouts, of the first rollout whose mean reward reac
 and 0.9 ("(k/n)": only k of the n seeds got there; the mean is over those), and of the largest
 fall of a rollout's mean reward below the best before it, from rollout 50 on; then the
 Ember/TRL ratio of the means, and each seed's figures. Each task's curves, both sides and
-every seed, go to `<out>/<task>-<min>-<max>.png`.
+every seed, go to `<out>/<task>-<min>-<max>.png`. `--markdown` ends with one table of every
+task for the docs: each figure as mean +- std over seeds, then by seed.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def parse_args(argv: Sequence[str] | None = None):
     parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), metavar="TASK")
     parser.add_argument("--force", action="store_true", help="rerun runs that are already there")
     parser.add_argument("--report", action="store_true", help="print the table, run nothing")
+    parser.add_argument("--markdown", action="store_true", help="end with a table for the docs")
     parser.add_argument("--trl-out", type=Path, default=None, metavar="DIR",
                         help="read TRL's runs (made without --set) from DIR")  # fmt: skip
     parser.set_defaults(seeds=list(DEFAULT_SEEDS), out=peer.ROOT / "runs" / "bench_learning")
@@ -126,6 +128,43 @@ def learning_table(found: dict[str, list[dict[str, Any] | None]], seeds: Sequenc
     return "\n".join(lines)
 
 
+MARKDOWN_FIGURES = (
+    ("last-20", lambda s: s["last_reward"], 3),
+    ("first >= 0.5", lambda s: figures.reach_of(s, 0.5, 0), 1),
+    ("first >= 0.7", lambda s: figures.reach_of(s, 0.7, 0), 1),
+)
+
+
+def _seed_cell(summary: dict[str, Any] | None, get, digits: int) -> str:
+    if summary is None:
+        return "not run"
+    value = get(summary)
+    if value is None:
+        return "never"
+    return f"{value:.{digits}f}" if digits > 1 else str(int(value))
+
+
+def markdown_table(tables: dict[tuple[str, int, int], dict[str, list]]) -> str:
+    """One row per task and figure: each side's mean +- std over seeds ("(k/n)" where only k
+    seeds got there), then its value per seed ("never": that seed did not get there)."""
+    lines = [
+        "| task | figure | Ember | TRL | Ember by seed | TRL by seed |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for (name, low, high), found in tables.items():
+        task = f"{name} {low}" if low == high else f"{name} {low}-{high}"
+        for label, get, digits in MARKDOWN_FIGURES:
+            cells, seeds = [], []
+            for side in peer.SIDES:
+                ran = [get(s) for s in found[side] if s is not None]
+                cells.append(figures.fmt(ran, digits) if ran else "not run")
+                seeds.append(", ".join(_seed_cell(s, get, digits) for s in found[side]))
+            lines.append(
+                f"| {task} | {label} | {cells[0]} | {cells[1]} | {seeds[0]} | {seeds[1]} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[tuple[str, int, int], dict[str, list]]:
     args = parse_args(argv)
     if not args.report and args.only != "ember":
@@ -156,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, int, int], dict[s
         if any(drawn.values()):
             path = args.out / f"{task[0]}-{task[1]}-{task[2]}.png"
             print(f"  curves: {figures.plot_curves(drawn, path, title)}")
+    if args.markdown:
+        print()
+        print(markdown_table(tables))
     return tables
 
 
