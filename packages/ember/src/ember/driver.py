@@ -390,6 +390,9 @@ class Driver:
                 self._load_current(engine)
             except Exception as exc:
                 death = actor_death(exc)
+                mine = getattr(engine, "_actor_id", None)
+                if death is not None and mine is not None and death.actor_id != mine.hex():
+                    raise  # another process died (a training rank): not this slot's failure
                 why = f"its replacement failed to start: {death.detail if death else exc}"
                 continue
             ray.get(self.actors.manager.install_engine.remote(slot, engine))
