@@ -718,7 +718,8 @@ def test_task_specs():
         with pytest.raises(ValueError, match="task"):
             bench_learning.parse_task(bad)
     args = bench_learning.parse_args(["--report"])
-    assert args.tasks == [("copy", 3, 3), ("copy", 2, 4), ("reverse", 3, 3), ("sort", 3, 3)]
+    assert args.tasks == [("copy", 3, 3), ("copy", 2, 4), ("reverse", 3, 3), ("sort", 3, 3),
+                          ("reverse", 4, 4), ("sort", 4, 4), ("shift", 2, 2)]  # fmt: skip
     assert args.seeds == [1, 2, 3] and args.rollouts == 200
     with pytest.raises(SystemExit):
         bench_learning.parse_args(["--task", "copy"])  # the learning mode takes --tasks

@@ -1,6 +1,6 @@
 """How well Ember learns against TRL's GRPOTrainer, over several toy tasks and seeds.
 
-    uv run --group peer python tools/bench_learning.py [--tasks copy:3 copy:2-4 reverse:3 sort:3]
+    uv run --group peer python tools/bench_learning.py [--tasks copy:3 copy:2-4 ... shift:2]
         [--seeds 1 2 3] [--rollouts N] [--only ember|trl] [--out DIR] [--force] [--report]
         [--trl-out DIR] [--markdown] [--set key=value ...]
 
@@ -33,7 +33,8 @@ from typing import Any
 import bench_peer as peer
 import peer_figures as figures
 
-DEFAULT_TASKS = ("copy:3", "copy:2-4", "reverse:3", "sort:3")
+DEFAULT_TASKS = ("copy:3", "copy:2-4", "reverse:3", "sort:3", "reverse:4", "sort:4", "shift:2")
+"""The four named tasks, their harder four-digit variants, and the shift family."""
 DEFAULT_SEEDS = (1, 2, 3)
 TASK = re.compile(r"^(copy|reverse|sort|shift):(\d+)(?:-(\d+))?$")
 
