@@ -62,6 +62,8 @@ SETS = (
     "train.optimizer.weight_decay=0.1",  # both exempt the norms: the same parameter groups
     f"train.optimizer.adam_eps={ADAM_EPS}",
     "run.save_interval=0",
+    # Ember is handed the samples in the order TRL's shuffle left them: dealt as they come.
+    "train.shuffle_mini_batches=false",
     *bench_peer.IN_TURN_SETS,
 )
 """Over the default config: what makes one small rollout, in turn (the bench's in-turn loop)."""
