@@ -582,7 +582,7 @@ class RolloutEngine:
         for name, tensor in sorted(model.state_dict().items()):
             tensor = tensor.detach().cpu().contiguous()
             digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy of the bytes
         return digest.hexdigest()
 
     def loaded_model_path(self) -> bool:

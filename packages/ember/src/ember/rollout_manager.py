@@ -98,6 +98,11 @@ class EnginePool:
             self.engines[slot] = engine
             self.failed.pop(slot, None)
 
+    def failed_slots(self) -> dict[int, str]:
+        """The slots awaiting a replacement, with why (a copy, safe from any thread)."""
+        with self._lock:
+            return dict(self.failed)
+
     def fail(self, slot: int, reason: str) -> None:
         """Take the engine of `slot` out of the pool and kill it (once)."""
         with self._lock:
@@ -295,8 +300,7 @@ class RolloutManager:
     @ray.method(concurrency_group=CONTROL_CALLS)
     def engine_failures(self) -> dict[int, str]:
         """The slots whose engine failed and awaits a replacement, with why."""
-        with self.pool._lock:
-            return dict(self.pool.failed)
+        return self.pool.failed_slots()
 
     @ray.method(concurrency_group=CONTROL_CALLS)
     def fail_engine(self, slot: int, reason: str) -> None:
