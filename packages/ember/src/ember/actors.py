@@ -16,6 +16,7 @@ from typing import Any
 import ray
 import torch
 
+from ember.failures import errors_held_for_start
 from ember.quiet import quiet_libraries, verbose
 from ember.startup import mark, mark_process_start
 from ember_core.types import Sample
@@ -461,6 +462,7 @@ class RolloutEngine:
     calls run beside `generate` (`engine_actor`).
     """
 
+    @errors_held_for_start
     def __init__(self, config: dict[str, Any], *, model_path: str, threads: int | None) -> None:
         """Read the config and import the engine's libraries; ``start`` loads the model.
 
@@ -533,6 +535,8 @@ class RolloutEngine:
     def start(self) -> None:
         """Start the engine from `model_path` (idempotent): the embedded model loads it, SGLang
         servers launch from it or are attached."""
+        if self.init_error is not None:
+            raise self.init_error
         if self.engine is not None:
             return
         from ember.versions import INITIAL_WEIGHT_VERSION

@@ -1,4 +1,5 @@
-"""Engine failures: how an actor's death reads, health probes, and the error that stops a run.
+"""Engine failures: how an actor's death reads, health probes, the error that stops a run, and
+actor start-up errors that reach the driver in one piece.
 
 Light on purpose: the rollout manager imports it as well as the driver.
 """
@@ -6,6 +7,8 @@ Light on purpose: the rollout manager imports it as well as the driver.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -85,3 +88,20 @@ def kill(engine: Any) -> None:
         ray.kill(engine, no_restart=True)
     except Exception:  # gone already
         pass
+
+
+def errors_held_for_start(init: Callable[..., None]) -> Callable[..., None]:
+    """`init`, the `__init__` of an actor with concurrency groups, with its error kept in
+    `init_error` for the actor's `start` to raise. Ray 2.60 aborts the process of such an actor
+    whose `__init__` raises (a C++ stack and "Fatal Python error: Aborted" in the run's
+    output, over the error itself); raised from a method, the error stops the run in one line."""
+
+    @functools.wraps(init)
+    def held(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.init_error = None
+        try:
+            init(self, *args, **kwargs)
+        except Exception as exc:  # raised again by `start`, the driver's first call
+            self.init_error = exc
+
+    return held

@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from ember.failures import EngineFailure, actor_death, kill, probe
+from ember.failures import EngineFailure, actor_death, errors_held_for_start, kill, probe
 from ember_core.types import Sample
 from ember_rollout.rollout import PromptGroup, RolloutBatch
 
@@ -233,6 +233,7 @@ class RolloutManager:
     number of engines, so a run resumes with any `ray.num_engines`.
     """
 
+    @errors_held_for_start
     def __init__(
         self, config: dict[str, Any], *, engines: list[Any], model_path: str, threads: int = 1
     ) -> None:
@@ -260,6 +261,8 @@ class RolloutManager:
     def start(self) -> None:
         """Build the rollout generator: the prompts, the tokenizer (from the export), the served
         model's shape (from engine 0, which must have started). Idempotent."""
+        if self.init_error is not None:
+            raise self.init_error
         if self.generator is not None:
             return
         from ember_rollout import RolloutGenerator
