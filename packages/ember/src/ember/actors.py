@@ -19,6 +19,7 @@ import torch
 from ember.failures import errors_held_for_start
 from ember.quiet import quiet_libraries, verbose
 from ember.startup import mark, mark_process_start
+from ember_core.certify import Fault, planted
 from ember_core.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -245,6 +246,28 @@ class TrainRank:
 
     # -- weights to the engines (they never pass through the driver) --------------------------
 
+    def _sent_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights a push sends: every one (`ember certify --plant dropped-tensor` leaves
+        out the first, to test the check that they arrive)."""
+        named = self.worker.hf_weights()
+        if planted(Fault.DROPPED_TENSOR):
+            next(named, None)
+        return named
+
+    def weights_digests(self, dtype: str | None = None) -> dict[str, tuple[list[int], str]]:
+        """The shape and SHA-256 (`tensor_digest`) of each tensor of the actor's weights under
+        transformers names, cast to `dtype` (None: as held); collective, and empty on every
+        rank but the weight sender."""
+        from ember_megatron_backend.weight_sync import is_weight_sender
+
+        named = self.worker.hf_weights(dtype=None if dtype is None else getattr(torch, dtype))
+        sender = is_weight_sender()
+        digests = {}
+        for name, tensor in named:  # every rank walks them: the gathers are collective
+            if sender:
+                digests[name] = (list(tensor.shape), tensor_digest(tensor))
+        return digests
+
     def _wire_dtype(self) -> torch.dtype | None:
         """The dtype weights travel in: the embedded engine's own (it casts to it anyway), else
         the parameters' (SGLang servers start from the trainer's export, in that dtype)."""
@@ -304,7 +327,7 @@ class TrainRank:
         """
         from ember_megatron_backend.weight_sync import is_weight_sender
 
-        named = self.worker.hf_weights()
+        named = self._sent_weights()
         if not is_weight_sender():
             for _ in named:  # take part in the gathers, send nothing
                 pass
@@ -377,7 +400,7 @@ class TrainRank:
         from ember_megatron_backend.weight_sync import bucket_weights
         from ember_rollout.sglang_weights import serialize_flattened_bucket
 
-        named = self.worker.hf_weights()
+        named = self._sent_weights()
         if engine is None:
             for _ in named:
                 pass
@@ -436,6 +459,16 @@ class TrainRank:
 
     def load(self, path: str) -> None:
         self.worker.load_checkpoint(Path(path))
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A SHA-256 of one tensor's dtype, shape and bytes."""
+    import hashlib
+
+    tensor = tensor.detach().cpu().contiguous()
+    digest = hashlib.sha256(f"{tensor.dtype}:{tuple(tensor.shape)}".encode())
+    digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy of the bytes
+    return digest.hexdigest()
 
 
 HEALTH_CALLS = "health"
@@ -575,19 +608,35 @@ class RolloutEngine:
         return os.getpid(), ray.util.get_node_ip_address()
 
     def weights_digest(self) -> str | None:
-        """A SHA-256 over the served weights (names, dtypes, shapes and bytes, in name order),
-        or None when the engine cannot read its weights (SGLang servers)."""
+        """A SHA-256 over the served weights (the per-tensor digests, in name order), or None
+        when the engine cannot read its weights (SGLang servers)."""
         import hashlib
+
+        digests = self.weights_digests()
+        if digests is None:
+            return None
+        return hashlib.sha256(repr(sorted(digests.items())).encode()).hexdigest()
+
+    def weights_digests(
+        self, shapes: dict[str, list[int]] | None = None
+    ) -> dict[str, str | None] | None:
+        """A SHA-256 per served tensor (`tensor_digest`) by checkpoint name: of `shapes`' names
+        (None where the model serves no tensor of that name and shape; a per-expert name is a
+        view into transformers' fused expert tensor), or of every tensor of the model's state
+        dict under its own name. None when the engine cannot read its weights (SGLang
+        servers)."""
+        from ember_rollout.models import served_tensor
 
         model = getattr(self.engine, "model", None)
         if model is None:
             return None
-        digest = hashlib.sha256()
-        for name, tensor in sorted(model.state_dict().items()):
-            tensor = tensor.detach().cpu().contiguous()
-            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy of the bytes
-        return digest.hexdigest()
+        if shapes is None:
+            return {name: tensor_digest(t) for name, t in model.state_dict().items()}
+        digests: dict[str, str | None] = {}
+        for name, shape in shapes.items():
+            tensor = served_tensor(model, name, shape)
+            digests[name] = None if tensor is None else tensor_digest(tensor)
+        return digests
 
     def loaded_model_path(self) -> bool:
         """Whether the engine loaded `model_path` itself when it started (not an attached
@@ -631,6 +680,13 @@ class RolloutEngine:
     def end_weight_update(self) -> None:
         self._run_weights(self.engine.end_weight_update())
 
+    def _taken(self, version: str | None) -> str | None:
+        """The weight version the engine takes with a push: the pushed one (its old one under
+        `ember certify --plant stale-version`, to test the check that versions move)."""
+        if version is not None and planted(Fault.STALE_VERSION):
+            return getattr(self.engine, "weight_version", None)
+        return version
+
     def update_weights_from_distributed(
         self,
         names: list[str],
@@ -648,7 +704,7 @@ class RolloutEngine:
                 dtypes,
                 shapes,
                 group_name=group_name,
-                weight_version=version,
+                weight_version=self._taken(version),
                 flush_cache=flush_cache,
             )
         )
@@ -659,13 +715,15 @@ class RolloutEngine:
         """Load one bucket handed over as CUDA IPC handles (SGLang servers on this machine)."""
         self._run_weights(
             self.engine.update_weights_from_ipc(
-                payloads, weight_version=version, flush_cache=flush_cache
+                payloads, weight_version=self._taken(version), flush_cache=flush_cache
             )
         )
 
     def update_weights_from_disk(self, path: str, version: str) -> None:
         """Load every weight from the HF checkpoint directory `path`."""
-        self._run_weights(self.engine.update_weights_from_disk(path, weight_version=version))
+        self._run_weights(
+            self.engine.update_weights_from_disk(path, weight_version=self._taken(version))
+        )
 
     def release_memory(self, tags: list[str] | None) -> None:
         """Free the engine's device memory of `tags` (None: all) while the trainer trains."""

@@ -1,4 +1,4 @@
-"""The `ember` command: train, plugins, plot, convert, import-gguf, upcycle."""
+"""The `ember` command: train, certify, plugins, plot, convert, import-gguf, upcycle."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import yaml
 from ember.quiet import VERBOSE_ENV, quiet_libraries
 from ember.startup import mark, mark_process_start
 from ember.upcycle import DEFAULT_EXPERTS, DEFAULT_NOISE, DEFAULT_ROUTER_STD, DEFAULT_TOP_K
+from ember_core.certify import Fault
 
 USAGE_ERROR = 2
 RUN_ERROR = 1
@@ -84,6 +85,42 @@ def cmd_train(args: argparse.Namespace) -> int:
         driver.shutdown()
     print(f"run directory: {out}")
     return 0
+
+
+def cmd_certify(args: argparse.Namespace) -> int:
+    from ember.certify import describe_setup, passed, run_overrides, table, write_certificate
+    from ember.config import check_inputs, load_config
+    from ember_core.certify import PLANT_ENV
+
+    config, _ = load_config(args.config, overrides=args.set, plugins=args.plugins)
+    data = run_overrides(config)
+    if not args.set or not any(s.startswith("run.name=") for s in args.set):
+        data["run"]["name"] = f"certify-{config.run.name or 'run'}"
+    config, plugins = load_config(data)
+    check_inputs(config)  # bad prompt files, reward names, paths: fail before Ray starts
+    mark("driver", "config loaded and checked")
+    if args.plant:
+        os.environ[PLANT_ENV] = args.plant
+        logging.getLogger("ember").warning(
+            "fault %r planted: the certificate must fail (ember_core.certify.Fault)", args.plant
+        )
+    from ember.certify import certify
+    from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
+
+    driver = Driver(config, None, plugins)
+    try:
+        rows = certify(driver)
+    except Exception as exc:
+        line = driver.stopped_by(exc)
+        if line is None:
+            raise
+        raise RunStopped(line) from exc
+    finally:
+        driver.shutdown()
+    print(table(rows))
+    path = write_certificate(driver.run_dir, rows, describe_setup(config))
+    print(f"certificate: {path}")
+    return 0 if passed(rows) else RUN_ERROR
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -181,6 +218,27 @@ def build_parser() -> argparse.ArgumentParser:
         "engine (run.train_from_rollouts)",
     )
     train.set_defaults(func=cmd_train)
+
+    cert = sub.add_parser(
+        "certify",
+        help="check that a setup trains on the policy its engine samples: a table of checks, "
+        "PASS/FAIL each, exit status 1 on any FAIL",
+    )
+    cert.add_argument(
+        "config", nargs="?", help="YAML run config or example name (default: default)"
+    )
+    cert.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    cert.add_argument(
+        "--plugins", type=_split_plugins, default=None, metavar="A,B", help="plugins to enable"
+    )
+    cert.add_argument(
+        "--plant",
+        choices=[f.value for f in Fault],
+        help="plant a fault to see its row fail (the certifier's own test)",
+    )
+    cert.set_defaults(func=cmd_certify)
 
     plugins = sub.add_parser(
         "plugins", help="list installed plugins and whether a config enables them"

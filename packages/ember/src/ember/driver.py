@@ -45,6 +45,7 @@ from ember.versions import (
     sample_version,
     staleness_metrics,
 )
+from ember_core.certify import PLANT_ENV
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
 from ember_rollout.rollout import RolloutBatch, prompts_of
@@ -183,6 +184,8 @@ class Driver:
             return
         ray_cfg = self.config.ray
         env = {**RAY_ENV, VERBOSE_ENV: "1" if verbose() else "0"}
+        if os.environ.get(PLANT_ENV):  # `ember certify --plant`: into every process of the run
+            env[PLANT_ENV] = os.environ[PLANT_ENV]
         if ray_cfg.address is None:
             # The Ray started here inherits this environment, and its workers with it. A
             # runtime_env instead would cost every actor a fresh worker process set up by the
@@ -666,22 +669,11 @@ class Driver:
 
         t0 = time.perf_counter()
         self.handoff.to_training()
-        # Every rank returns the same metrics, already reduced across data-parallel ranks; the
-        # ranks of one model replica (TP, PP, CP peers) take the same shard.
-        data_ranks = self.data_ranks or list(range(len(self.actors.train)))
-        shards = split_by_rank(
-            batch.samples, self.config.rollout.n_samples_per_prompt, 1 + max(data_ranks)
-        )
-        per_rank = [
-            t.prepare.remote(rollout_id, shards[dp])
-            for t, dp in zip(self.actors.train, data_ranks, strict=True)
-        ]
-        rollout_metrics = ray.get(per_rank)[0]
+        rollout_metrics = self.score(rollout_id, batch.samples)
         timings["perf/log_probs_time"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        step_metrics = ray.get([t.train.remote(rollout_id) for t in self.actors.train])[0]
-        self._trained_version = str(rollout_id)
+        step_metrics = self.train(rollout_id)
         timings["perf/train_time"] = time.perf_counter() - t0
 
         generating = [ref for ref in self._pending.values() if not isinstance(ref, RolloutBatch)]
@@ -710,6 +702,28 @@ class Driver:
         if self.config.run.dump_rollouts:
             write_dump(dump_path(self.run_dir / "rollouts", rollout_id), batch.samples)
         return rollout_metrics, step_metrics, timings
+
+    def score(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+        """Score rollout `rollout_id` on the training ranks (the trainer holds the GPUs): its
+        rollout/* metrics, the same on every rank (reduced across data-parallel ranks; the
+        ranks of one model replica, its TP, PP and CP peers, take the same shard)."""
+        assert self.actors is not None
+        data_ranks = self.data_ranks or list(range(len(self.actors.train)))
+        shards = split_by_rank(
+            samples, self.config.rollout.n_samples_per_prompt, 1 + max(data_ranks)
+        )
+        per_rank = [
+            t.prepare.remote(rollout_id, shards[dp])
+            for t, dp in zip(self.actors.train, data_ranks, strict=True)
+        ]
+        return ray.get(per_rank)[0]
+
+    def train(self, rollout_id: int) -> list[dict[str, float]]:
+        """Train on the rollout `score` scored last: the metrics of each optimizer step."""
+        assert self.actors is not None
+        step_metrics = ray.get([t.train.remote(rollout_id) for t in self.actors.train])[0]
+        self._trained_version = str(rollout_id)
+        return step_metrics
 
     def _generate_only(
         self, rollout_id: int

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ember_core.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
+from ember_core.certify import Fault, planted
 from ember_core.config import AlgorithmConfig, SamplingConfig
 from ember_core.hookspecs import Phase, Role
 from ember_core.plugins import EmberPlugins
@@ -172,6 +173,10 @@ class MegatronWorker:
             checkpoint.load_model_weights(
                 ref, config.ref_load, role=Role.ACTOR.value, expect=self._layout()
             )
+        if planted(Fault.REFERENCE):  # `ember certify --plant reference` tests its check
+            with torch.no_grad():
+                for param in ref.parameters():
+                    param.mul_(1.01)
         ref.requires_grad_(False)
         ref.eval()
         return ref
@@ -304,7 +309,8 @@ class MegatronWorker:
             passes,
             plugins=self.plugins,
             recorder=self.routing,
-            temperature=self.sampling.temperature,
+            # 1.0 only where `ember certify --plant temperature` tests its check.
+            temperature=1.0 if planted(Fault.TEMPERATURE) else self.sampling.temperature,
         )
         log_probs = scored["actor"].log_probs if "actor" in scored else None
         entropy = scored["actor"].entropy if "actor" in scored else None

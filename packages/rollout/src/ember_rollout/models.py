@@ -288,6 +288,17 @@ def load_hf_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.T
     return count
 
 
+def served_tensor(model: nn.Module, name: str, shape: Sequence[int]) -> torch.Tensor | None:
+    """What `model` serves for checkpoint tensor `name` of `shape` (a view into a fused expert
+    tensor for a per-expert name), or None where nothing of that shape goes by that name."""
+    state = model.state_dict(keep_vars=True)
+    try:
+        view, _ = _resolve(state, name, torch.empty(tuple(shape), device="meta"), naming_of(model))
+    except ValueError:
+        return None
+    return view.detach()
+
+
 def _resolve(
     state: dict[str, torch.Tensor],
     name: str,

@@ -8,15 +8,21 @@ from typing import TYPE_CHECKING, Any
 
 from ember_ci_kl_checker.config import SECTION, KLCheckerConfig
 from ember_ci_kl_checker.errors import Check, KLCheckError
+from ember_core.certify import (
+    SLIME_CEILING,
+    TOLERANCE,
+    at_least,
+    at_most,
+    exactly_one,
+    exactly_zero,
+    mismatch_ceiling,
+)
 from ember_core.hookspecs import ConfigSection, ExemptionScope, KLExemption, hookimpl
 
 if TYPE_CHECKING:
     from ember_core.plugins import EmberPlugins
 
 logger = logging.getLogger(__name__)
-
-TOLERANCE = 1e-8
-"""An on-policy quantity passes when its absolute value is strictly below this."""
 
 PPO_KL = "train/ppo_kl"
 PPO_KL_MAX = "train/ppo_kl_abs_max"
@@ -44,11 +50,6 @@ AUDIT = "rollout/audit"
 """1.0 on an audit iteration."""
 VERSIONS_BEHIND = "rollout/versions_behind_max"
 """The most updates the trainer is ahead of the recorded weight version of a sample."""
-SLIME_CEILING = 0.1
-"""slime's train/rollout log-prob ceiling (`--ci-train-rollout-logprob-abs-diff-threshold`)."""
-FP32_MAX_ABS_DIFF = 1e-4
-"""Per-token ceiling when the engine and the trainer both compute in float32 (see the
-README's Measured section for the figures behind it)."""
 _PPO_KL_REQUIRED = "every actor update logs it"
 
 
@@ -433,9 +434,8 @@ class KLChecker:
         report: bool = False,
     ) -> None:
         number = self._number(check, name, metrics, where, required)
-        # NaN fails too: `abs(nan) < TOLERANCE` is False.
         text = f"|{name}| = {abs(number):.3e}, expected < {TOLERANCE:g}"
-        if not abs(number) < TOLERANCE:
+        if not exactly_zero(number):
             raise KLCheckError(check, where, metrics, text)
         if report:
             self._passed(check, where, text)
@@ -450,7 +450,7 @@ class KLChecker:
         )
         number = self._number(check, REPLAY_AGREEMENT, metrics, where, required)
         text = f"{REPLAY_AGREEMENT} = {number!r}, expected exactly 1.0"
-        if not number == 1.0:
+        if not exactly_one(number):
             raise KLCheckError(check, where, metrics, text)
         if report:
             self._passed(check, where, text, kind)
@@ -466,7 +466,7 @@ class KLChecker:
     ) -> None:
         number = self._number(check, name, metrics, where, required)
         text = f"{name} = {number:.4f}, expected >= {floor:g} ({SECTION}.{check}_min)"
-        if not number >= floor:  # NaN fails
+        if not at_least(number, floor):
             raise KLCheckError(check, where, metrics, text)
         self._passed(check, where, text)
 
@@ -486,7 +486,7 @@ class KLChecker:
             f"{name} = {number:.3e}, expected <= {ceiling:g} "
             f"({SECTION}.train_rollout_logprob_{key}_threshold)"
         )
-        if not number <= ceiling:  # NaN fails
+        if not at_most(number, ceiling):
             raise KLCheckError(check, where, metrics, text)
         if report:
             self._passed(check, where, text)
@@ -515,14 +515,7 @@ def max_ceiling(config: Any, section: KLCheckerConfig) -> tuple[float, str]:
     if section.train_rollout_logprob_max_abs_diff_threshold is not None:
         value = section.train_rollout_logprob_max_abs_diff_threshold
         return value, f"{SECTION}.train_rollout_logprob_max_abs_diff_threshold={value:g}"
-    engine = engine_dtype(config)
-    trainer = _get(_get(config, "train"), "dtype")
-    if engine == "float32" and trainer in (None, "float32"):
-        return FP32_MAX_ABS_DIFF, "the engine and the trainer both compute in float32"
-    return SLIME_CEILING, (
-        f"engine dtype {engine or 'unknown'}, trainer dtype {trainer or 'float32'} (slime's "
-        "ceiling)"
-    )
+    return mismatch_ceiling(engine_dtype(config), _get(_get(config, "train"), "dtype"))
 
 
 _checker: KLChecker | None = None

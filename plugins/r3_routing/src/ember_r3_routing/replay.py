@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ember_core.certify import Fault, planted
 from ember_core.hookspecs import Phase, Role
 from ember_r3_routing.config import SECTION, R3RoutingConfig
 from ember_r3_routing.experts import describe
@@ -266,7 +267,7 @@ def replay_context(phase: Phase, batch: Any, config: R3RoutingConfig) -> Iterato
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = replay_routers(batch.model, config)
-    if not routers:
+    if not routers or planted(Fault.REPLAY_OFF):
         yield
         return
     for layer, router in routers:

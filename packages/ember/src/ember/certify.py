@@ -1,0 +1,353 @@
+"""`ember certify`: whether a setup trains on the policy its engine samples, row by row.
+
+The certifier builds the run a config describes (its checkpoint, model family, TP/EP/PP layout,
+engine, placement, dtypes and sampling), with the `certify` plugin enabled so that the trainer
+scores every rollout itself (an audit), and measures, in this order:
+
+1. the initial weights: the engine holds exactly the trainer's (per-tensor SHA-256);
+2. rollout 0, from those weights, scored by the trainer: sampled-token log-probs, routing,
+   the on-policy start (the first step's ppo_kl), the reference;
+3. one update on rollout 0 and a push, then the weights again, the weight version the
+   engine reports, and the same prompts generated twice from the new weights (determinism and
+   a rollout scored again).
+
+It keeps nothing a run would: no checkpoint is saved, and engines the run attached to (SGLang
+`engine.sglang.urls`) get the initial weights back. Each judgement is one of
+`ember_core.certify`'s, the ones the `ci_kl_checker` plugin and the device check use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ember_core.certify import (
+    TOLERANCE,
+    at_most,
+    exactly_one,
+    exactly_zero,
+    mismatch_ceiling,
+)
+
+logger = logging.getLogger(__name__)
+
+PLUGIN = "certify"
+"""The plugin `ember certify` enables in the run it builds (`ember.certify_plugin`)."""
+CERTIFICATE = "certificate.json"
+"""The certificate's file in the run directory."""
+PASS, FAIL, REPORTED, NOT_APPLICABLE = "PASS", "FAIL", "reported", "n/a"
+
+
+@dataclasses.dataclass(slots=True)
+class Row:
+    """One check of the certificate."""
+
+    row: str
+    """Its number: "1" to "8", "7.x" for the checks again after the update."""
+    check: str
+    measured: str
+    bar: str
+    verdict: str
+    """PASS, FAIL, reported (measured, no bar) or n/a (does not apply to this setup)."""
+    detail: str = ""
+    """Why it does not apply, or what failed."""
+
+
+def run_overrides(config: Any) -> dict[str, Any]:
+    """The resolved config `config` (a `RunConfig`) as the certifier runs it: two rollouts, no
+    checkpoints, evaluation, dumps or plots, the CI checker's own switch off (its checks are
+    rows here) and the `certify` plugin enabled."""
+    data = config.to_dict()
+    run = data.setdefault("run", {})
+    run.update(num_rollouts=2, save_interval=0, eval_interval=0, plot=False)
+    run.update(dump_rollouts=False, tensorboard=False, wandb_project=None)
+    data.setdefault("ci", {})["test"] = False
+    data["plugins"] = [*(p for p in data.get("plugins") or [] if p != PLUGIN), PLUGIN]
+    return data
+
+
+def weights_row(
+    row: str,
+    trainer: Mapping[str, str],
+    engines: Sequence[Mapping[str, str | None] | None],
+    when: str,
+) -> Row:
+    """Whether every engine serves each tensor the trainer holds, byte for byte (digests by
+    transformers name)."""
+    check = f"weights arrive ({when})"
+    bar = "every tensor equal (SHA-256)"
+    if not trainer:
+        return Row(row, check, "no tensor digests from the trainer", bar, FAIL)
+    if any(e is None for e in engines):
+        detail = "the engine cannot report its tensors (an SGLang server)"
+        return Row(row, check, "not measured", bar, NOT_APPLICABLE, detail)
+    missing, differing = [], []
+    for name, digest in trainer.items():
+        for engine in engines:
+            assert engine is not None
+            if engine.get(name) is None:
+                missing.append(name)
+            elif engine[name] != digest:
+                differing.append(name)
+    equal = len(trainer) * len(engines) - len(missing) - len(differing)
+    measured = f"{equal}/{len(trainer) * len(engines)} tensors equal"
+    if len(engines) > 1:
+        measured += f" over {len(engines)} engines"
+    if not missing and not differing:
+        return Row(row, check, measured, bar, PASS)
+    parts = []
+    if differing:
+        parts.append(f"differ: {_names(differing)}")
+    if missing:
+        parts.append(f"not served: {_names(missing)}")
+    return Row(row, check, measured, bar, FAIL, "; ".join(parts))
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    unique = sorted(set(names))
+    more = f" and {len(unique) - shown} more" if len(unique) > shown else ""
+    return ", ".join(unique[:shown]) + more
+
+
+def _number(metrics: Mapping[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    return None if value is None else float(value)
+
+
+def log_prob_row(row: str, metrics: Mapping[str, Any], ceiling: float, why: str, when: str) -> Row:
+    """Sampled-token agreement: the mean and per-token maximum |trainer - engine| log-prob."""
+    check = f"sampled-token log-probs ({when})"
+    mean = _number(metrics, "rollout/train_rollout_logprob_abs_diff")
+    largest = _number(metrics, "rollout/train_rollout_logprob_max_abs_diff")
+    bar = f"mean and max <= {ceiling:g} ({why})"
+    if mean is None or largest is None:
+        return Row(row, check, "not logged", bar, FAIL, "the engine returned no log-probs")
+    ok = at_most(mean, ceiling) and at_most(largest, ceiling)
+    return Row(row, check, f"mean {mean:.2e}, max {largest:.2e}", bar, PASS if ok else FAIL)
+
+
+def routing_row(
+    row: str,
+    metrics: Mapping[str, Any],
+    steps: Sequence[Mapping[str, Any]],
+    *,
+    moe: bool,
+    replaying: bool,
+    when: str,
+) -> Row:
+    """The trainer's own routing against the engine's recorded experts (reported) and, under
+    routing replay, the experts the trainer used against them (exactly 1)."""
+    check = f"routing ({when})"
+    bar = "with replay exactly 1 (without: reported)"
+    if not moe:
+        return Row(row, check, "", bar, NOT_APPLICABLE, "a dense model: no router")
+    natural = _number(metrics, "rollout/routing_agreement")
+    if not replaying:
+        detail = "no routed experts recorded: r3_routing is off"
+        if natural is None:
+            return Row(row, check, "", bar, NOT_APPLICABLE, detail)
+        return Row(row, check, f"without replay {natural:.4f}", bar, REPORTED)
+    replayed = [
+        v
+        for v in [_number(metrics, "rollout/replay_agreement")]
+        + [_number(s, "train/replay_agreement") for s in steps]
+        if v is not None
+    ]
+    without = "not logged" if natural is None else f"{natural:.4f}"
+    if not replayed:
+        measured = f"without replay {without}; with replay not logged"
+        detail = "r3_routing is on, but no forward replayed the recorded experts"
+        return Row(row, check, measured, bar, FAIL, detail)
+    lowest = min(replayed)
+    measured = f"without replay {without}; with replay {lowest:.4f}"
+    return Row(row, check, measured, bar, PASS if exactly_one(lowest) else FAIL)
+
+
+def on_policy_row(steps: Sequence[Mapping[str, Any]]) -> Row:
+    """The first step's ppo_kl against the trainer's own old log-probs: exactly 0."""
+    check = "on-policy start (first step)"
+    bar = f"|ppo_kl| and max |old - new| < {TOLERANCE:g}"
+    first = steps[0] if steps else {}
+    kl, largest = _number(first, "train/ppo_kl"), _number(first, "train/ppo_kl_abs_max")
+    if kl is None or largest is None:
+        return Row("5", check, "not logged", bar, FAIL)
+    ok = exactly_zero(kl) and exactly_zero(largest)
+    measured = f"ppo_kl {kl:.2e}, max {largest:.2e}"
+    return Row("5", check, measured, bar, PASS if ok else FAIL)
+
+
+def reference_row(metrics: Mapping[str, Any], *, reference: bool, replaying: bool) -> Row:
+    """The reference against the actor at the start (the reference replaying the rollout's
+    routing under routing replay): exactly equal log-probs."""
+    check = "reference equals actor (start)"
+    bar = f"max |actor - reference| < {TOLERANCE:g}"
+    if not reference:
+        detail = "the config builds no reference model (no KL loss or penalty, no train.ref_load)"
+        return Row("6", check, "", bar, NOT_APPLICABLE, detail)
+    key = (
+        "rollout/ref_replayed_log_probs_max_abs_diff"
+        if replaying
+        else "rollout/log_probs_ref_max_abs_diff"
+    )
+    value = _number(metrics, key)
+    if value is None:
+        return Row("6", check, "not logged", bar, FAIL, f"{key} missing")
+    replayed = ", routing replayed" if replaying else ""
+    verdict = PASS if exactly_zero(value) else FAIL
+    return Row("6", check, f"max {value:.2e}{replayed}", bar, verdict)
+
+
+def version_row(versions: Sequence[str | None], expected: str) -> Row:
+    """Every sample generated after the push carries the pushed weight version."""
+    check = "weight version (after the update)"
+    bar = f"every sample's version is {expected!r}"
+    seen = sorted({str(v) for v in versions})
+    measured = "versions " + ", ".join(seen)
+    ok = bool(versions) and all(str(v) == expected for v in versions)
+    return Row("7.5", check, measured, bar, PASS if ok else FAIL)
+
+
+def determinism_row(first: Sequence[Sequence[int]], second: Sequence[Sequence[int]]) -> Row:
+    """The same requests (same prompts, same seeds) twice: the same tokens."""
+    check = "determinism (same request twice)"
+    same = sum(a == b for a, b in zip(first, second, strict=True))
+    measured = f"{same}/{len(first)} samples equal"
+    verdict = PASS if same == len(first) and len(first) == len(second) else FAIL
+    return Row("8", check, measured, "every sample's tokens equal", verdict)
+
+
+def passed(rows: Sequence[Row]) -> bool:
+    """No row failed."""
+    return all(r.verdict != FAIL for r in rows)
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The certificate as a fixed-width table, one line per row (details indented below)."""
+    header = ("row", "check", "measured", "bar", "verdict")
+    cells = [header] + [(r.row, r.check, r.measured, r.bar, r.verdict) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = []
+    for i, cell in enumerate(cells):
+        lines.append("  ".join(v.ljust(w) for v, w in zip(cell, widths, strict=True)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+        elif rows[i - 1].detail:
+            lines.append(" " * (widths[0] + 2) + rows[i - 1].detail)
+    return "\n".join(lines)
+
+
+def write_certificate(run_dir: Path, rows: Sequence[Row], setup: Mapping[str, Any]) -> Path:
+    """The certificate as JSON in `run_dir` (`CERTIFICATE`)."""
+    path = Path(run_dir) / CERTIFICATE
+    document = {
+        "passed": passed(rows),
+        "setup": dict(setup),
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    return path
+
+
+def describe_setup(config: Any) -> dict[str, Any]:
+    """What the certificate is of: model, family, layout, engine, dtypes, loop, sampling."""
+    model = config.train.model_config()
+    parallel = config.train.parallel
+    engine = config.engine
+    return {
+        "model": config.train.hf_load or config.train.model,
+        "family": model.family,
+        "experts": getattr(model, "num_experts", None),
+        "layout": {
+            "tp": parallel.tensor_parallel,
+            "pp": parallel.pipeline_parallel,
+            "ep": parallel.expert_parallel,
+            "data_parallel": config.ray.data_parallel,
+        },
+        "engine": engine.kind,
+        "engines": config.ray.num_engines,
+        "engine_dtype": engine_dtype(config),
+        "trainer_dtype": config.train.dtype,
+        "loop": "overlapped" if config.rollout.max_staleness else "in turn",
+        "temperature": config.rollout.temperature,
+        "plugins": [p for p in config.plugins if p != PLUGIN],
+    }
+
+
+def engine_dtype(config: Any) -> str | None:
+    """The dtype the run's engine computes in where the config says it (None: an attached
+    server's, or SGLang's own choice)."""
+    engine = config.engine
+    if engine.kind == "hf":
+        return engine.hf.dtype
+    sglang = engine.sglang
+    return None if sglang.urls or sglang.dtype in (None, "auto") else sglang.dtype
+
+
+def certify(driver: Any) -> list[Row]:
+    """Build the run of `driver` (a `Driver` over `run_overrides`), measure every row, and
+    leave attached engines with the initial weights again."""
+    import ray
+
+    from ember.versions import INITIAL_WEIGHT_VERSION
+    from ember_rollout.rollout import prompts_of
+
+    config = driver.config
+    driver.run_dir.mkdir(parents=True, exist_ok=True)
+    driver.start_ray()
+    driver.build()
+    driver.load_initial_weights()
+    actors = driver.actors
+    model = config.train.model_config()
+    moe = bool(getattr(model, "num_experts", 0))
+    replaying = "r3_routing" in config.plugins
+    reference = bool(
+        config.algorithm.use_kl_loss or config.algorithm.kl_coef > 0 or config.train.ref_load
+    )
+    dtype = engine_dtype(config) if config.engine.kind == "hf" else None
+    ceiling, why = mismatch_ceiling(engine_dtype(config), config.train.dtype)
+
+    def digests(when: str, row: str) -> Row:
+        held = ray.get([t.weights_digests.remote(dtype) for t in actors.train])
+        trainer = next((d for d in held if d), {})
+        shapes = {name: shape for name, (shape, _) in trainer.items()}
+        served = ray.get([e.weights_digests.remote(shapes) for e in actors.engines])
+        return weights_row(row, {n: d for n, (_, d) in trainer.items()}, served, when)
+
+    rows = [digests("initial load", "1")]
+    batch = driver._take(0)
+    scored = driver.score(0, batch.samples)
+    steps = driver.train(0)
+    rows.append(log_prob_row("2", scored, ceiling, why, "start"))
+    rows.append(routing_row("4", scored, steps[:1], moe=moe, replaying=replaying, when="start"))
+    rows.append(on_policy_row(steps))
+    rows.append(reference_row(scored, reference=reference, replaying=replaying))
+    driver.push_weights(0)
+    rows.append(digests("after the update", "7.1"))
+    prompts = prompts_of(batch.samples)
+    again = [ray.get(actors.manager.generate.remote(1, prompts)) for _ in range(2)]
+    versions = [s.weight_version for s in again[0].samples]
+    rows.append(version_row(versions, "0"))
+    if rows[-1].verdict == PASS:
+        rescored = driver.score(1, again[0].samples)
+        rows.append(log_prob_row("7.2", rescored, ceiling, why, "after the update"))
+        rows.append(
+            routing_row("7.4", rescored, [], moe=moe, replaying=replaying, when="after the update")
+        )
+    else:
+        detail = "not scored: the samples do not carry the pushed version (row 7.5)"
+        rows.append(Row("7.2", "sampled-token log-probs (after the update)", "", "", FAIL, detail))
+    rows.append(determinism_row(*[[s.tokens for s in b.samples] for b in again]))
+    rows.sort(key=lambda r: [int(x) for x in r.row.split(".")])
+    if config.engine.kind == "sglang" and config.engine.sglang.urls:
+        path = str(driver.init_dir)
+        ray.get(
+            [
+                e.update_weights_from_disk.remote(path, INITIAL_WEIGHT_VERSION)
+                for e in actors.engines
+            ]
+        )
+    return rows
