@@ -1,0 +1,206 @@
+"""`ember certify`'s rows, judged from measurements (no Ray), and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import ray
+import torch
+
+from ember import certify_plugin
+from ember.certify import (
+    FAIL,
+    NOT_APPLICABLE,
+    PASS,
+    PLUGIN,
+    REPORTED,
+    determinism_row,
+    log_prob_row,
+    on_policy_row,
+    passed,
+    reference_row,
+    routing_row,
+    run_overrides,
+    shifted_experts,
+    table,
+    version_row,
+    weights_row,
+    write_certificate,
+)
+from ember.cli import USAGE_ERROR, main
+from ember.config import load_config
+from ember_core.certify import PLANT_ENV, Fault, mismatch_ceiling, planted
+from ember_core.hookspecs import ExemptionScope, KLExemption
+from ember_core.types import Sample
+
+NAN = float("nan")
+
+
+def test_weights_row_passes_only_when_every_engine_serves_every_tensor():
+    trainer = {"a": "1", "b": "2"}
+    assert weights_row("1", trainer, [{"a": "1", "b": "2"}] * 2, "x").verdict == PASS
+    differs = weights_row("1", trainer, [{"a": "1", "b": "2"}, {"a": "1", "b": "9"}], "x")
+    assert (differs.verdict, differs.measured) == (FAIL, "3/4 tensors equal over 2 engines")
+    assert "differ: b" in differs.detail
+    missing = weights_row("1", trainer, [{"a": "1", "b": None}], "x")
+    assert missing.verdict == FAIL and "not served: b" in missing.detail
+    assert weights_row("1", {}, [{"a": "1"}], "x").verdict == FAIL
+    assert weights_row("1", trainer, [None], "x").verdict == NOT_APPLICABLE
+
+
+@pytest.mark.parametrize(
+    ("mean", "largest", "verdict"),
+    [(1e-8, 5e-5, PASS), (1e-8, 2e-4, FAIL), (2e-4, 1e-5, FAIL), (NAN, 0.0, FAIL)],
+)
+def test_log_prob_row_bars_the_mean_and_the_maximum(mean, largest, verdict):
+    metrics = {
+        "rollout/train_rollout_logprob_abs_diff": mean,
+        "rollout/train_rollout_logprob_max_abs_diff": largest,
+    }
+    assert log_prob_row("2", metrics, 1e-4, "fp32", "start").verdict == verdict
+    assert log_prob_row("2", {}, 1e-4, "fp32", "start").verdict == FAIL  # no engine log-probs
+
+
+def test_mismatch_ceiling_is_by_dtype():
+    assert mismatch_ceiling("float32", None)[0] == 1e-4
+    assert mismatch_ceiling("float32", "float32")[0] == 1e-4
+    assert mismatch_ceiling("bfloat16", "float32")[0] == 0.1
+    assert mismatch_ceiling(None, "float32")[0] == 0.1  # an attached server: unknown
+
+
+def test_routing_row():
+    natural = {"rollout/routing_agreement": 0.9}
+    dense = routing_row("4", natural, None, moe=False, replaying=False, when="start")
+    assert dense.verdict == NOT_APPLICABLE
+    off = routing_row("4", natural, None, moe=True, replaying=False, when="start")
+    assert (off.verdict, off.measured) == (REPORTED, "without replay 0.9000")
+    assert routing_row("4", {}, None, moe=True, replaying=False, when="s").verdict == NOT_APPLICABLE
+    exact = {"rollout/replay_agreement": 1.0}
+    assert routing_row("4", natural, exact, moe=True, replaying=True, when="s").verdict == PASS
+    short = {"rollout/replay_agreement": 0.999}
+    assert routing_row("4", natural, short, moe=True, replaying=True, when="s").verdict == FAIL
+    assert routing_row("4", natural, {}, moe=True, replaying=True, when="s").verdict == FAIL
+
+
+def test_on_policy_row_needs_exact_zeros_at_the_first_step():
+    zero = {"train/ppo_kl": 0.0, "train/ppo_kl_abs_max": 0.0}
+    assert on_policy_row([zero, {"train/ppo_kl": 5.0}]).verdict == PASS
+    assert on_policy_row([{**zero, "train/ppo_kl_abs_max": 1e-7}]).verdict == FAIL
+    assert on_policy_row([{**zero, "train/ppo_kl": NAN}]).verdict == FAIL
+    assert on_policy_row([]).verdict == FAIL
+
+
+def test_reference_row_reads_the_replayed_reference_under_replay():
+    metrics = {
+        "rollout/log_probs_ref_max_abs_diff": 0.3,  # routes apart from the replaying actor
+        "rollout/ref_replayed_log_probs_max_abs_diff": 0.0,
+    }
+    assert reference_row(metrics, reference=True, replaying=True).verdict == PASS
+    assert reference_row(metrics, reference=True, replaying=False).verdict == FAIL
+    assert reference_row({}, reference=True, replaying=False).verdict == FAIL
+    assert reference_row({}, reference=False, replaying=False).verdict == NOT_APPLICABLE
+
+
+def test_version_and_determinism_rows():
+    assert version_row(["0", "0"], "0").verdict == PASS
+    assert version_row(["0", "-1"], "0").verdict == FAIL
+    assert version_row([], "0").verdict == FAIL
+    assert determinism_row([[1, 2], [3]], [[1, 2], [3]]).verdict == PASS
+    row = determinism_row([[1, 2], [3]], [[1, 2], [4]])
+    assert (row.verdict, row.measured) == (FAIL, "1/2 samples equal")
+
+
+def test_table_and_certificate(tmp_path):
+    rows = [
+        version_row(["0"], "0"),
+        weights_row("1", {"a": "1"}, [{"a": "2"}], "initial load"),
+    ]
+    text = table(rows).splitlines()
+    assert text[0].split() == ["row", "check", "measured", "bar", "verdict"]
+    assert text[2].startswith("7.5") and text[2].endswith(PASS)
+    assert text[3].startswith("1") and text[3].endswith(FAIL)
+    assert text[4].strip() == "differ: a"  # the detail, under its row
+    assert not passed(rows) and passed(rows[:1])
+    document = json.loads(write_certificate(tmp_path, rows, {"engine": "hf"}).read_text())
+    assert document["passed"] is False
+    assert [r["verdict"] for r in document["rows"]] == [PASS, FAIL]
+    assert document["setup"] == {"engine": "hf"}
+
+
+def test_run_overrides_keep_nothing_and_enable_the_plugin():
+    config, _ = load_config(None, plugins=["r3_routing"])
+    data = run_overrides(config)
+    assert data["plugins"] == ["r3_routing", PLUGIN]
+    assert data["run"]["num_rollouts"] == 2
+    assert data["run"]["save_interval"] == 0 and data["run"]["plot"] is False
+    assert data["ci"]["test"] is False
+    again, plugins = load_config(data)  # what the certifier runs is a valid config
+    assert again.plugins == ["r3_routing", PLUGIN]
+    assert plugins.audit_rollout(0) and plugins.audit_rollout(1)
+    assert plugins.replayed_reference_forward(0)  # r3_routing reports a routing exemption
+    assert not plugins.replayed_reference_forward(1)
+
+
+def test_the_plugin_asks_for_the_replayed_reference_only_under_a_routing_exemption():
+    class Facade:
+        def __init__(self, exemptions):
+            self.exemptions = exemptions
+
+        def kl_check_exemptions(self):
+            return self.exemptions
+
+    routing = KLExemption("r3_routing", "replays", ExemptionScope.ROUTING)
+    certify_plugin.ember_configure(config=None, sections={}, plugins=Facade([]))
+    assert not certify_plugin.ember_replayed_reference_forward(rollout_id=0)
+    certify_plugin.ember_configure(config=None, sections={}, plugins=Facade([routing]))
+    assert certify_plugin.ember_replayed_reference_forward(rollout_id=0)
+    assert not certify_plugin.ember_replayed_reference_forward(rollout_id=1)
+
+
+def test_shifted_experts_differ_everywhere_and_stay_valid():
+    experts = torch.tensor([[[0, 7], [3, 4]], [[6, 7], [1, 2]]], dtype=torch.int32)
+    sample = Sample(
+        index=0, group_index=0, prompt="p", tokens=[1, 2, 3], response_length=1,
+        rollout_routed_experts=experts,
+    )  # fmt: skip
+    shifted = shifted_experts([sample], 8)[0]
+    assert torch.equal(shifted.rollout_routed_experts, (experts + 1) % 8)
+    assert torch.all(shifted.rollout_routed_experts != experts)
+    assert sample.rollout_routed_experts is experts  # the original is left as it was
+    assert shifted.tokens == sample.tokens
+
+
+def test_planted_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(PLANT_ENV, raising=False)
+    assert not any(planted(f) for f in Fault)
+    monkeypatch.setenv(PLANT_ENV, Fault.REFERENCE.value)
+    assert [f for f in Fault if planted(f)] == [Fault.REFERENCE]
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--set", "rollout.temperature=-1"], "temperature"),
+        (["--set", "train.model=no-such-model"], "no-such-model"),
+        (["no-such-config.yaml"], "no-such-config"),
+        (["--plugins", "no_such_plugin"], "no_such_plugin"),
+    ],
+)
+def test_bad_input_is_one_line_before_ray(argv, named, capsys, no_ray):
+    started = time.perf_counter()
+    assert main(["certify", *argv]) == USAGE_ERROR
+    assert time.perf_counter() - started < 10
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith("ember certify: error: ") and named in line
