@@ -17,6 +17,7 @@ from ember.certify import (
     PLUGIN,
     REPORTED,
     determinism_row,
+    distribution_row,
     log_prob_row,
     on_policy_row,
     passed,
@@ -25,6 +26,7 @@ from ember.certify import (
     run_overrides,
     shifted_experts,
     table,
+    top_k_kl,
     version_row,
     weights_row,
     write_certificate,
@@ -34,6 +36,7 @@ from ember.config import load_config
 from ember_core.certify import PLANT_ENV, Fault, mismatch_ceiling, planted
 from ember_core.hookspecs import ExemptionScope, KLExemption
 from ember_core.types import Sample
+from ember_megatron_backend.forward import with_rest
 
 NAN = float("nan")
 
@@ -204,3 +207,27 @@ def test_bad_input_is_one_line_before_ray(argv, named, capsys, no_ray):
     assert "Traceback" not in err
     (line,) = err.splitlines()
     assert line.startswith("ember certify: error: ") and named in line
+
+
+def test_top_k_kl_is_the_kl_of_the_coarsened_distributions():
+    torch.manual_seed(0)
+    engine_full = torch.log_softmax(torch.randn(5, 50, dtype=torch.float64), -1)
+    trainer_full = torch.log_softmax(torch.randn(5, 50, dtype=torch.float64), -1)
+    exact = (engine_full.exp() * (engine_full - trainer_full)).sum(-1)
+    everything = torch.arange(50).expand(5, 50)
+    covered = top_k_kl(with_rest(engine_full, everything), with_rest(trainer_full, everything))
+    assert torch.allclose(covered, exact)  # k covers the vocabulary: the full KL
+    ids = engine_full.topk(4, -1).indices
+    coarse = top_k_kl(with_rest(engine_full, ids), with_rest(trainer_full, ids))
+    rest = lambda lp: torch.log1p(-lp.gather(1, ids).exp().sum(-1))  # noqa: E731
+    p, q = engine_full.gather(1, ids), trainer_full.gather(1, ids)
+    by_hand = (p.exp() * (p - q)).sum(-1) + rest(engine_full).exp() * (
+        rest(engine_full) - rest(trainer_full)
+    )
+    assert torch.allclose(coarse, by_hand)
+    assert torch.all(coarse <= exact + 1e-12) and torch.all(coarse >= 0)  # a lower bound
+    same = with_rest(engine_full.float(), ids)
+    assert float(top_k_kl(same, same).abs().max()) < 1e-12
+    row = distribution_row("3", coarse, 1e-4, "fp32", k=4, vocab=50, when="start")
+    assert row.verdict == FAIL and "top-4 ids + the rest of 50" in row.measured
+    assert distribution_row("3", None, 1e-4, "", k=4, vocab=50, when="s").verdict == NOT_APPLICABLE

@@ -254,6 +254,12 @@ class TrainRank:
             next(named, None)
         return named
 
+    def log_probs_at(self, samples: list[Sample], ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The actor's log-probs of `ids[i]` ([R_i, k]) at sample i's response positions, then of
+        the other ids together ([R_i, k + 1]), from the full vocabulary at the rollout
+        temperature (collective: every rank gets the same samples)."""
+        return self.worker.log_probs_at(samples, ids)
+
     def weights_digests(self, dtype: str | None = None) -> dict[str, tuple[list[int], str]]:
         """The shape and SHA-256 (`tensor_digest`) of each tensor of the actor's weights under
         transformers names, cast to `dtype` (None: as held); collective, and empty on every
@@ -637,6 +643,30 @@ class RolloutEngine:
             tensor = served_tensor(model, name, shape)
             digests[name] = None if tensor is None else tensor_digest(tensor)
         return digests
+
+    def top_log_probs(
+        self, samples: list[Sample], k: int, temperature: float
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per sample, the engine's k most likely token ids ([R, k]) at every response position
+        and their log-probs, then the other ids' together ([R, k + 1]), at `temperature`,
+        from a forward of the sampled sequence (prefill); None when the engine cannot read its
+        model (SGLang servers)."""
+        from ember_megatron_backend.forward import with_rest
+
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            return None
+        device = next(model.parameters()).device
+        out = []
+        with torch.no_grad():
+            for sample in samples:
+                tokens = torch.tensor([sample.tokens], device=device)
+                logits = model(input_ids=tokens).logits[0].float()
+                start = sample.total_length - sample.response_length - 1
+                rows = torch.log_softmax(logits[start : sample.total_length - 1] / temperature, -1)
+                ids = rows.topk(min(k, rows.shape[-1]), dim=-1).indices
+                out.append((ids.cpu(), with_rest(rows, ids).cpu()))
+        return out
 
     def loaded_model_path(self) -> bool:
         """Whether the engine loaded `model_path` itself when it started (not an attached

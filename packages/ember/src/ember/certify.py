@@ -40,6 +40,11 @@ PLUGIN = "certify"
 CERTIFICATE = "certificate.json"
 """The certificate's file in the run directory."""
 PASS, FAIL, REPORTED, NOT_APPLICABLE = "PASS", "FAIL", "reported", "n/a"
+TOP_K = 20
+"""Ids per position in the full-distribution row: the engine's most likely (SGLang's
+`top_logprobs_num` takes the same), the rest of the vocabulary as one outcome."""
+DISTRIBUTION_SAMPLES = 16
+"""Samples of a rollout the full-distribution row compares (one forward each on both sides)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -128,6 +133,50 @@ def log_prob_row(row: str, metrics: Mapping[str, Any], ceiling: float, why: str,
         return Row(row, check, "not logged", bar, FAIL, "the engine returned no log-probs")
     ok = at_most(mean, ceiling) and at_most(largest, ceiling)
     return Row(row, check, f"mean {mean:.2e}, max {largest:.2e}", bar, PASS if ok else FAIL)
+
+
+def top_k_kl(engine: Any, trainer: Any) -> Any:
+    """KL(engine || trainer) per position [R] over k + 1 outcomes: the engine's top-k ids and
+    the rest of the vocabulary as one. That is the KL of the two distributions coarsened to
+    those outcomes, a lower bound on the full KL, and the full KL itself when the k ids cover
+    the vocabulary (the rest then has no mass on either side).
+
+    Args:
+        engine: [R, k + 1] the engine's log-probs of its top-k ids, then of the rest.
+        trainer: [R, k + 1] the trainer's log-probs of the same outcomes.
+    """
+    import torch
+
+    # Each side renormalised over the k + 1 outcomes: float32 log-softmax sums to 1 only to
+    # within about 1e-7, which would make a KL of equal distributions slightly negative.
+    engine = engine.double() - engine.double().logsumexp(-1, keepdim=True)
+    trainer = trainer.double() - trainer.double().logsumexp(-1, keepdim=True)
+    p = engine.exp()
+    gap = torch.where(p > 0, engine - trainer, torch.zeros_like(p))  # 0 log 0 = 0
+    return (p * gap).sum(-1)
+
+
+def distribution_row(
+    row: str,
+    kl: Any | None,
+    ceiling: float,
+    why: str,
+    *,
+    k: int,
+    vocab: int,
+    when: str,
+    detail: str = "",
+) -> Row:
+    """Full-distribution agreement: KL(engine || trainer) per response position, mean and max."""
+    check = f"full-distribution KL ({when})"
+    bar = f"mean and max <= {ceiling:g} ({why})"
+    if kl is None:
+        return Row(row, check, "not measured", bar, NOT_APPLICABLE, detail)
+    scope = "the whole vocabulary" if k >= vocab else f"top-{k} ids + the rest of {vocab}"
+    mean, largest = float(kl.mean()), float(kl.max())
+    ok = at_most(mean, ceiling) and at_most(largest, ceiling)
+    measured = f"mean {mean:.2e}, max {largest:.2e} over {scope}"
+    return Row(row, check, measured, bar, PASS if ok else FAIL, detail)
 
 
 def routing_row(
@@ -300,6 +349,7 @@ def certify(driver: Any) -> list[Row]:
     """Build the run of `driver` (a `Driver` over `run_overrides`), measure every row, and
     leave attached engines with the initial weights again."""
     import ray
+    import torch
 
     from ember.versions import INITIAL_WEIGHT_VERSION
     from ember_rollout.rollout import prompts_of
@@ -326,6 +376,29 @@ def certify(driver: Any) -> list[Row]:
         served = ray.get([e.weights_digests.remote(shapes) for e in actors.engines])
         return weights_row(row, {n: d for n, (_, d) in trainer.items()}, served, when)
 
+    vocab = model.vocab_size
+    k = min(TOP_K, vocab)
+
+    def distribution(samples: list[Any], row: str, when: str) -> Row:
+        """Row 3: the engine's top-k against the trainer's log-probs of the same ids."""
+        if config.train.parallel.pipeline_parallel > 1:
+            detail = "not built for pipeline parallelism yet (train.parallel.pipeline_parallel)"
+            return distribution_row(
+                row, None, ceiling, why, k=k, vocab=vocab, when=when, detail=detail
+            )
+        chosen = samples[:DISTRIBUTION_SAMPLES]
+        temperature = config.rollout.temperature
+        top = ray.get(actors.engines[0].top_log_probs.remote(chosen, k, temperature))
+        if top is None:
+            detail = "the engine does not report its distribution (an SGLang server)"
+            return distribution_row(
+                row, None, ceiling, why, k=k, vocab=vocab, when=when, detail=detail
+            )
+        ids = [i for i, _ in top]
+        held = ray.get([t.log_probs_at.remote(chosen, ids) for t in actors.train])[0]
+        kl = torch.cat([top_k_kl(e, t) for (_, e), t in zip(top, held, strict=True)])
+        return distribution_row(row, kl, ceiling, why, k=k, vocab=vocab, when=when)
+
     rows = [digests("initial load", "1")]
     batch = driver._take(0)
     probe = None
@@ -333,6 +406,7 @@ def certify(driver: Any) -> list[Row]:
         # Experts the engine did not choose, replayed: only a forward that replays uses them.
         probe = driver.score(0, shifted_experts(batch.samples, model.num_experts))
     scored = driver.score(0, batch.samples)
+    rows.append(distribution(batch.samples, "3", "start"))
     steps = driver.train(0)
     rows.append(log_prob_row("2", scored, ceiling, why, "start"))
     rows.append(routing_row("4", scored, probe, moe=moe, replaying=replaying, when="start"))
@@ -352,6 +426,7 @@ def certify(driver: Any) -> list[Row]:
     if rows[-1].verdict == PASS:
         rescored = driver.score(1, again[0].samples)
         rows.append(log_prob_row("7.2", rescored, ceiling, why, "after the update"))
+        rows.append(distribution(again[0].samples, "7.3", "after the update"))
         rows.append(
             routing_row(
                 "7.4", rescored, rescored, moe=moe, replaying=replaying, when="after the update"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,3 +317,60 @@ def heads(
     )
     entropy = [e.float() for e in out.entropy] if out.entropy is not None else None
     return ForwardOutput(log_probs=[lp.float() for lp in out.log_probs], entropy=entropy)
+
+
+def with_rest(log_probs: Tensor, ids: Tensor) -> Tensor:
+    """[R, k + 1]: `log_probs` ([R, V]) at `ids` ([R, k]), then the log of the mass of every
+    other id (a log-sum-exp over them, not 1 minus a sum: exact where the rest is tiny)."""
+    rest = log_probs.scatter(1, ids, float("-inf")).logsumexp(-1, keepdim=True)
+    return torch.cat([log_probs.gather(1, ids), rest], dim=1)
+
+
+@torch.no_grad()
+def log_probs_at(
+    model: Any,
+    samples: Sequence[Sample],
+    ids: Sequence[Tensor],
+    *,
+    temperature: float,
+    context: Callable[[Any], AbstractContextManager[Any]],
+) -> list[Tensor]:
+    """The full vocabulary's log-softmax at the rollout temperature, read at given token ids:
+    per sample i, [R_i, k + 1] fp32 log-probs of `ids[i]` ([R_i, k]) at each response position,
+    then of every other id together (-inf when the k ids cover the vocabulary).
+
+    One sample per forward, each inside `context(micro_batch)` (the plugins' forward context).
+    Collective over the model-parallel ranks: every rank passes the same samples. Needs
+    PP = 1 and CP = 1.
+    """
+    from megatron.core import parallel_state as ps
+
+    from ember_megatron_backend.batches import pack_micro_batch, plan_layouts
+
+    require_no_context_parallel()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("log-probs at given ids need train.parallel.pipeline_parallel=1")
+    plan = [[i] for i in range(len(samples))]
+    agreed = plan_layouts(model, list(samples), [plan], ps.get_data_parallel_group())
+    layouts = agreed[0] if agreed is not None else [None] * len(plan)
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for indices, layout in zip(plan, layouts, strict=True):
+            sample, wanted = samples[indices[0]], ids[indices[0]]
+            if tuple(wanted.shape[:1]) != (sample.response_length,):
+                raise ValueError(
+                    f"sample {sample.index}: ids for {wanted.shape[0]} positions, expected one "
+                    f"row per response token ({sample.response_length})"
+                )
+            mb = pack_micro_batch(model, samples, indices, layout)
+            with context(mb):
+                rows = run_model(model, mb.packed, mb.layout)
+            start = sample.total_length - sample.response_length - 1  # predicts the first
+            logits = rows[start : sample.total_length - 1].float() / temperature
+            log_probs = torch.log_softmax(logits, dim=-1)
+            out.append(with_rest(log_probs, wanted.to(log_probs.device, torch.long)).cpu())
+    finally:
+        model.train(was_training)
+    return out

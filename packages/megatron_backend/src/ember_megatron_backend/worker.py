@@ -31,7 +31,7 @@ from ember_megatron_backend.batches import (
     shuffled_order,
 )
 from ember_megatron_backend.config import BackendConfig, is_hf_checkpoint
-from ember_megatron_backend.forward import run_model
+from ember_megatron_backend.forward import log_probs_at, run_model
 from ember_megatron_backend.losses import (
     actor_loss,
     actor_metric_keys,
@@ -409,6 +409,19 @@ class MegatronWorker:
         if dist.get_world_size(group) > 1:
             comm.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         return [not bool(values[0])] + [bool(v) for v in values[1:]]
+
+    def log_probs_at(self, samples: Sequence[Sample], ids: Sequence[Tensor]) -> list[Tensor]:
+        """The actor's log-probs of token ids `ids[i]` ([R_i, k]) at each response position of
+        sample i and of the other ids together ([R_i, k + 1]), from the full vocabulary at the
+        rollout temperature, the plugins' forward context around each forward (routing replay
+        among them): `forward.log_probs_at`."""
+
+        def context(mb: Any) -> Any:
+            return self.plugins.forward_context(Role.ACTOR, Phase.LOG_PROB, mb)
+
+        return log_probs_at(
+            self.actor, samples, ids, temperature=self.sampling.temperature, context=context
+        )
 
     def log_rollout_data(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """The rollout/* metrics of `batch`, means over the samples of all data-parallel ranks
