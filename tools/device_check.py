@@ -143,8 +143,9 @@ class Part:
             self.failures.append(what)
 
 
-def finite(*values: float) -> bool:
-    return all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+def _fraction(agreeing: float, compared: float) -> float:
+    """agreeing / compared, NaN (which fails every judgement) when nothing was compared."""
+    return agreeing / compared if compared else math.nan
 
 
 def model_shape(sizes: Sizes) -> dict[str, int]:
@@ -240,6 +241,8 @@ def part_environment(part: Part, sizes: Sizes) -> None:
 def part_train(part: Part, sizes: Sizes) -> None:
     from gpu_support import megatron_worker, synthetic_samples
 
+    from ember_core.certify import exactly_zero, finite  # the judgements `ember certify` makes
+
     ensure_distributed()
     shape = model_shape(sizes)
     worker = megatron_worker(dtype=sizes.dtype, model_overrides=sizes.model_overrides)
@@ -263,10 +266,13 @@ def part_train(part: Part, sizes: Sizes) -> None:
         rollout_1_first_step_kl_loss=second["train/kl_loss"],
         steps=rollouts,
     )
-    part.expect(first["train/ppo_kl"] == 0.0, f"first step ppo_kl {first['train/ppo_kl']!r}")
-    part.expect(first["train/kl_loss"] == 0.0, f"first step kl_loss {first['train/kl_loss']!r}")
+    part.expect(exactly_zero(first["train/ppo_kl"]), f"first step ppo_kl {first['train/ppo_kl']!r}")
     part.expect(
-        second["train/ppo_kl"] == 0.0, f"rollout 1 first step ppo_kl {second['train/ppo_kl']!r}"
+        exactly_zero(first["train/kl_loss"]), f"first step kl_loss {first['train/kl_loss']!r}"
+    )
+    part.expect(
+        exactly_zero(second["train/ppo_kl"]),
+        f"rollout 1 first step ppo_kl {second['train/ppo_kl']!r}",
     )
     part.expect(
         second["train/kl_loss"] > 0.0,
@@ -306,6 +312,7 @@ def part_export(part: Part, sizes: Sizes) -> None:
     from gpu_support import ROLLOUT_TEMPERATURE, hf_log_probs, megatron_worker, synthetic_samples
     from transformers import AutoModelForCausalLM
 
+    from ember_core.certify import at_most, finite  # the judgements `ember certify` makes
     from ember_core.types import pack_samples
     from ember_megatron_backend.forward import model_inputs
 
@@ -337,7 +344,7 @@ def part_export(part: Part, sizes: Sizes) -> None:
     )
     mean = float(gaps.mean())
     part.expect(finite(mean, float(gaps.max())), "non-finite log-prob differences")
-    part.expect(mean < sizes.logprob_tolerance, f"mean log-prob gap {mean}")
+    part.expect(at_most(mean, sizes.logprob_tolerance), f"mean log-prob gap {mean}")
 
 
 def engine_rollouts(sizes: Sizes, path: str, plugins: Any) -> tuple[list[Any], float]:
@@ -381,6 +388,7 @@ def part_r3(part: Part, sizes: Sizes) -> None:
     import bench_r3
     import torch
 
+    from ember_core.certify import exactly_one, finite  # the judgements `ember certify` makes
     from ember_core.config import AlgorithmConfig, SamplingConfig
     from ember_core.plugins import EmberPlugins
     from ember_megatron_backend.config import BackendConfig, OptimizerConfig
@@ -436,10 +444,10 @@ def part_r3(part: Part, sizes: Sizes) -> None:
         gap_ratio_with_over_without=with_replay / without if without else None,
     )
     part.expect(0.0 <= natural <= 1.0, f"routing_agreement without replay {natural}")
-    part.expect(scoring[0] == scoring[1], f"replayed scoring agreement {scoring}")
-    part.expect(training[0] == training[1], f"replayed training agreement {training}")
+    part.expect(exactly_one(_fraction(*scoring)), f"replayed scoring agreement {scoring}")
+    part.expect(exactly_one(_fraction(*training)), f"replayed training agreement {training}")
     replayed = on["metrics"].get("rollout/replay_agreement")
-    part.expect(replayed == 1.0, f"rollout/replay_agreement {replayed}")
+    part.expect(exactly_one(replayed), f"rollout/replay_agreement {replayed}")
     part.expect(finite(without, with_replay), f"gaps {without}, {with_replay}")
 
 

@@ -73,8 +73,8 @@ def at_least(value: float, floor: float) -> bool:
 
 
 def finite(*values: float) -> bool:
-    """Every value is a finite number."""
-    return all(math.isfinite(v) for v in values)
+    """Every value is a finite number (None and other non-numbers are not)."""
+    return all(isinstance(v, int | float) and math.isfinite(v) for v in values)
 
 
 def mismatch_ceiling(engine_dtype: str | None, trainer_dtype: str | None) -> tuple[float, str]:
