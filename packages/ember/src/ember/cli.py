@@ -88,6 +88,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
+    if args.matrix:
+        return certify_matrix(args)
+    matrix_only = [f"--{k}" for k in ("families", "layouts", "loops", "engines", "out")]
+    given = [flag for flag in matrix_only if getattr(args, flag[2:]) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of --matrix")
     from ember.certify import describe_setup, passed, run_overrides, table, write_certificate
     from ember.config import check_inputs, load_config
     from ember_core.certify import PLANT_ENV
@@ -121,6 +127,44 @@ def cmd_certify(args: argparse.Namespace) -> int:
     path = write_certificate(driver.run_dir, rows, describe_setup(config))
     print(f"certificate: {path}")
     return 0 if passed(rows) else RUN_ERROR
+
+
+def certify_matrix(args: argparse.Namespace) -> int:
+    from ember import certify_matrix as matrix
+
+    if args.config or args.set or args.plugins is not None or args.plant:
+        raise ValueError(
+            "--matrix certifies the built-in presets over the default config; CONFIG, --set, "
+            "--plugins and --plant certify one setup"
+        )
+    choices = {
+        "families": sorted({shape.family for shape in _presets().values()}),
+        "layouts": list(matrix.LAYOUTS),
+        "loops": list(matrix.LOOPS),
+        "engines": list(matrix.ENGINES),
+    }
+    chosen = {}
+    for key, allowed in choices.items():
+        values = getattr(args, key)
+        unknown = [v for v in values or [] if v not in allowed]
+        if unknown:
+            raise ValueError(f"--{key} {','.join(unknown)}: expected some of {', '.join(allowed)}")
+        chosen[key] = values
+    if "sglang" in (chosen["engines"] or []) and "sglang" not in matrix.installed_engines():
+        raise ValueError("--engines sglang: SGLang is not installed (uv sync --extra sglang)")
+    combos = matrix.combinations(**chosen)
+    if not combos:
+        raise ValueError("--matrix: no combination fits the filters")
+    out = Path(args.out) if args.out else matrix.DEFAULT_OUT
+    outcomes = matrix.run_matrix(combos, out)
+    print(f"{sum(o.passed for o in outcomes)} of {len(outcomes)} setups pass: {out}")
+    return 0 if all(o.passed for o in outcomes) else RUN_ERROR
+
+
+def _presets() -> dict:
+    from ember_megatron_backend.model import PRESETS
+
+    return PRESETS
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -238,6 +282,22 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[f.value for f in Fault],
         help="plant a fault to see its row fail (the certifier's own test)",
     )
+    cert.add_argument(
+        "--matrix",
+        action="store_true",
+        help="certify every built-in preset x layout x loop x installed engine and write the "
+        "table (docs/certification.md)",
+    )
+    for key, what in (
+        ("families", "model families (default: all)"),
+        ("layouts", "layouts: 1, tp2, ep2, pp2 (default: all that fit)"),
+        ("loops", "loops: in-turn, overlapped (default: both)"),
+        ("engines", "engines: hf, sglang (default: the installed ones)"),
+    ):
+        cert.add_argument(
+            f"--{key}", type=_split_plugins, default=None, metavar="A,B", help=f"--matrix: {what}"
+        )
+    cert.add_argument("--out", help="--matrix: the table's file (default docs/certification.md)")
     cert.set_defaults(func=cmd_certify)
 
     plugins = sub.add_parser(

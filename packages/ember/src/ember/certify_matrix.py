@@ -1,0 +1,212 @@
+"""`ember certify --matrix`: the certificate of every built-in model preset, in every layout
+that fits two CPU ranks, in both loops, on every installed engine, as one generated table.
+
+Each combination is one `ember certify` process over the default run config with the preset
+swapped in, small rollouts, a KL loss (so that a reference model exists), temperature 0.7 (so
+that a temperature left out shows) and, for MoE presets, routing replay (`r3_routing`), so that
+every row applies where the model allows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ember.certify import CERTIFICATE, FAIL, PASS
+
+ROWS = ["1", "2", "3", "4", "5", "6", "7.1", "7.2", "7.3", "7.4", "7.5", "8"]
+"""The certificate's rows, in the table's column order."""
+LAYOUTS = {
+    "1": [],
+    # The toy tokenizer's 17 ids do not split in two: one id more, which it never encodes.
+    "tp2": [
+        "ray.data_parallel=2",
+        "train.parallel.tensor_parallel=2",
+        "train.model_overrides.vocab_size=18",
+    ],
+    "ep2": ["ray.data_parallel=2", "train.parallel.expert_parallel=2"],
+    "pp2": ["ray.data_parallel=2", "train.parallel.pipeline_parallel=2"],
+}
+"""Training layouts on at most two ranks (gloo on CPU): none, or one kind of parallelism of 2."""
+LOOPS = {"in-turn": ["rollout.async=false"], "overlapped": ["rollout.async=true"]}
+ENGINES = {"hf": ["engine.kind=hf"], "sglang": ["engine.kind=sglang"]}
+BASE = [
+    "rollout.rollout_batch_size=4",
+    "rollout.n_samples_per_prompt=4",
+    "algorithm.use_kl_loss=true",
+    "rollout.temperature=0.7",
+]
+"""What every combination sets on top of the default run config."""
+DEFAULT_OUT = Path("docs/certification.md")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Combination:
+    preset: str
+    family: str
+    moe: bool
+    layout: str
+    loop: str
+    engine: str
+
+    def overrides(self) -> list[str]:
+        sets = [f"train.model={self.preset}", *BASE, *LAYOUTS[self.layout], *LOOPS[self.loop]]
+        return sets + ENGINES[self.engine]
+
+    def plugins(self) -> list[str]:
+        return ["r3_routing"] if self.moe else []
+
+
+def fits(shape: object, layout: str) -> bool:
+    """Whether a preset's model splits in `layout`: heads, query groups and vocabulary over TP,
+    experts over EP (an MoE model only), layers over PP."""
+    if layout == "tp2":
+        # megatron-core refuses MoE under TP without sequence parallelism, which Ember turns
+        # on with Transformer Engine's layers only (GPUs): on CPU, TP is for dense models.
+        if shape.num_experts:
+            return False
+        return all(getattr(shape, k) % 2 == 0 for k in ("num_attention_heads", "num_query_groups"))
+    if layout == "ep2":
+        return bool(shape.num_experts) and shape.num_experts % 2 == 0
+    if layout == "pp2":
+        return shape.num_layers % 2 == 0
+    return True
+
+
+def installed_engines() -> list[str]:
+    """The embedded engine, and SGLang where its extra is installed."""
+    return ["hf"] + (["sglang"] if importlib.util.find_spec("sglang") is not None else [])
+
+
+def combinations(
+    *,
+    families: Sequence[str] | None = None,
+    layouts: Sequence[str] | None = None,
+    loops: Sequence[str] | None = None,
+    engines: Sequence[str] | None = None,
+) -> list[Combination]:
+    """Every preset (of `families`) x every layout it fits (of `layouts`) x `loops` x
+    `engines` (default: all of each, and the installed engines)."""
+    from ember_megatron_backend.model import PRESETS
+
+    chosen = []
+    for preset, shape in PRESETS.items():
+        if families and shape.family not in families:
+            continue
+        for layout in layouts or list(LAYOUTS):
+            if not fits(shape, layout):
+                continue
+            for loop in loops or list(LOOPS):
+                for engine in engines or installed_engines():
+                    moe = bool(shape.num_experts)
+                    chosen.append(Combination(preset, shape.family, moe, layout, loop, engine))
+    return chosen
+
+
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    combination: Combination
+    verdicts: dict[str, str]
+    passed: bool
+    seconds: float
+    error: str = ""
+
+
+def certify_one(combination: Combination, run_dir: Path) -> Outcome:
+    """One `ember certify` process for `combination`, writing its run under `run_dir`."""
+    argv = [sys.executable, "-m", "ember.cli", "certify", "--set", f"run.dir={run_dir}"]
+    for item in combination.overrides():
+        argv += ["--set", item]
+    argv += ["--plugins", ",".join(combination.plugins())]
+    started = time.perf_counter()
+    run = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy())
+    seconds = time.perf_counter() - started
+    path = run_dir / CERTIFICATE
+    if not path.is_file():
+        lines = [line for line in run.stderr.splitlines() if line.strip()]
+        error = lines[-1] if lines else f"exit status {run.returncode}"
+        return Outcome(combination, {}, False, seconds, error)
+    document = json.loads(path.read_text())
+    verdicts = {row["row"]: row["verdict"] for row in document["rows"]}
+    return Outcome(combination, verdicts, bool(document["passed"]), seconds)
+
+
+def run_matrix(combos: Sequence[Combination], out: Path) -> list[Outcome]:
+    """Certify every combination (one at a time: each uses the machine's cores) and write the
+    table to `out`."""
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="ember-certify-matrix-") as scratch:
+        bar = tqdm(combos, desc="certify --matrix", unit="setup", dynamic_ncols=True)
+        for i, combination in enumerate(bar):
+            bar.set_postfix_str(f"{combination.preset} {combination.layout} {combination.loop}")
+            outcome = certify_one(combination, Path(scratch) / f"run-{i}")
+            bar.write(f"{'PASS' if outcome.passed else 'FAIL'}  {describe(combination)}")
+            outcomes.append(outcome)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown(outcomes))
+    return outcomes
+
+
+def describe(combination: Combination) -> str:
+    c = combination
+    return f"{c.preset} ({c.family}), layout {c.layout}, {c.loop}, engine {c.engine}"
+
+
+def markdown(outcomes: Sequence[Outcome]) -> str:
+    """The generated page: how it was made, then one row per combination."""
+    passed = sum(o.passed for o in outcomes)
+    seconds = sum(o.seconds for o in outcomes)
+    lines = [
+        "<!-- Generated by `ember certify --matrix`; do not edit by hand: run it again. -->",
+        "# Certification matrix",
+        "",
+        "`ember certify` over every built-in model preset, in each layout that fits two CPU "
+        "ranks (none, TP 2 for dense models: megatron-core needs sequence parallelism for MoE "
+        "under TP, which Ember enables with Transformer Engine on GPUs; EP 2 for MoE models; "
+        "PP 2), in both loops (in turn, overlapped), "
+        "on each installed engine. Each setup is the default run config with the preset, "
+        f"`{' '.join('--set ' + s for s in BASE)}`, and `--plugins r3_routing` for MoE presets. "
+        "The row numbers are the certificate's (docs/certify.md); n/a: the row does not apply "
+        "(a dense model has no router) or is not measured for that engine or layout.",
+        "",
+        f"{passed} of {len(outcomes)} setups pass; {seconds / 60:.1f} minutes in all on "
+        f"{machine()}, {datetime.date.today().isoformat()}.",
+        "",
+        "| preset | family | layout | loop | engine | " + " | ".join(ROWS) + " | result |",
+        "|" + "---|" * (6 + len(ROWS)),
+    ]
+    for o in outcomes:
+        c = o.combination
+        cells = [o.verdicts.get(row, "-") for row in ROWS]
+        result = PASS if o.passed else (f"{FAIL}: {o.error}" if o.error else FAIL)
+        lines.append(
+            f"| {c.preset} | {c.family} | {c.layout} | {c.loop} | {c.engine} | "
+            + " | ".join(cells)
+            + f" | {result} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> str:
+    """The processor and core count this ran on."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
