@@ -110,9 +110,10 @@ def test_version_and_determinism_rows():
     assert version_row(["0", "0"], "0").verdict == PASS
     assert version_row(["0", "-1"], "0").verdict == FAIL
     assert version_row([], "0").verdict == FAIL
-    assert determinism_row([[1, 2], [3]], [[1, 2], [3]]).verdict == PASS
-    row = determinism_row([[1, 2], [3]], [[1, 2], [4]])
+    assert determinism_row([[1, 2], [3]], [[1, 2], [3]], seeded=True).verdict == PASS
+    row = determinism_row([[1, 2], [3]], [[1, 2], [4]], seeded=True)
     assert (row.verdict, row.measured) == (FAIL, "1/2 samples equal")
+    assert determinism_row([[1, 2]], [[2, 1]], seeded=False).verdict == REPORTED
 
 
 def test_table_and_certificate(tmp_path):
