@@ -18,6 +18,7 @@ from ember.certify import (
     REPORTED,
     determinism_row,
     distribution_row,
+    loaded_alike_row,
     log_prob_row,
     on_policy_row,
     passed,
@@ -232,3 +233,12 @@ def test_top_k_kl_is_the_kl_of_the_coarsened_distributions():
     row = distribution_row("3", coarse, 1e-4, "fp32", k=4, vocab=50, when="start")
     assert row.verdict == FAIL and "top-4 ids + the rest of 50" in row.measured
     assert distribution_row("3", None, 1e-4, "", k=4, vocab=50, when="s").verdict == NOT_APPLICABLE
+
+
+def test_loaded_alike_row_needs_equal_scores_from_push_and_checkpoint():
+    pushed = [[[-1.0, -2.0], [-0.5]]]  # one engine, two servers
+    assert loaded_alike_row("1", pushed, [[[-1.0, -2.0], [-0.5]]], "x").verdict == PASS
+    off = loaded_alike_row("1", pushed, [[[-1.0, -2.0], [-0.6]]], "x")
+    assert off.verdict == FAIL and off.measured.startswith("max |diff| 1.00e-01 over 3 tokens")
+    assert loaded_alike_row("1", pushed, [[[-1.0], [-0.5]]], "x").verdict == FAIL
+    assert loaded_alike_row("1", [None], [None], "x").verdict == NOT_APPLICABLE

@@ -644,6 +644,10 @@ class RolloutEngine:
             digests[name] = None if tensor is None else tensor_digest(tensor)
         return digests
 
+    def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]] | None:
+        """`Engine.prompt_log_probs` of the engine (None where it has none)."""
+        return self._run(self.engine.prompt_log_probs(sequences))
+
     def top_log_probs(
         self, samples: list[Sample], k: int, temperature: float
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ PASS, FAIL, REPORTED, NOT_APPLICABLE = "PASS", "FAIL", "reported", "n/a"
 TOP_K = 20
 """Ids per position in the full-distribution row: the engine's most likely (SGLang's
 `top_logprobs_num` takes the same), the rest of the vocabulary as one outcome."""
+WEIGHT_SEQUENCES = 8
+"""Sequences of rollout 0 an engine scores twice where its tensors cannot be read (row 1)."""
 DISTRIBUTION_SAMPLES = 16
 """Samples of a rollout the full-distribution row compares (one forward each on both sides)."""
 
@@ -121,6 +124,36 @@ def _names(names: list[str], shown: int = 3) -> str:
 def _number(metrics: Mapping[str, Any], key: str) -> float | None:
     value = metrics.get(key)
     return None if value is None else float(value)
+
+
+def loaded_alike_row(
+    row: str,
+    pushed: Sequence[Sequence[Sequence[float]] | None],
+    loaded: Sequence[Sequence[Sequence[float]] | None],
+    when: str,
+) -> Row:
+    """Where an engine's tensors cannot be read: per engine and server, the log-probs it
+    gives the same sequences with the pushed weights (`pushed`) and with the same weights
+    loaded from a checkpoint (`loaded`) must be equal."""
+    check = f"weights arrive ({when})"
+    bar = f"push and checkpoint load score alike (max |diff| < {TOLERANCE:g})"
+    if any(p is None for p in pushed):
+        detail = "the engine can neither report its tensors nor score a sequence"
+        return Row(row, check, "not measured", bar, NOT_APPLICABLE, detail)
+    try:
+        gaps = [
+            abs(a - b)
+            for engine_p, engine_l in zip(pushed, loaded, strict=True)
+            for server_p, server_l in zip(engine_p, engine_l, strict=True)  # type: ignore[arg-type]
+            for a, b in zip(server_p, server_l, strict=True)
+        ]
+    except ValueError:  # a length differs
+        return Row(row, check, "different numbers of tokens scored", bar, FAIL)
+    if not gaps:
+        return Row(row, check, "no token scored", bar, FAIL)
+    largest = max(gaps)
+    measured = f"max |diff| {largest:.2e} over {len(gaps)} tokens"
+    return Row(row, check, measured, bar, PASS if exactly_zero(largest) else FAIL)
 
 
 def log_prob_row(row: str, metrics: Mapping[str, Any], ceiling: float, why: str, when: str) -> Row:
@@ -406,8 +439,27 @@ def certify(driver: Any) -> list[Row]:
         kl = torch.cat([top_k_kl(e, t) for (_, e), t in zip(top, held, strict=True)])
         return distribution_row(row, kl, ceiling, why, k=k, vocab=vocab, when=when)
 
-    rows = [digests("initial load", "1")]
+    readable = config.engine.kind == "hf"  # an SGLang server's tensors cannot be read
+
+    def loaded_alike(row: str, when: str, samples: list[Any], path: Path, version: str) -> Row:
+        """Row 1 where the engine's tensors cannot be read: the engine scores the same
+        sequences with the weights pushed and with the same weights loaded from disk."""
+        sequences = [s.tokens for s in samples[:WEIGHT_SEQUENCES]]
+        pushed = ray.get([e.prompt_log_probs.remote(sequences) for e in actors.engines])
+        ray.get([e.update_weights_from_disk.remote(str(path), version) for e in actors.engines])
+        loaded = ray.get([e.prompt_log_probs.remote(sequences) for e in actors.engines])
+        return loaded_alike_row(row, pushed, loaded, when)
+
     batch = driver._take(0)
+    if readable:
+        rows = [digests("initial load", "1")]
+    else:  # the initial weights by the run's transport, then from the initial export
+        driver._push(INITIAL_WEIGHT_VERSION)
+        rows = [
+            loaded_alike(
+                "1", "initial load", batch.samples, driver.init_dir, INITIAL_WEIGHT_VERSION
+            )
+        ]
     probe = None
     if replaying and moe:
         # Experts the engine did not choose, replayed: only a forward that replays uses them.
@@ -425,7 +477,13 @@ def certify(driver: Any) -> list[Row]:
         detail = f"the push failed: {type(exc.cause).__name__}: {exc.cause}"
         rows.append(Row("7.1", "weights arrive (after the update)", "", "", FAIL, detail))
         return _ordered(rows)
-    rows.append(digests("after the update", "7.1"))
+    if readable:
+        rows.append(digests("after the update", "7.1"))
+    else:
+        export = driver.run_dir / "certify-weights"
+        ray.get([t.export_hf.remote(str(export)) for t in actors.train])
+        rows.append(loaded_alike("7.1", "after the update", batch.samples, export, "0"))
+        shutil.rmtree(export, ignore_errors=True)
     prompts = prompts_of(batch.samples)
     again = [ray.get(actors.manager.generate.remote(1, prompts)) for _ in range(2)]
     versions = [s.weight_version for s in again[0].samples]

@@ -402,6 +402,15 @@ class Engine(abc.ABC):
     async def health(self) -> bool:
         """Whether the engine can serve requests now."""
 
+    async def prompt_log_probs(
+        self, sequences: Sequence[Sequence[int]]
+    ) -> list[list[float]] | None:
+        """Per server, per sequence, the log-prob of each token after the first given the ones
+        before it, at temperature 1, from a forward of the whole sequence: a function of the
+        weights a server serves, for engines whose weights cannot be read (`ember certify`
+        compares it across two ways of loading the same weights). None: not supported."""
+        return None
+
     def probe(self, timeout_s: float) -> str | None:
         """Why the engine cannot serve now, or None: a synchronous check that any thread may
         run while another generates (the health probe of `fault_tolerance`). An engine in

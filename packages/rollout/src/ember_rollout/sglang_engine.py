@@ -281,6 +281,40 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
             )
         return self.parse(request, answer)
 
+    async def prompt_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Per server (in `urls` order), per sequence, the input log-probs of one /generate
+        that returns them from position 0 (`logprob_start_len` 0; sglang 0.5.23 takes them from
+        the prefill's logits, before any temperature), flattened: a function of the weights
+        each server serves.
+
+        Raises:
+            EngineError: An answer without `meta_info.input_token_logprobs` of the right length.
+        """
+        await self.start()
+        out = []
+        for url in self.urls:
+            figures: list[float] = []
+            for i, tokens in enumerate(sequences):
+                where = f"prompt log-probs of sequence {i}"
+                payload = {
+                    "input_ids": list(tokens),
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                    "return_logprob": True,
+                    "logprob_start_len": 0,
+                }
+                answer = await self._post(f"{url}/generate", payload, where=where, abort_url=url)
+                if isinstance(answer, list) and len(answer) == 1:
+                    answer = answer[0]
+                entries = (answer.get("meta_info") or {}).get("input_token_logprobs")
+                if not isinstance(entries, list) or len(entries) != len(tokens):
+                    raise EngineError(
+                        f"{where}: meta_info.input_token_logprobs is not one entry per input "
+                        f"token ({len(tokens)}): {str(entries)[:200]}"
+                    )
+                figures += [float(e[0]) for e in entries[1:]]  # the first token has none
+            out.append(figures)
+        return out
+
     def parse(self, request: GenerateRequest, answer: Any) -> GenerateOutput:
         """Turn one /generate answer into a `GenerateOutput`, validating every field used.
 
