@@ -50,12 +50,18 @@ BASE = [
 ]
 """What every combination sets on top of the default run config."""
 DEFAULT_OUT = Path("docs/certification.md")
+SGLANG_AT = ("1", "overlapped")
+"""The one layout and loop SGLang is certified in unless `--engines` names it: the engine never
+sees the trainer's layout (every layout's push gathers the same tensors, certified on the
+embedded engine), and the loop only decides when generation runs. A real server takes 1.5-2.5
+minutes to start on two cores."""
 REAL_MODELS = {
     "smollm2": ("examples/smollm2-arith.yaml", "llama"),
     "smollm2-moe": ("examples/smollm2-moe-arith.yaml", "mixtral"),
 }
 """The real pretrained checkpoints (the `smollm2` dependency group: SmolLM2-135M-Instruct and
-its sparse upcycling to a Mixtral), each with its example config, in its own layout and loop;
+its sparse upcycling to a Mixtral), each with its example config, in its own layout and loop,
+on the embedded engine unless `--engines` names SGLang;
 the checkpoints are written where the examples read them (models/) when missing."""
 REAL_BASE = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4"]
 """What a real-model combination sets on top of its example (two prompt groups: the example's
@@ -124,6 +130,8 @@ def combinations(
                 continue
             for loop in loops or list(LOOPS):
                 for engine in engines or installed_engines():
+                    if engine == "sglang" and (layout, loop) != SGLANG_AT and not engines:
+                        continue
                     moe = bool(shape.num_experts)
                     chosen.append(Combination(preset, shape.family, moe, layout, loop, engine))
     if not real_models_installed():
@@ -131,7 +139,7 @@ def combinations(
     for name, (config, family) in REAL_MODELS.items():
         if (families and family not in families) or (layouts and "1" not in layouts):
             continue
-        for engine in engines or installed_engines():
+        for engine in engines or ["hf"]:
             if loops and "in-turn" not in loops:
                 continue
             moe = family == "mixtral"
@@ -231,10 +239,12 @@ def markdown(outcomes: Sequence[Outcome]) -> str:
         "ranks (none, TP 2 for dense models: megatron-core needs sequence parallelism for MoE "
         "under TP, which Ember enables with Transformer Engine on GPUs; EP 2 for MoE models; "
         "PP 2), in both loops (in turn, overlapped), "
-        "on each installed engine. Each setup is the default run config with the preset, "
+        "on the embedded engine, and on SGLang where it is installed in layout 1 and the "
+        "overlapped loop (the engine never sees the trainer's layout). Each setup is the "
+        "default run config with the preset, "
         f"`{' '.join('--set ' + s for s in BASE)}`, and `--plugins r3_routing` for MoE presets. "
         "Where the `smollm2` group is installed, the real checkpoints too (SmolLM2-135M-Instruct "
-        "and its upcycling to a Mixtral, each with its example config and "
+        "and its upcycling to a Mixtral, each with its example config, on the embedded engine, "
         f"`{' '.join('--set ' + s for s in REAL_BASE)}`). "
         "The row numbers are the certificate's (docs/certify.md); n/a: the row does not apply "
         "(a dense model has no router) or is not measured for that engine or layout.",
