@@ -226,23 +226,28 @@ def cmd_upcycle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that pick a run config: CONFIG, --set and --plugins."""
+    parser.add_argument(
+        "config", nargs="?", help="YAML run config or example name (default: default)"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    parser.add_argument(
+        "--plugins", type=_split_plugins, default=None, metavar="A,B", help="plugins to enable"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run RL training (default: the CPU example)")
-    train.add_argument(
-        "config", nargs="?", help="YAML run config or example name (default: default)"
-    )
+    _run_config_arguments(train)
     train.add_argument(
         "--config", dest="config_option", metavar="CONFIG", help="the same, as an option"
-    )
-    train.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
-    )
-    train.add_argument(
-        "--plugins", type=_split_plugins, default=None, metavar="A,B", help="plugins to enable"
     )
     train.add_argument(
         "--resume",
@@ -268,15 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check that a setup trains on the policy its engine samples: a table of checks, "
         "PASS/FAIL each, exit status 1 on any FAIL",
     )
-    cert.add_argument(
-        "config", nargs="?", help="YAML run config or example name (default: default)"
-    )
-    cert.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
-    )
-    cert.add_argument(
-        "--plugins", type=_split_plugins, default=None, metavar="A,B", help="plugins to enable"
-    )
+    _run_config_arguments(cert)
     cert.add_argument(
         "--plant",
         choices=[f.value for f in Fault],
