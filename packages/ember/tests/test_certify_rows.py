@@ -141,6 +141,7 @@ def test_run_overrides_keep_nothing_and_enable_the_plugin():
     assert data["run"]["num_rollouts"] == 2
     assert data["run"]["save_interval"] == 0 and data["run"]["plot"] is False
     assert data["ci"]["test"] is False
+    assert data["run"]["rollout_only"] is False and data["run"]["train_from_rollouts"] is None
     again, plugins = load_config(data)  # what the certifier runs is a valid config
     assert again.plugins == ["r3_routing", PLUGIN]
     assert plugins.audit_rollout(0) and plugins.audit_rollout(1)
@@ -242,3 +243,11 @@ def test_loaded_alike_row_needs_equal_scores_from_push_and_checkpoint():
     assert off.verdict == FAIL and off.measured.startswith("max |diff| 1.00e-01 over 3 tokens")
     assert loaded_alike_row("1", pushed, [[[-1.0], [-0.5]]], "x").verdict == FAIL
     assert loaded_alike_row("1", [None], [None], "x").verdict == NOT_APPLICABLE
+
+
+def test_a_colocated_gpu_run_is_refused_in_one_line(capsys, no_ray):
+    argv = ["certify", "--set", "ray.colocate=true", "--set", "ray.gpus_per_rank=0.5"]
+    argv += ["--set", "ray.gpus_per_engine=0.5"]
+    assert main(argv) == USAGE_ERROR
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "ray.colocate=true on GPUs" in line and "ray.colocate=false" in line

@@ -66,12 +66,26 @@ class Row:
 
 
 def run_overrides(config: Any) -> dict[str, Any]:
-    """The resolved config `config` (a `RunConfig`) as the certifier runs it: two rollouts, no
-    checkpoints, evaluation, dumps or plots, the CI checker's own switch off (its checks are
-    rows here) and the `certify` plugin enabled."""
+    """The resolved config `config` (a `RunConfig`) as the certifier runs it: a whole run (not
+    half of one) of two rollouts, no checkpoints, evaluation, dumps or plots, the CI checker's
+    own switch off (its checks are rows here) and the `certify` plugin enabled.
+
+    Raises:
+        ValueError: A colocated GPU run (`ray.colocate`): its engines and trainer hold the GPUs
+            in turn, and the certificate compares them side by side.
+    """
+    from ember.placement import colocated_on_gpu
+
+    if colocated_on_gpu(config):
+        raise ValueError(
+            "ray.colocate=true on GPUs: the engines and the trainer hold the GPUs in turn, and "
+            "the certificate compares them side by side; certify the setup with "
+            "ray.colocate=false (the same model, layout, engine and dtypes)"
+        )
     data = config.to_dict()
     run = data.setdefault("run", {})
     run.update(num_rollouts=2, save_interval=0, eval_interval=0, plot=False)
+    run.update(rollout_only=False, train_from_rollouts=None)
     run.update(dump_rollouts=False, tensorboard=False, wandb_project=None)
     data.setdefault("ci", {})["test"] = False
     data["plugins"] = [*(p for p in data.get("plugins") or [] if p != PLUGIN), PLUGIN]
