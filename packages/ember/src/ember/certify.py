@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from ember_core.certify import (
     TOLERANCE,
     at_most,
@@ -401,131 +403,152 @@ def engine_dtype(config: Any) -> str | None:
 
 def certify(driver: Any) -> list[Row]:
     """Build the run of `driver` (a `Driver` over `run_overrides`), measure every row, and
-    leave attached engines with the initial weights again."""
-    import ray
-    import torch
-
+    leave attached engines with the initial weights again (whatever happened)."""
     from ember.versions import INITIAL_WEIGHT_VERSION
-    from ember_rollout.rollout import prompts_of
 
-    config = driver.config
     driver.run_dir.mkdir(parents=True, exist_ok=True)
     driver.start_ray()
     driver.build()
     driver.load_initial_weights()
-    actors = driver.actors
-    model = config.train.model_config()
-    moe = bool(getattr(model, "num_experts", 0))
-    replaying = "r3_routing" in config.plugins
-    reference = bool(
-        config.algorithm.use_kl_loss or config.algorithm.kl_coef > 0 or config.train.ref_load
-    )
-    dtype = engine_dtype(config) if config.engine.kind == "hf" else None
-    ceiling, why = mismatch_ceiling(engine_dtype(config), config.train.dtype)
+    try:
+        return _ordered(Certifier(driver).rows())
+    finally:
+        engine = driver.config.engine
+        if engine.kind == "sglang" and engine.sglang.urls and driver.actors is not None:
+            path, initial = str(driver.init_dir), INITIAL_WEIGHT_VERSION
+            ray.get(
+                [e.update_weights_from_disk.remote(path, initial) for e in driver.actors.engines]
+            )
 
-    def digests(when: str, row: str) -> Row:
-        held = ray.get([t.weights_digests.remote(dtype) for t in actors.train])
+
+class Certifier:
+    """The measurements of one certificate, over the actors of a built `Driver`."""
+
+    def __init__(self, driver: Any) -> None:
+        config = driver.config
+        self.driver, self.config, self.actors = driver, config, driver.actors
+        self.model = config.train.model_config()
+        self.moe = bool(getattr(self.model, "num_experts", 0))
+        self.replaying = "r3_routing" in config.plugins
+        algorithm = config.algorithm
+        self.reference = bool(
+            algorithm.use_kl_loss or algorithm.kl_coef > 0 or config.train.ref_load
+        )
+        self.readable = config.engine.kind == "hf"
+        """The engine's tensors can be read (the embedded engine; not an SGLang server)."""
+        self.ceiling, self.why = mismatch_ceiling(engine_dtype(config), config.train.dtype)
+        self.k = min(TOP_K, self.model.vocab_size)
+
+    def rows(self) -> list[Row]:
+        """Rollout 0 from the initial weights (rows 1-6), one update and a push, then the same
+        prompts twice from the new weights (rows 7.x and 8)."""
+        from ember.versions import INITIAL_WEIGHT_VERSION
+        from ember_rollout.rollout import prompts_of
+
+        driver, moe, replaying = self.driver, self.moe, self.replaying
+        batch = driver._take(0)
+        if self.readable:
+            rows = [self.digests("1", "initial load")]
+        else:  # the initial weights by the run's transport, then from the initial export
+            driver._push(INITIAL_WEIGHT_VERSION)
+            initial = (driver.init_dir, INITIAL_WEIGHT_VERSION)
+            rows = [self.loaded_alike("1", "initial load", batch.samples, *initial)]
+        probe = None
+        if replaying and moe:
+            # Experts the engine did not choose, replayed: only a forward that replays uses them.
+            probe = driver.score(0, shifted_experts(batch.samples, self.model.num_experts))
+        scored = driver.score(0, batch.samples)
+        rows.append(self.distribution("3", "start", batch.samples))  # before the update
+        steps = driver.train(0)
+        rows.append(log_prob_row("2", scored, self.ceiling, self.why, "start"))
+        rows.append(routing_row("4", scored, probe, moe=moe, replaying=replaying, when="start"))
+        rows.append(on_policy_row(steps))
+        rows.append(reference_row(scored, reference=self.reference, replaying=replaying))
+        arrived, went_through = self.push(batch.samples)
+        rows.append(arrived)
+        if not went_through:  # refused: the engine serves the old weights, nothing to measure
+            return rows
+        prompts = prompts_of(batch.samples)
+        again = [ray.get(self.actors.manager.generate.remote(1, prompts)) for _ in range(2)]
+        rows.append(version_row([s.weight_version for s in again[0].samples], "0"))
+        rows += self.after_update(again[0].samples, scored_ok=rows[-1].verdict == PASS)
+        tokens = [[s.tokens for s in b.samples] for b in again]
+        rows.append(determinism_row(*tokens, seeded=self.readable))
+        return rows
+
+    def push(self, samples: list[Any]) -> tuple[Row, bool]:
+        """Push the updated weights as version 0: row 7.1 (whether they arrived), and whether
+        the push went through at all."""
+        when = "after the update"
+        try:
+            self.driver.push_weights(0)
+        except ray.exceptions.RayTaskError as exc:  # refused: the engine keeps the old weights
+            detail = f"the push failed: {type(exc.cause).__name__}: {exc.cause}"
+            return Row("7.1", f"weights arrive ({when})", "", "", FAIL, detail), False
+        if self.readable:
+            return self.digests("7.1", when), True
+        export = self.driver.run_dir / "certify-weights"
+        try:
+            ray.get([t.export_hf.remote(str(export)) for t in self.actors.train])
+            return self.loaded_alike("7.1", when, samples, export, "0"), True
+        finally:
+            shutil.rmtree(export, ignore_errors=True)
+
+    def after_update(self, samples: list[Any], *, scored_ok: bool) -> list[Row]:
+        """Rows 7.2-7.4 on samples generated from the pushed weights (not scored when they
+        do not carry the pushed version: the trainer refuses to audit older samples)."""
+        when = "after the update"
+        if not scored_ok:
+            detail = "not scored: the samples do not carry the pushed version (row 7.5)"
+            return [Row("7.2", f"sampled-token log-probs ({when})", "", "", FAIL, detail)]
+        rescored = self.driver.score(1, samples)
+        replaying = dict(moe=self.moe, replaying=self.replaying, when=when)
+        return [
+            log_prob_row("7.2", rescored, self.ceiling, self.why, when),
+            self.distribution("7.3", when, samples),
+            routing_row("7.4", rescored, rescored, **replaying),
+        ]
+
+    def digests(self, row: str, when: str) -> Row:
+        """Row 1 on the embedded engine: per-tensor SHA-256, trainer against engine."""
+        dtype = engine_dtype(self.config)
+        held = ray.get([t.weights_digests.remote(dtype) for t in self.actors.train])
         trainer = next((d for d in held if d), {})
         shapes = {name: shape for name, (shape, _) in trainer.items()}
-        served = ray.get([e.weights_digests.remote(shapes) for e in actors.engines])
+        served = ray.get([e.weights_digests.remote(shapes) for e in self.actors.engines])
         return weights_row(row, {n: d for n, (_, d) in trainer.items()}, served, when)
 
-    vocab = model.vocab_size
-    k = min(TOP_K, vocab)
-
-    def distribution(samples: list[Any], row: str, when: str) -> Row:
-        """Row 3: the engine's top-k against the trainer's log-probs of the same ids."""
-        if config.train.parallel.pipeline_parallel > 1:
-            detail = "not built for pipeline parallelism yet (train.parallel.pipeline_parallel)"
-            return distribution_row(
-                row, None, ceiling, why, k=k, vocab=vocab, when=when, detail=detail
-            )
-        chosen = samples[:DISTRIBUTION_SAMPLES]
-        temperature = config.rollout.temperature
-        top = ray.get(actors.engines[0].top_log_probs.remote(chosen, k, temperature))
-        if top is None:
-            detail = "the engine does not report its distribution (an SGLang server)"
-            return distribution_row(
-                row, None, ceiling, why, k=k, vocab=vocab, when=when, detail=detail
-            )
-        ids = [i for i, _ in top]
-        held = ray.get([t.log_probs_at.remote(chosen, ids) for t in actors.train])[0]
-        kl = torch.cat([top_k_kl(e, t) for (_, e), t in zip(top, held, strict=True)])
-        return distribution_row(row, kl, ceiling, why, k=k, vocab=vocab, when=when)
-
-    readable = config.engine.kind == "hf"  # an SGLang server's tensors cannot be read
-
-    def loaded_alike(row: str, when: str, samples: list[Any], path: Path, version: str) -> Row:
+    def loaded_alike(
+        self, row: str, when: str, samples: list[Any], path: Path, version: str
+    ) -> Row:
         """Row 1 where the engine's tensors cannot be read: the engine scores the same
         sequences with the weights pushed and with the same weights loaded from disk."""
+        engines = self.actors.engines
         sequences = [s.tokens for s in samples[:WEIGHT_SEQUENCES]]
-        pushed = ray.get([e.prompt_log_probs.remote(sequences) for e in actors.engines])
-        ray.get([e.update_weights_from_disk.remote(str(path), version) for e in actors.engines])
-        loaded = ray.get([e.prompt_log_probs.remote(sequences) for e in actors.engines])
+        pushed = ray.get([e.prompt_log_probs.remote(sequences) for e in engines])
+        ray.get([e.update_weights_from_disk.remote(str(path), version) for e in engines])
+        loaded = ray.get([e.prompt_log_probs.remote(sequences) for e in engines])
         return loaded_alike_row(row, pushed, loaded, when)
 
-    batch = driver._take(0)
-    if readable:
-        rows = [digests("initial load", "1")]
-    else:  # the initial weights by the run's transport, then from the initial export
-        driver._push(INITIAL_WEIGHT_VERSION)
-        rows = [
-            loaded_alike(
-                "1", "initial load", batch.samples, driver.init_dir, INITIAL_WEIGHT_VERSION
-            )
-        ]
-    probe = None
-    if replaying and moe:
-        # Experts the engine did not choose, replayed: only a forward that replays uses them.
-        probe = driver.score(0, shifted_experts(batch.samples, model.num_experts))
-    scored = driver.score(0, batch.samples)
-    rows.append(distribution(batch.samples, "3", "start"))
-    steps = driver.train(0)
-    rows.append(log_prob_row("2", scored, ceiling, why, "start"))
-    rows.append(routing_row("4", scored, probe, moe=moe, replaying=replaying, when="start"))
-    rows.append(on_policy_row(steps))
-    rows.append(reference_row(scored, reference=reference, replaying=replaying))
-    try:
-        driver.push_weights(0)
-    except ray.exceptions.RayTaskError as exc:  # refused: the engine keeps the old weights
-        detail = f"the push failed: {type(exc.cause).__name__}: {exc.cause}"
-        rows.append(Row("7.1", "weights arrive (after the update)", "", "", FAIL, detail))
-        return _ordered(rows)
-    if readable:
-        rows.append(digests("after the update", "7.1"))
-    else:
-        export = driver.run_dir / "certify-weights"
-        ray.get([t.export_hf.remote(str(export)) for t in actors.train])
-        rows.append(loaded_alike("7.1", "after the update", batch.samples, export, "0"))
-        shutil.rmtree(export, ignore_errors=True)
-    prompts = prompts_of(batch.samples)
-    again = [ray.get(actors.manager.generate.remote(1, prompts)) for _ in range(2)]
-    versions = [s.weight_version for s in again[0].samples]
-    rows.append(version_row(versions, "0"))
-    if rows[-1].verdict == PASS:
-        rescored = driver.score(1, again[0].samples)
-        rows.append(log_prob_row("7.2", rescored, ceiling, why, "after the update"))
-        rows.append(distribution(again[0].samples, "7.3", "after the update"))
-        rows.append(
-            routing_row(
-                "7.4", rescored, rescored, moe=moe, replaying=replaying, when="after the update"
-            )
-        )
-    else:
-        detail = "not scored: the samples do not carry the pushed version (row 7.5)"
-        rows.append(Row("7.2", "sampled-token log-probs (after the update)", "", "", FAIL, detail))
-    seeded = config.engine.kind == "hf"  # SGLang samples with seeds only when deterministic
-    rows.append(determinism_row(*[[s.tokens for s in b.samples] for b in again], seeded=seeded))
-    rows = _ordered(rows)
-    if config.engine.kind == "sglang" and config.engine.sglang.urls:
-        path = str(driver.init_dir)
-        ray.get(
-            [
-                e.update_weights_from_disk.remote(path, INITIAL_WEIGHT_VERSION)
-                for e in actors.engines
-            ]
-        )
-    return rows
+    def distribution(self, row: str, when: str, samples: list[Any]) -> Row:
+        """Row 3: the engine's top-k against the trainer's log-probs of the same ids."""
+        import torch
+
+        bars = dict(k=self.k, vocab=self.model.vocab_size, when=when)
+        if self.config.train.parallel.pipeline_parallel > 1:
+            detail = "not built for pipeline parallelism yet (train.parallel.pipeline_parallel)"
+            return distribution_row(row, None, self.ceiling, self.why, **bars, detail=detail)
+        chosen = samples[:DISTRIBUTION_SAMPLES]
+        temperature = self.config.rollout.temperature
+        engine = self.actors.engines[0]
+        top = ray.get(engine.top_log_probs.remote(chosen, self.k, temperature))
+        if top is None:
+            detail = "the engine does not report its distribution (an SGLang server)"
+            return distribution_row(row, None, self.ceiling, self.why, **bars, detail=detail)
+        ids = [i for i, _ in top]
+        held = ray.get([t.log_probs_at.remote(chosen, ids) for t in self.actors.train])[0]
+        kl = torch.cat([top_k_kl(e, t) for (_, e), t in zip(top, held, strict=True)])
+        return distribution_row(row, kl, self.ceiling, self.why, **bars)
 
 
 def _ordered(rows: list[Row]) -> list[Row]:
