@@ -336,6 +336,8 @@ NOTES = {
 
 UNMAPPED = {
     "train.max_tokens_per_micro_batch": "TRL batches by sample count only",
+    "train.micro_batches_by_length": "TRL's micro-batches take the samples in order; the steps "
+    "train on the same samples either way, only the padding differs",
     "algorithm.whiten_advantages": "TRL has no batch whitening",
     "algorithm.eps_clip_c": "TRL has no dual clip",
     "train.optimizer.min_lr": "TRL's schedule for this decay style has no floor",
@@ -422,6 +424,7 @@ def trl_mapping(config: Any, *, seed: int | None = None) -> PeerMapping:
         "shuffle", kwarg=False)  # fmt: skip
     unmapped("train.max_tokens_per_micro_batch", train.max_tokens_per_micro_batch,
              train.max_tokens_per_micro_batch is not None)  # fmt: skip
+    unmapped("train.micro_batches_by_length", True, train.micro_batches_by_length)
     add("run.num_rollouts", rollouts, "max_steps", rollouts * steps, True)
     add("rollout.temperature", roll.temperature, "temperature", roll.temperature)
     add("rollout.top_p", roll.top_p, "top_p", roll.top_p)

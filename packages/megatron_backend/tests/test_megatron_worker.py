@@ -490,3 +490,51 @@ def test_plan_steps_takes_a_permutation_only(dist_env):
                        order=[7, 6, 5, 4, 3, 2, 1, 0])  # fmt: skip
     assert sorted(i for mb in steps[0] for i in mb) == [4, 5, 6, 7]
     assert all(len(mb) == 2 for step in steps for mb in step)
+
+
+def test_micro_batches_by_length_pad_less_and_train_the_same_update(dist_env):
+    """`micro_batches_by_length` regroups each step's samples into micro-batches of like length:
+    the same samples per step, less padding (`rollout/train_padding`), the same update up to the
+    order of the sums."""
+    from ember_megatron_backend.batches import padded_positions, plan_steps
+    from ember_megatron_backend.metrics import TRAIN_PADDING
+
+    samples = make_samples(num_groups=4, per_group=4)
+    lengths = [s.total_length for s in samples]
+    plain = plan_steps(samples, 2, micro_batch_size=2, max_tokens_per_micro_batch=None)
+    grouped = plan_steps(samples, 2, micro_batch_size=2, max_tokens_per_micro_batch=None,
+                         by_length=True)  # fmt: skip
+    for a, b in zip(plain, grouped, strict=True):
+        assert sorted(i for mb in a for i in mb) == sorted(i for mb in b for i in mb)
+    flat = [i for step in grouped for mb in step for i in mb]
+    for step in grouped:  # longest first within each step
+        order = [lengths[i] for mb in step for i in mb]
+        assert order == sorted(order, reverse=True)
+    assert len(flat) == 16 and all(len(mb) == 2 for step in grouped for mb in step)
+    (wasted, counted), (less, same) = (padded_positions(samples, p) for p in (plain, grouped))
+    assert counted == same == sum(lengths) and same < less < wasted
+
+    runs = []
+    for by_length in (False, True):
+        worker = MegatronWorker(
+            backend(seed=1234, micro_batch_size=2, micro_batches_by_length=by_length),
+            algorithm(loss_reduction="token"),
+            sampling(),
+        )
+        batch = worker.prepare(0, samples)
+        metrics = worker.log_rollout_data(0, batch)
+        runs.append((worker, metrics, worker.train(0, batch)))
+    (plain_worker, plain_metrics, plain_steps), (worker, metrics, steps) = runs
+    assert plain_metrics[TRAIN_PADDING] == pytest.approx(1 - counted / wasted)
+    assert metrics[TRAIN_PADDING] == pytest.approx(1 - counted / less)
+    for got, want in zip(steps, plain_steps, strict=True):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    # Adam's update of a weight whose gradient is near 0 is near +-lr whatever its size: there
+    # the other order of the sums moves a few weights by up to a few % of lr (1e-3).
+    moved = total = 0
+    for a, b in zip(worker.actor.parameters(), plain_worker.actor.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-5)
+        moved += int(((a - b).abs() > 1e-6).sum())
+        total += a.numel()
+    assert moved < 1e-3 * total

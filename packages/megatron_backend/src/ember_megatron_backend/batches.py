@@ -21,6 +21,7 @@ __all__ = [
     "agree_layouts",
     "needs_equal_layouts",
     "pack_micro_batch",
+    "padded_positions",
     "plan_layouts",
     "plan_steps",
     "shuffled_order",
@@ -156,6 +157,7 @@ def plan_steps(
     group: Any = None,
     strict_counts: bool = False,
     order: Sequence[int] | None = None,
+    by_length: bool = False,
 ) -> list[list[list[int]]]:
     """Sample indices per optimizer step and micro-batch, the same number of micro-batches on
     every rank of `group`.
@@ -176,6 +178,9 @@ def plan_steps(
         strict_counts: Fail when a rank has too few samples to reach the agreed count.
         order: A permutation of the sample indices (`shuffled_order`); None: arrival order, so
             each mini-batch holds whole prompt groups.
+        by_length: Within each mini-batch, take the samples longest first before splitting it
+            into micro-batches (`train.micro_batches_by_length`), so that samples of like
+            length share a padded micro-batch. Which samples each step trains on is unchanged.
 
     Raises:
         ValueError: with fewer samples than steps, or, with `strict_counts`, fewer samples in a
@@ -194,6 +199,8 @@ def plan_steps(
     steps = []
     for span in split_evenly(len(samples), num_steps):
         part = [order[k] for k in span]
+        if by_length:
+            part.sort(key=lambda i: -lengths[i])
         if micro_batch_size is None and max_tokens_per_micro_batch is None:
             local = [part]
         else:
@@ -276,6 +283,29 @@ def plan_layouts(
     lengths = [[samples[i].total_length for i in mb] for step in steps for mb in step]
     agreed = iter(agree_layouts(lengths, group))
     return [[next(agreed) for _ in step] for step in steps]
+
+
+def padded_positions(
+    samples: Sequence[Sample],
+    steps: list[list[list[int]]],
+    layouts: list[list[Layout]] | None = None,
+) -> tuple[int, int]:
+    """(positions a training forward processes, tokens among them) over every micro-batch of
+    `steps`: without Transformer Engine a micro-batch is a padded [B, S] batch (its `layouts`
+    entry where one is agreed), with it a packed stream of its tokens alone."""
+    processed = tokens = 0
+    for k, step in enumerate(steps):
+        for j, mb in enumerate(step):
+            lengths = [samples[i].total_length for i in mb]
+            tokens += sum(lengths)
+            if uses_te_spec():
+                processed += sum(lengths)
+                continue
+            rows, width = len(lengths), max(lengths)
+            if layouts is not None:
+                rows, width = max(rows, layouts[k][j][0]), max(width, layouts[k][j][1])
+            processed += rows * width
+    return processed, tokens
 
 
 def pack_micro_batch(

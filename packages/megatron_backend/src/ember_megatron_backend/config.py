@@ -149,6 +149,12 @@ class BackendConfig:
     micro-batch per mini-batch."""
     max_tokens_per_micro_batch: int | None = None
     """Token budget per micro-batch instead of micro_batch_size."""
+    micro_batches_by_length: bool = False
+    """Split each mini-batch into micro-batches longest samples first, so that samples of like
+    length share one: without Transformer Engine (CPU) a micro-batch is padded to its longest
+    sample. The step's samples and its loss are the same (each micro-batch is weighted by its
+    share of the step); the sums run in another order, and a MoE's auxiliary losses are taken
+    over other groups of tokens."""
     seed: int = 1234
     """Seed of every fresh weight, on CPU and GPU alike (actor, reference and critic trunk; the
     critic's value layer starts at zero). ``parallel.seed`` drives the runtime streams."""

@@ -57,6 +57,10 @@ VERSIONS_BEHIND_MAX = "rollout/versions_behind_max"
 """The most updates the trainer's weights are ahead of those that began a sample of the rollout
 (its recorded `weight_version`; the oldest span's under partial rollouts), over every rank, as
 the trainer reads it when it scores the rollout; 0 for samples without an integer version."""
+TRAIN_PADDING = "rollout/train_padding"
+"""The share of the positions the rollout's training forwards process that are padding, over
+every rank: without Transformer Engine each micro-batch is padded to its longest sample
+(`train.micro_batches_by_length` groups like lengths); 0 with its packed streams."""
 REF_REPLAYED_MAX_ABS_DIFF = "rollout/ref_replayed_log_probs_max_abs_diff"
 """The same maximum against the reference's check-only forward with the rollout's routing
 replayed (`Phase.REPLAY_CHECK`); logged only at the rollouts a plugin asked for it."""

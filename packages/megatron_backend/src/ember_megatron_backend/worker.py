@@ -26,6 +26,7 @@ from ember_megatron_backend.batches import (
     MicroBatch,
     RolloutBatch,
     pack_micro_batch,
+    padded_positions,
     plan_layouts,
     plan_steps,
     shuffled_order,
@@ -41,6 +42,7 @@ from ember_megatron_backend.losses import (
     value_head,
 )
 from ember_megatron_backend.metrics import (
+    TRAIN_PADDING,
     VERSIONS_BEHIND_MAX,
     accumulate,
     reduce_sums,
@@ -277,6 +279,7 @@ class MegatronWorker:
                 if self.config.shuffle_mini_batches
                 else None
             ),
+            by_length=self.config.micro_batches_by_length,
         )
         layouts = plan_layouts(self.actor, samples, steps, dp_group)
         routing = None
@@ -436,6 +439,12 @@ class MegatronWorker:
         if dist.get_world_size(group) > 1:
             comm.all_reduce(behind, op=dist.ReduceOp.MAX, group=group)
         metrics[VERSIONS_BEHIND_MAX] = behind.item()
+        # The share of each training forward's positions that are padding (of the step plan).
+        positions = torch.tensor(padded_positions(batch.samples, batch.steps, batch.layouts))
+        if dist.get_world_size(group) > 1:
+            comm.all_reduce(positions, group=group)
+        processed, tokens = positions.tolist()
+        metrics[TRAIN_PADDING] = 1.0 - tokens / processed if processed else 0.0
         self.plugins.after_log_rollout_data(rollout_id, metrics)
         return metrics
 
