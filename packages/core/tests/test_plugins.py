@@ -96,6 +96,19 @@ def test_unknown_plugin_lists_installed_ones(site):
         EmberPlugins.load(["testplug", "nope"])
 
 
+def test_a_built_in_plugin_is_loaded_by_name_without_an_entry_point(site):
+    (site / "own_module.py").write_text(textwrap.dedent(GOOD_PLUGIN))
+    try:
+        plugins = EmberPlugins.load(["testplug", "own"], built_in={"own": "own_module"})
+        assert plugins.enabled == ["testplug", "own"]
+        assert "own" not in installed_plugins()
+        assert len(plugins.pm.hook.ember_rollout_request_fields(engine="hf")) == 2
+        with pytest.raises(ValueError, match="'own' not installed"):
+            EmberPlugins.load(["own"])  # only the package that has it enables it
+    finally:
+        sys.modules.pop("own_module", None)
+
+
 def test_misspelt_hookimpl_fails_check_pending(site):
     with pytest.raises(pluggy.PluginValidationError, match="ember_rollout_request_feilds"):
         EmberPlugins.load(["misspelt"])

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from ember_core.hookspecs import hookimpl
+from ember_megatron_backend.metrics import TRAIN_PADDING
 
 pytestmark = pytest.mark.slow
 
@@ -330,6 +331,8 @@ def test_pipeline_logs_what_one_stage_logs(pipeline_runs, layout, preset, config
     for record_one, record_pp in zip(one, runs[0], strict=True):
         assert set(record_one) == set(record_pp)
         for key, value in record_one.items():
+            if key == TRAIN_PADDING:  # the layout's own: its micro-batches' shapes
+                continue
             if key in EXACT:
                 assert record_pp[key] == value, (key, record_pp[key], value)
                 continue

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.metadata
 import inspect
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import ModuleType
@@ -82,11 +83,16 @@ class EmberPlugins:
             self.pm.enable_tracing()
 
     @classmethod
-    def load(cls, enabled: Iterable[str]) -> EmberPlugins:
+    def load(
+        cls, enabled: Iterable[str], built_in: Mapping[str, str] | None = None
+    ) -> EmberPlugins:
         """Load and register the enabled plugins from entry-point metadata.
 
         Args:
             enabled: Plugin names (entry-point names) to switch on, in order.
+            built_in: Plugins that are part of the caller's own package, by name: the module
+                to import. They are not installed plugins (`installed_plugins` and `ember
+                plugins` do not list them); a command of that package enables them.
 
         Raises:
             ValueError: A name is not installed; the message lists the installed plugins.
@@ -95,8 +101,9 @@ class EmberPlugins:
         """
         plugins = cls()
         names = list(dict.fromkeys(enabled))
+        built_in = dict(built_in or {})
         installed = installed_plugins()
-        unknown = [n for n in names if n not in installed]
+        unknown = [n for n in names if n not in installed and n not in built_in]
         if unknown:
             listing = ", ".join(installed) or "none"
             raise ValueError(
@@ -104,7 +111,10 @@ class EmberPlugins:
                 f"{listing}"
             )
         for name in names:
-            plugins.register(_load_entry_point(name), name)
+            if name in built_in:
+                plugins.register(importlib.import_module(built_in[name]), name)
+            else:
+                plugins.register(_load_entry_point(name), name)
         plugins.check_pending()
         return plugins
 

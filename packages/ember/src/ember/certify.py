@@ -39,7 +39,8 @@ from ember_core.certify import (
 logger = logging.getLogger(__name__)
 
 PLUGIN = "certify"
-"""The plugin `ember certify` enables in the run it builds (`ember.certify_plugin`)."""
+"""The plugin `ember certify` enables in the run it builds (`ember.certify_plugin`, one of
+`ember.config.BUILT_IN_PLUGINS`)."""
 CERTIFICATE = "certificate.json"
 """The certificate's file in the run directory."""
 PASS, FAIL, REPORTED, NOT_APPLICABLE = "PASS", "FAIL", "reported", "n/a"

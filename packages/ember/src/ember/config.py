@@ -41,6 +41,9 @@ EXAMPLES_DIR = _examples_dir()
 DEFAULT_CONFIG = "default"
 """The example `ember train` runs with no config argument (examples/default.yaml)."""
 EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+BUILT_IN_PLUGINS = {"certify": "ember.certify_plugin"}
+"""Plugins that are part of this package, not installed ones (`ember plugins` does not list
+them): `ember certify` enables `certify` in the run it builds."""
 """What an eval set's name may hold: it becomes part of metric keys (`eval/<name>/reward`)."""
 
 
@@ -467,7 +470,7 @@ def load_config(
     enabled = data.get("plugins") or []
     if isinstance(enabled, str):
         enabled = [p.strip() for p in enabled.split(",") if p.strip()]
-    host = EmberPlugins.load(enabled)
+    host = EmberPlugins.load(enabled, BUILT_IN_PLUGINS)
     section_types = host.config_sections()
     fields = {f.name for f in dataclasses.fields(RunConfig)} - {"plugin_sections"}
     installed = installed_plugins()
