@@ -207,8 +207,8 @@ def _arm(kill: str) -> None:
         return
     real_load = EmberPlugins.load.__func__  # type: ignore[attr-defined]
 
-    def load(cls: type[EmberPlugins], enabled: Any) -> EmberPlugins:
-        plugins = real_load(cls, enabled)
+    def load(cls: type[EmberPlugins], enabled: Any, built_in: Any = None) -> EmberPlugins:
+        plugins = real_load(cls, enabled, built_in)
         plugins.register(KillAt(point, rollout_id), "kill_at")
         plugins.check_pending()
         return plugins
