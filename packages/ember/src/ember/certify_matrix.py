@@ -14,7 +14,6 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -298,15 +297,7 @@ def markdown(outcomes: Sequence[Outcome]) -> str:
 
 
 def machine() -> str:
-    """The processor (name, family and model where Linux says them) and its cores."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
-    return f"{name}, {os.cpu_count()} cores"
+    """The processor (name, family and model) and its cores."""
+    from ember.machine import processor_name
+
+    return f"{processor_name()}, {os.cpu_count()} cores"

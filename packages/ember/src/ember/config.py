@@ -41,10 +41,15 @@ EXAMPLES_DIR = _examples_dir()
 DEFAULT_CONFIG = "default"
 """The example `ember train` runs with no config argument (examples/default.yaml)."""
 EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""What an eval set's name may hold: it becomes part of metric keys (`eval/<name>/reward`)."""
 BUILT_IN_PLUGINS = {"certify": "ember.certify_plugin"}
 """Plugins that are part of this package, not installed ones (`ember plugins` does not list
 them): `ember certify` enables `certify` in the run it builds."""
-"""What an eval set's name may hold: it becomes part of metric keys (`eval/<name>/reward`)."""
+
+
+def load_plugins(enabled: Sequence[str]) -> EmberPlugins:
+    """The enabled plugins, installed or built in (`BUILT_IN_PLUGINS`), loaded and registered."""
+    return EmberPlugins.load(enabled, BUILT_IN_PLUGINS)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -470,7 +475,7 @@ def load_config(
     enabled = data.get("plugins") or []
     if isinstance(enabled, str):
         enabled = [p.strip() for p in enabled.split(",") if p.strip()]
-    host = EmberPlugins.load(enabled, BUILT_IN_PLUGINS)
+    host = load_plugins(enabled)
     section_types = host.config_sections()
     fields = {f.name for f in dataclasses.fields(RunConfig)} - {"plugin_sections"}
     installed = installed_plugins()

@@ -32,13 +32,7 @@ from ember.checkpoints import (
     rollout_state,
     truncate_metrics,
 )
-from ember.config import (
-    BUILT_IN_PLUGINS,
-    RunConfig,
-    default_run_dir,
-    dump_path,
-    write_resolved,
-)
+from ember.config import RunConfig, default_run_dir, dump_path, load_plugins, write_resolved
 from ember.dumps import read_dump, write_dump
 from ember.failures import EnginesExhausted, actor_death, kill, probe
 from ember.metrics import MetricsLogger
@@ -1022,7 +1016,7 @@ def eval_line(metrics: dict[str, float]) -> str:
 
 def _configured_plugins(config: RunConfig) -> EmberPlugins:
     """The config's enabled plugins, loaded and configured with its parsed sections."""
-    plugins = EmberPlugins.load(config.plugins, BUILT_IN_PLUGINS)
+    plugins = load_plugins(config.plugins)
     plugins.configure(config, config.plugin_sections)
     return plugins
 

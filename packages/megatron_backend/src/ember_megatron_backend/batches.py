@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ember_core.types import PackedBatch, Sample, pack_samples
 from ember_megatron_backend import comm
-from ember_megatron_backend.forward import Layout, plan_micro_batches, router_rows
+from ember_megatron_backend.forward import Layout, padded_shape, plan_micro_batches, router_rows
 from ember_megatron_backend.model import uses_te_spec
 
 __all__ = [
@@ -301,9 +301,7 @@ def padded_positions(
             if uses_te_spec():
                 processed += sum(lengths)
                 continue
-            rows, width = len(lengths), max(lengths)
-            if layouts is not None:
-                rows, width = max(rows, layouts[k][j][0]), max(width, layouts[k][j][1])
+            rows, width = padded_shape(lengths, layouts[k][j] if layouts is not None else None)
             processed += rows * width
     return processed, tokens
 

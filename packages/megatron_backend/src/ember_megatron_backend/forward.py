@@ -92,13 +92,20 @@ Layout = tuple[int, int]
 """(rows, width): a padded [B, S] batch at least this large (``MicroBatch.layout``)."""
 
 
+def padded_shape(lengths: Sequence[int], layout: Layout | None = None) -> tuple[int, int]:
+    """(B, S) of the padded [B, S] batch of samples of these total lengths: their count and the
+    longest, or `layout` where that is larger."""
+    rows, width = len(lengths), max(lengths)
+    if layout is not None:
+        rows, width = max(rows, layout[0]), max(width, layout[1])
+    return rows, width
+
+
 def _padded_rows(batch: PackedBatch, layout: Layout | None = None) -> tuple[Tensor, int, int]:
     """For the padded [B, S] layout: each stream token's row in the flattened [B * S] batch, B
     and S (the sample count and longest sample, or `layout` where that is larger)."""
     lengths = torch.tensor(batch.total_lengths)
-    num_rows, width = batch.num_samples, int(lengths.max())
-    if layout is not None:
-        num_rows, width = max(num_rows, layout[0]), max(width, layout[1])
+    num_rows, width = padded_shape(batch.total_lengths, layout)
     sample_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     offsets = batch.cu_seqlens[: len(lengths)].to(torch.long)  # a padding segment left out
     within = torch.arange(batch.num_tokens) - offsets[sample_of]
