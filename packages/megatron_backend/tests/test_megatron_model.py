@@ -206,7 +206,7 @@ def test_padded_layout_matches_the_packed_stream_and_maps_router_rows(dist_env):
     router = next(m for m in model.modules() if type(m).__name__ == "TopKRouter")
     handle = router.register_forward_pre_hook(lambda m, args: rows_seen.append(args[0]))
     with torch.no_grad():
-        padded = run_model(model, batch)  # [T, V] in stream order
+        padded = run_model(model, batch, window=False)  # [T, V] in stream order
         ids, pos, mask = _batch(cfg, lengths)
         ids = batch.tokens[None]
         stream = model(ids, pos, attention_mask=mask)[0]
@@ -219,3 +219,68 @@ def test_padded_layout_matches_the_packed_stream_and_maps_router_rows(dist_env):
     assert index[:4].tolist() == [0, 5, 14, 16]  # position 0 of each sample
     assert sorted(index[index >= 0].tolist()) == list(range(sum(lengths)))
     assert index[2 * 4 + 2] == -1  # sample 2 has 2 tokens: position 2 is padding
+
+
+@pytest.mark.parametrize("layout", [None, (6, 12)])
+@pytest.mark.parametrize("critic", [False, True])
+def test_the_output_layer_runs_at_the_response_windows_alone(dist_env, layout, critic):
+    """run_model's rows are the response windows': the output layer sees those positions only,
+    and rows, heads and gradients equal the full forward's at them."""
+    from ember_core.heads import PolicyHead, ValueHead
+    from ember_core.types import Sample, pack_samples
+    from ember_megatron_backend.forward import response_window, run_model
+
+    cfg = ModelConfig.preset("tiny-moe")
+    model = build_model(cfg, seed=0, critic=critic)
+    g = torch.Generator().manual_seed(5)
+    if critic:  # a fresh critic's value layer is zero
+        model.output_layer.weight.data.normal_(generator=g)
+    shapes = [(9, 3), (4, 1), (11, 6), (6, 2)]  # (total, response)
+    samples = [
+        Sample(
+            tokens=torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), response_length=r
+        )
+        for n, r in shapes
+    ]
+    batch = pack_samples(samples)
+    window = response_window(batch)
+    assert window.batch.total_lengths == [4, 2, 7, 3]
+    # Samples start at 0, 9, 13, 24; each window is its last R + 1 positions.
+    assert window.positions.tolist() == [5, 6, 7, 8, 11, 12, *range(17, 24), 27, 28, 29]
+    seen = []
+    handle = model.output_layer.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+
+    def read(rows, packed):
+        if critic:
+            return ValueHead().values(rows, packed.total_lengths, packed.response_lengths)
+        head = PolicyHead(0.7).log_probs(
+            rows,
+            packed.tokens[: packed.num_tokens],
+            packed.total_lengths,
+            packed.response_lengths,
+            with_entropy=True,
+        )
+        return [lp + e for lp, e in zip(head.log_probs, head.entropy, strict=True)]
+
+    def grads(window):
+        model.zero_grad()
+        rows = run_model(model, batch, layout, window=window)
+        out = read(rows, response_window(batch).batch if window else batch)
+        torch.cat(out).pow(2).sum().backward()
+        return (
+            rows,
+            out,
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
+
+    rows, out, grad = grads(True)
+    full_rows, full_out, full_grad = grads(False)
+    handle.remove()
+    assert seen[0].shape[:2] == (16, 1)  # the 16 window positions, as [N, 1, h]
+    assert seen[1].shape[0] * seen[1].shape[1] == (layout or (4, 11))[0] * (layout or (4, 11))[1]
+    torch.testing.assert_close(rows, full_rows[window.positions], atol=1e-6, rtol=0)
+    for a, b in zip(out, full_out, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert grad.keys() == full_grad.keys() and "output_layer.weight" in grad or critic
+    for name, g_full in full_grad.items():
+        torch.testing.assert_close(grad[name], g_full, atol=1e-6, rtol=1e-5, msg=name)

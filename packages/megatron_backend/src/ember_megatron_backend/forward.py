@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -19,15 +20,17 @@ __all__ = [
     "ROLE_OUTPUTS",
     "ForwardOutput",
     "Layout",
+    "ModelCall",
+    "ResponseWindow",
     "forward_only",
     "heads",
     "model_inputs",
     "plan_micro_batches",
+    "response_window",
     "router_rows",
     "router_rows_to_stream",
     "run_model",
     "score_batch",
-    "stream_rows",
 ]
 
 ROLE_OUTPUTS = {"actor": "policy", "ref": "policy", "critic": "value"}
@@ -120,7 +123,7 @@ def model_inputs(batch: PackedBatch, layout: Layout | None = None) -> dict[str, 
     [B, S] batch under one causal mask: every sample starts at position 0 (RoPE sees its own
     positions, as in transformers), real tokens never see the padding that follows them, and
     attention costs B * S^2 rather than the (B * S)^2 of a block-diagonal mask over the stream.
-    ``stream_rows`` maps the output back to stream order and ``router_rows`` says which stream
+    ``ModelCall`` maps the output back to stream order and ``router_rows`` says which stream
     token each MoE router row holds.
 
     Args:
@@ -162,14 +165,6 @@ def _padded_inputs(batch: PackedBatch, rows: Tensor, num_rows: int, width: int) 
     }
 
 
-def stream_rows(output: Tensor, batch: PackedBatch, layout: Layout | None = None) -> Tensor:
-    """The model's output [b, s, ...] for the inputs of ``model_inputs(batch, layout)`` as
-    [num_tokens, ...] rows in stream order (padding dropped)."""
-    if uses_te_spec():
-        return output[0, : batch.num_tokens]
-    return _gather_rows(output, _padded_rows(batch, layout)[0])
-
-
 def _gather_rows(output: Tensor, rows: Tensor) -> Tensor:
     flat = output.reshape(-1, *output.shape[2:])
     return flat.index_select(0, rows.to(flat.device))
@@ -202,14 +197,126 @@ def router_rows_to_stream(
     return out
 
 
-def run_model(model: Any, batch: PackedBatch, layout: Layout | None = None) -> Tensor:
-    """`model` over `batch`: logits (or values) [num_tokens, ...] in stream order, whole rows
-    (vocabulary-sharded logits are gathered under TP)."""
-    if uses_te_spec():
-        return stream_rows(model(**model_inputs(batch), runtime_gather_output=True), batch)
-    rows, num_rows, width = _padded_rows(batch, layout)  # once for the inputs and the output
-    out = model(**_padded_inputs(batch, rows, num_rows, width), runtime_gather_output=True)
-    return _gather_rows(out, rows)
+@dataclass(frozen=True, slots=True)
+class ResponseWindow:
+    """Each sample's response window: its last R_i + 1 positions, the last prompt token and then
+    the response. Their rows are the ones the heads read (row j predicts token j + 1), and one
+    more per sample, so the window is itself a packed batch of samples with a response."""
+
+    positions: Tensor
+    """[N] int64 stream positions of the windows, sample by sample (N = sum(R_i + 1))."""
+    batch: PackedBatch
+    """The windows as a packed batch: sample i is [last prompt token, response] (length
+    R_i + 1, response R_i), for ``heads`` over the rows that ``run_model`` returns."""
+
+
+def response_window(batch: PackedBatch) -> ResponseWindow:
+    """The response windows of `batch`'s samples (``ResponseWindow``)."""
+    starts = batch.cu_seqlens[: batch.num_samples].tolist()
+    spans = zip(starts, batch.total_lengths, batch.response_lengths, strict=True)
+    positions = torch.cat([torch.arange(s + n - r - 1, s + n) for s, n, r in spans])
+    sizes = [r + 1 for r in batch.response_lengths]
+    cu_seqlens = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.tensor(sizes).cumsum(0)
+    window = PackedBatch(
+        tokens=batch.tokens[positions],
+        cu_seqlens=cu_seqlens,
+        total_lengths=sizes,
+        response_lengths=list(batch.response_lengths),
+        loss_masks=batch.loss_masks,
+        position_ids=batch.position_ids[positions],
+        num_tokens=int(positions.numel()),
+    )
+    return ResponseWindow(positions=positions, batch=window)
+
+
+class ModelCall:
+    """One forward of a model over a packed micro-batch: its inputs, and its output as rows.
+
+    With `window` the output is the response window's rows (``response_window``) and the output
+    layer runs at those positions only: megatron-core's GPTModel projects every position it is
+    given onto the vocabulary (models/gpt/gpt_model.py ``_postprocess``), the prompt's included,
+    and at a vocabulary of 49k that is a fifth of a small model's FLOPs per position. A forward
+    pre-hook on ``output_layer`` hands it the window's rows of the [s, b, h] hidden states
+    instead, as [N, 1, h]. Under sequence parallelism the output layer gathers the sharded
+    hidden states itself, so there it runs at every position and the window is read from its
+    output.
+
+        call = ModelCall(model, batch, layout, window=True)
+        with call.selecting():
+            output = model(**call.inputs, runtime_gather_output=True)
+        rows = call.rows(output)
+    """
+
+    def __init__(
+        self, model: Any, batch: PackedBatch, layout: Layout | None = None, *, window: bool
+    ) -> None:
+        if uses_te_spec():
+            self.inputs = model_inputs(batch)
+            stream = torch.arange(batch.num_tokens)  # [1, T] output rows; [T, 1] hidden rows
+            hidden = stream
+        else:
+            stream, num_rows, width = _padded_rows(batch, layout)  # [b, s] output rows
+            self.inputs = _padded_inputs(batch, stream, num_rows, width)
+            hidden = (stream % width) * num_rows + stream // width  # [s, b] hidden rows
+        self._model = model
+        self._selected = False
+        if window:
+            positions = response_window(batch).positions
+            self._stream, self._hidden = stream[positions], hidden[positions]
+        else:
+            self._stream, self._hidden = stream, None
+
+    @contextlib.contextmanager
+    def selecting(self) -> Iterator[None]:
+        """Around the model's forward: its output layer runs at the window's rows only (a no-op
+        without a window, on a pipeline stage without the output layer, or under sequence
+        parallelism)."""
+        layer = _output_layer(self._model)
+        if self._hidden is None or layer is None or getattr(layer, "sequence_parallel", False):
+            yield
+            return
+        index = self._hidden
+
+        def select(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            hidden = args[0]  # ColumnParallelLinear.forward(input_, weight, runtime_gather_output)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            return (flat.index_select(0, index.to(flat.device)).unsqueeze(1), *args[1:]), kwargs
+
+        handle = layer.register_forward_pre_hook(select, with_kwargs=True)
+        self._selected = True
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def rows(self, output: Tensor) -> Tensor:
+        """The model's output (logits [b, s, V] or values [b, s, 1]) as rows [N, ...]: the
+        window's, or every stream token's in stream order (padding dropped)."""
+        if self._selected:
+            return output[0]  # [1, N, ...]: the selected rows, in window order
+        return _gather_rows(output, self._stream)
+
+
+def _output_layer(model: Any) -> Any:
+    """The GPTModel's output layer (the critic's value layer), None on a pipeline stage
+    without one."""
+    while not hasattr(model, "output_layer") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "output_layer", None)
+
+
+def run_model(
+    model: Any, batch: PackedBatch, layout: Layout | None = None, *, window: bool = True
+) -> Tensor:
+    """`model` over `batch`: logits (or values) of the response window's rows [N, ...]
+    (``response_window``), the output layer run at those alone; with `window` false, of every
+    stream token [num_tokens, ...] in stream order. Vocabulary-sharded logits are gathered
+    under TP."""
+    call = ModelCall(model, batch, layout, window=window)
+    with call.selecting():
+        output = model(**call.inputs, runtime_gather_output=True)
+    return call.rows(output)
 
 
 @torch.no_grad()
@@ -299,7 +406,8 @@ def score_batch(
         rows = run_model(model, batch, layout)
     finally:
         model.train(was_training)
-    return heads(rows, batch, role=role, temperature=temperature, with_entropy=with_entropy)
+    window = response_window(batch).batch
+    return heads(rows, window, role=role, temperature=temperature, with_entropy=with_entropy)
 
 
 def heads(
@@ -310,8 +418,10 @@ def heads(
     temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> ForwardOutput:
-    """The role's head over a model's output rows [num_tokens, ...] in stream order: per-sample
-    fp32 log-probs (and entropy) at the rollout temperature, or critic values."""
+    """The role's head over the rows of `batch`'s tokens ([num_tokens, ...] in stream order):
+    per-sample fp32 log-probs (and entropy) at the rollout temperature, or critic values. What
+    ``run_model`` returns are the rows of the response window, whose ``ResponseWindow.batch`` is
+    the `batch` to read them with."""
     if ROLE_OUTPUTS[role] == "value":
         values = ValueHead().values(rows, batch.total_lengths, batch.response_lengths)
         return ForwardOutput(values=[v.float() for v in values])
@@ -373,9 +483,8 @@ def log_probs_at(
                 )
             mb = pack_micro_batch(model, samples, indices, layout)
             with context(mb):
-                rows = run_model(model, mb.packed, mb.layout)
-            start = sample.total_length - sample.response_length - 1  # predicts the first
-            logits = rows[start : sample.total_length - 1].float() / temperature
+                rows = run_model(model, mb.packed, mb.layout)  # the response window
+            logits = rows[: sample.response_length].float() / temperature
             log_probs = torch.log_softmax(logits, dim=-1)
             out.append(with_rest(log_probs, wanted.to(log_probs.device, torch.long)).cpu())
     finally:

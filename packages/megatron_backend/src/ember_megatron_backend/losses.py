@@ -21,7 +21,7 @@ from ember_core.algorithms import (
 from ember_core.config import AlgorithmConfig
 from ember_core.heads import HeadOutput, PolicyHead, ValueHead
 from ember_megatron_backend.batches import MicroBatch, RolloutBatch
-from ember_megatron_backend.forward import run_model
+from ember_megatron_backend.forward import response_window, run_model
 
 __all__ = [
     "actor_loss",
@@ -43,14 +43,14 @@ def policy_forward(model: Any, mb: MicroBatch, temperature: float) -> HeadOutput
 
 
 def policy_head(rows: Tensor, mb: MicroBatch, temperature: float) -> HeadOutput:
-    """Response log-probs and entropy from a policy's output rows [num_tokens, V] in stream
-    order (what ``run_model`` returns, or the last pipeline stage's output)."""
-    packed = mb.packed
+    """Response log-probs and entropy from a policy's output rows [N, V] of the micro-batch's
+    response window (what ``run_model`` returns, or the last pipeline stage's)."""
+    window = response_window(mb.packed).batch
     return PolicyHead(temperature).log_probs(
         rows,
-        packed.tokens[: packed.num_tokens].to(rows.device),
-        packed.total_lengths,
-        packed.response_lengths,
+        window.tokens.to(rows.device),
+        window.total_lengths,
+        window.response_lengths,
         with_entropy=True,
     )
 
@@ -61,8 +61,10 @@ def value_forward(model: Any, mb: MicroBatch) -> list[Tensor]:
 
 
 def value_head(rows: Tensor, mb: MicroBatch) -> list[Tensor]:
-    """Values at the response rows from a critic's output rows [num_tokens, 1]."""
-    return ValueHead().values(rows, mb.packed.total_lengths, mb.packed.response_lengths)
+    """Values at the response rows from a critic's output rows [N, 1] of the micro-batch's
+    response window (what ``run_model`` returns, or the last pipeline stage's)."""
+    window = response_window(mb.packed).batch
+    return ValueHead().values(rows, window.total_lengths, window.response_lengths)
 
 
 def _cat(tensors: list[Tensor], indices: list[int], device: torch.device) -> Tensor:

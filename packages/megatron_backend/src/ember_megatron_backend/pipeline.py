@@ -38,9 +38,9 @@ from ember_megatron_backend.batches import MicroBatch
 from ember_megatron_backend.forward import (
     ROLE_OUTPUTS,
     ForwardOutput,
+    ModelCall,
     heads,
-    model_inputs,
-    stream_rows,
+    response_window,
 )
 from ember_megatron_backend.parallel import device
 
@@ -135,8 +135,9 @@ def _run(
 ) -> None:
     """One schedule over `micro_batches` (forward only when `backward_context` is None).
 
-    `last_stage(mb, rows)` runs on the last stage with the output rows [num_tokens, ...] in
-    stream order and returns the micro-batch's loss, already weighted (None when scoring).
+    `last_stage(mb, rows)` runs on the last stage with the output rows of the micro-batch's
+    response window (``forward.ModelCall``: the output layer runs at those alone) and returns
+    the micro-batch's loss, already weighted (None when scoring).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -145,8 +146,8 @@ def _run(
     last = ps.is_pipeline_last_stage()
     count = len(micro_batches)
 
-    def loss_func(mb: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        loss = last_stage(mb, stream_rows(output, mb.packed, mb.layout))
+    def loss_func(mb: MicroBatch, call: ModelCall, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        loss = last_stage(mb, call.rows(output))
         if loss is None:
             return output.new_zeros(()), {}
         # The schedule divides the loss by the number of micro-batches (schedules.py
@@ -155,9 +156,10 @@ def _run(
 
     def forward_step(data_iterator: Iterator[MicroBatch], stage: Any) -> tuple[Tensor, Any]:
         mb = next(data_iterator)
-        with forward_context(mb):
-            output = stage(**model_inputs(mb.packed, mb.layout), runtime_gather_output=True)
-        return output, functools.partial(loss_func, mb) if last else None
+        call = ModelCall(stage, mb.packed, mb.layout, window=True)
+        with forward_context(mb), call.selecting():
+            output = stage(**call.inputs, runtime_gather_output=True)
+        return output, functools.partial(loss_func, mb, call) if last else None
 
     backward = (
         contextlib.nullcontext()
@@ -227,7 +229,8 @@ def score(
     outputs: list[list[Tensor]] = [[] for _ in keys]
 
     def last_stage(mb: MicroBatch, rows: Tensor) -> None:
-        out = heads(rows, mb.packed, role=role, temperature=temperature, with_entropy=with_entropy)
+        window = response_window(mb.packed).batch
+        out = heads(rows, window, role=role, temperature=temperature, with_entropy=with_entropy)
         for values, key in zip(outputs, keys, strict=True):
             values.extend(getattr(out, key))
 
@@ -261,8 +264,9 @@ def train_step(
     Args:
         model: This rank's stage, DDP-wrapped.
         micro_batches: The step's packed micro-batches, the same on every stage.
-        loss: On the last stage, `loss(mb, rows)` from the output rows [num_tokens, ...] in
-            stream order: the micro-batch's loss, weighted as the gradient should count it.
+        loss: On the last stage, `loss(mb, rows)` from the output rows of the micro-batch's
+            response window (``forward.response_window``): its loss, weighted as the gradient
+            should count it.
         forward_context: Entered around each micro-batch's forward on this stage.
         backward_context: Entered around each micro-batch's backward on this stage.
     """
