@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 
@@ -216,8 +217,8 @@ def test_trl_reward_calls_toy_score_with_the_stop_state():
     from ember_rollout.tokenizer import toy_tokenizer
 
     eos = toy_tokenizer().eos_token_id
-    sink = []
-    reward = peer_trl.make_toy_reward(eos, sink)
+    sink, lengths = [], []
+    reward = peer_trl.make_toy_reward(eos, sink, lengths)
     digits = [5, 3, 6]  # any non-EOS ids: only the last one's being EOS matters
     scores = reward(
         completions=["314", "314", "31"],
@@ -228,6 +229,7 @@ def test_trl_reward_calls_toy_score_with_the_stop_state():
     # Positions right out of 4 (3 digits + the stop): all; the stop missing; a digit missing.
     assert scores == [1.0, 0.75, 0.5]
     assert sink == [pytest.approx(0.75)]
+    assert lengths == [pytest.approx(10 / 3)]  # tokens of each completion, the stop included
 
 
 # -- summaries -----------------------------------------------------------------------------------
@@ -259,9 +261,25 @@ def test_summary_of_a_synthetic_run():
     assert summary["wall_s"] == 200.0 and summary["rollouts"] == 80
     short = bench_peer.summarize(bench_peer.rollout_records(synthetic_run([0.1, 0.2]), 1000.0), 30)
     assert short["reach"] == {"0.5": None, "0.7": None, "0.9": None}
+    assert summary["response_tokens"] is None and short["response_tokens"] is None
     assert short["max_drop"] is None  # the run never got to rollout 50
     with pytest.raises(ValueError, match="no rollout records"):
         bench_peer.summarize([], 1.0)
+
+
+def test_the_mean_response_length_is_read_from_the_rollout_records_and_shown():
+    metrics = synthetic_run([0.1, 0.2, 0.3])
+    assert bench_peer.response_tokens(metrics) is None  # not logged: no figure
+    rollouts = [m for m in metrics if m["kind"] == "rollout"]
+    for record, tokens in zip(rollouts, [10.0, 20.0, 45.0], strict=True):
+        record["rollout/response_len_mean"] = tokens
+    metrics.append({"kind": "train", "rollout/response_len_mean": 1000.0})  # not a rollout
+    assert bench_peer.response_tokens(metrics) == pytest.approx(25.0)
+    records = bench_peer.rollout_records(metrics, 1000.0)
+    ember = bench_peer.summarize(records, 30.0, tokens=25.0)
+    trl = bench_peer.summarize(records, 30.0, tokens=50.0)
+    table = bench_peer.peer_table({"ember": [ember], "trl": [trl]})
+    assert re.search(r"^mean response tokens per sample\s+25\.0\s+50\.0\s+0\.50$", table, re.M)
 
 
 def test_metrics_file_is_read_as_ember_writes_it(tmp_path):

@@ -236,3 +236,18 @@ def test_bench_e2e_staleness_row_averages_every_k_over_the_same_iterations(monke
         ["rollout.max_staleness=2", "rollout.partial_rollouts=false", "ray.num_engines=2"],
         ["rollout.max_staleness=2", "rollout.partial_rollouts=true", "ray.num_engines=2"],
     ]
+
+
+def test_bench_output_layer_times_both_sides_and_they_agree(tmp_path, capsys):
+    bench = load_tool("bench_output_layer")
+    argv = ["--checkpoint", str(tmp_path / "none"), "--samples", "3", "--prompt", "6",
+            "--response", "4", "--repeats", "1"]  # fmt: skip
+    summary = bench.main(argv)
+    out = capsys.readouterr().out
+    assert "model: tiny-moe preset" in out  # no config.json there
+    # Every position: 3 x 10 tokens; the windows: 3 x (4 + 1).
+    assert re.search(r"^every position\s+30\s+\d+\.\d{3}$", out, re.M), out
+    assert re.search(r"^the response windows\s+15\s+\d+\.\d{3}$", out, re.M), out
+    assert re.search(r"^response windows vs every position: \d+\.\d\dx the time$", out, re.M)
+    assert summary["every_s"] > 0 and summary["windows_s"] > 0
+    assert summary["max_log_prob_diff"] < 1e-5

@@ -41,19 +41,21 @@ def test_matmul_parameters_count_the_routed_share_of_the_experts(tiny_moe):
     tied = model.get_output_embeddings().weight is embedding
     assert experts > 0 and shape["experts"] == 4 and shape["top_k"] == 2
     assert shape["active"] == dense + experts * 2 / 4 + (embedding.numel() if tied else 0)
+    assert shape["output"] == model.get_output_embeddings().weight.numel() == 17 * 32
     assert shape["params"] == sum(p.numel() for p in model.parameters())
     assert shape["layers"] == 2 and shape["attention_width"] == 4 * 16
 
 
 def test_phase_work_follows_the_formulas():
-    shape = {"active": 1000, "layers": 2, "attention_width": 8}
+    shape = {"active": 1000, "output": 300, "layers": 2, "attention_width": 8}
     record = {"rollout/num_samples": 4, "rollout/prompt_len_mean": 5.0,
               "rollout/response_len_mean": 3.0, "perf/rollout_gen_tokens": 12.0,
               "perf/rollout_prompt_tokens": 20.0}  # fmt: skip
     attention = 4 * 2 * 8
     work = roofline.phase_work(shape, {"algorithm": {"use_rollout_log_probs": True}}, record)
-    gen = 2 * 1000 * 32 + 4 * attention * (5**2 / 2 + 3 * (5 + 3 / 2))
-    forward = 4 * (2 * 1000 * 8 + attention * 8**2 / 2)
+    # The output layer (300 of the 1000) only at the 12 generated / 3 response positions.
+    gen = 2 * 700 * 32 + 2 * 300 * 12 + 4 * attention * (5**2 / 2 + 3 * (5 + 3 / 2))
+    forward = 4 * (2 * 700 * 8 + 2 * 300 * 3 + attention * 8**2 / 2)
     assert work["generation"] == pytest.approx(gen / 1e9)
     assert work["scoring"] == 0.0  # the engine's log-probs: no scoring forward
     assert work["training"] == pytest.approx(3 * forward / 1e9)

@@ -44,7 +44,8 @@ that is in turn already). The bench prints the machine it ran on (processor, vec
 extensions, cores, load) before and after. Per side it prints the whole command's wall time;
 for each threshold, the first rollout whose mean reward reaches it (its index, and the seconds
 from the command's start to the end of that rollout's training); the median seconds per rollout
-(from one rollout's end to the next); when rollout 0 was done (start-up included); the mean
+(from one rollout's end to the next) and the mean response length in tokens (generation's work
+follows it: each side's own sampling sets it); when rollout 0 was done (start-up included); the mean
 reward over the first `--first` (10) and the last `--last` rollouts; and the peak RSS of the
 command's processes (sampled every second from the bench's own process: for Ember the driver,
 Ray's processes and the actors; for TRL its process; on both the math reward's verifier), summed
@@ -101,6 +102,7 @@ from peer_figures import (  # noqa: E402
     peer_rows,
     peer_table,
     plot_curves,
+    response_tokens,
     rollout_records,
     summarize,
     watch_command,
@@ -602,8 +604,9 @@ def run_ember(
     cmd = ["uv", "run", "ember", "train", *([config] if config else []),
            *set_args([*sets, *extra, f"run.dir={run_dir}"])]  # fmt: skip
     start, wall, memory = _run(cmd, where / f"{side}.log")
-    records = rollout_records(read_metrics_file(run_dir), start)
-    return save_result(run_dir, side, sets, cmd, wall, records, config=config, memory=memory)
+    metrics = read_metrics_file(run_dir)
+    return save_result(run_dir, side, sets, cmd, wall, rollout_records(metrics, start),
+                       config=config, memory=memory, tokens=response_tokens(metrics))  # fmt: skip
 
 
 def run_trl(
@@ -639,18 +642,20 @@ def run_trl(
     (trl_dir / "spec.json").write_text(json.dumps(spec, indent=2))
     cmd = [sys.executable, __file__, "--trl-worker", str(trl_dir / "spec.json")]
     start, wall, memory = _run(cmd, where / "trl.log")
-    records = rollout_records(read_metrics_file(trl_dir), start)
-    return save_result(trl_dir, "trl", sets, cmd, wall, records, config=config_path,
-                       memory=memory)  # fmt: skip
+    metrics = read_metrics_file(trl_dir)
+    return save_result(trl_dir, "trl", sets, cmd, wall, rollout_records(metrics, start),
+                       config=config_path, memory=memory,
+                       tokens=response_tokens(metrics))  # fmt: skip
 
 
 def save_result(directory: Path, side: str, sets: list[str], cmd: list[str], wall: float,
                 records: list, *, config: str | None = None,
-                memory: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Write one finished run's figures: its config and overrides, command, wall time, records
-    and memory report."""
+                memory: dict[str, Any] | None = None,
+                tokens: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Write one finished run's figures: its config and overrides, command, wall time, records,
+    memory report and mean response length."""
     result = {"side": side, "config": config, "sets": sets, "command": cmd, "wall_s": wall,
-              "records": records, "memory": memory}  # fmt: skip
+              "records": records, "memory": memory, "tokens": tokens}  # fmt: skip
     (directory / RESULT).write_text(json.dumps(result))
     return result
 
@@ -720,8 +725,8 @@ def run_pair(
                 result = run_ember(where, sets, side, config)
         else:
             print(f"  {side}: kept ({directory / RESULT})", flush=True)
-        out[side] = summarize(result["records"], result["wall_s"],
-                              memory=result.get("memory"), **(figures or {}))  # fmt: skip
+        out[side] = summarize(result["records"], result["wall_s"], memory=result.get("memory"),
+                              tokens=result.get("tokens"), **(figures or {}))  # fmt: skip
     return out
 
 

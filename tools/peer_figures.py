@@ -83,6 +83,17 @@ def rollout_records(
     return sorted(out)
 
 
+def response_tokens(metrics: Sequence[dict[str, Any]]) -> float | None:
+    """The mean response length in tokens over a run's rollout records
+    (`rollout/response_len_mean`), None when they do not log it."""
+    values = [
+        float(m["rollout/response_len_mean"])
+        for m in metrics
+        if m.get("kind") == "rollout" and "rollout/response_len_mean" in m
+    ]
+    return statistics.fmean(values) if values else None
+
+
 def summarize(
     records: Sequence[Sequence[float]],
     wall_s: float | None,
@@ -91,12 +102,14 @@ def summarize(
     first: int = FIRST,
     last: int = LAST,
     memory: dict[str, Any] | None = None,
+    tokens: float | None = None,
 ) -> dict[str, Any]:
     """The figures of one run from its (rollout id, seconds since start, mean reward) records.
 
     A relative threshold's level is the mean reward of the first `first` rollouts (as many as
     there are, when fewer) plus its value; the first rollout at or above a level is searched
-    from rollout 0 on. `memory` is `watch_command`'s report, when there is one.
+    from rollout 0 on. `memory` is `watch_command`'s report, when there is one; `tokens` the
+    run's mean response length (``response_tokens``).
     """
     if not records:
         raise ValueError("no rollout records: the run finished no rollout")
@@ -122,6 +135,7 @@ def summarize(
         "wall_s": wall_s,
         "first_done_s": times[0],
         "median_s_per_rollout": statistics.median(gaps) if gaps else None,
+        "response_tokens": tokens,
         "first_reward": first_reward,
         "last_reward": statistics.fmean(rewards[-last:]),
         "rewards": rewards,
@@ -175,6 +189,7 @@ def peer_rows(
         ]
     rows += [
         ("median seconds per rollout", lambda s: s["median_s_per_rollout"], 3),
+        ("mean response tokens per sample", lambda s: s.get("response_tokens"), 1),
         ("rollout 0 done, s after start", lambda s: s["first_done_s"], 1),
         (f"mean reward, first {first} rollouts", lambda s: s.get("first_reward"), 3),
         (f"mean reward, last {last} rollouts", lambda s: s["last_reward"], 3),

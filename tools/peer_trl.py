@@ -24,13 +24,14 @@ def make_ember_reward(
     group_size: int = 1,
     encode: Any = None,
     sink: list[float] | None = None,
+    lengths: list[float] | None = None,
 ):
     """TRL's reward function for Ember's reward `reward` (a RewardConfig): each completion
     becomes an Ember sample (its text, label and metadata; completed when it ends with one of
     `stop_ids`, else truncated; `encode` turns its prompt into the prompt ids) and Ember's own
     scorer scores them, whole groups of `group_size` at once for a group reward (TRL passes a
     prompt's completions one after the other). Appends each call's mean (one call per rollout)
-    to `sink`."""
+    to `sink`, and its completions' mean length in tokens to `lengths`."""
     from ember_core.types import Sample, SampleStatus
     from ember_rollout.rewards import Scorer
 
@@ -61,17 +62,23 @@ def make_ember_reward(
         scores = [float(s.reward) for s in samples]
         if sink is not None:
             sink.append(statistics.fmean(scores))
+        if lengths is not None:
+            lengths.append(statistics.fmean(len(ids) for ids in completion_ids))
         return scores
 
     return ember_reward
 
 
-def make_toy_reward(eos_token_id: int, sink: list[float] | None = None):
+def make_toy_reward(
+    eos_token_id: int, sink: list[float] | None = None, lengths: list[float] | None = None
+):
     """TRL's reward function for the toy task: Ember's `toy` reward, a completion counting as
     stopped when it ends with EOS."""
     from ember_rollout.config import RewardConfig
 
-    return make_ember_reward(RewardConfig(reward_fn="toy"), {eos_token_id}, sink=sink)
+    return make_ember_reward(
+        RewardConfig(reward_fn="toy"), {eos_token_id}, sink=sink, lengths=lengths
+    )
 
 
 def trl_rows(records: Sequence[Any], *, chat: bool) -> list[dict[str, Any]]:
@@ -136,6 +143,7 @@ def trl_worker(spec_path: str) -> None:
     steps = spec["steps_per_rollout"]
     metrics = (Path(spec["dir"]) / "metrics.jsonl").open("w")
     rewards: list[float] = []
+    lengths: list[float] = []  # mean completion tokens per rollout, as Ember logs them
 
     class RolloutClock(TrainerCallback):
         """One Ember-shaped record at the end of each rollout's last optimizer step."""
@@ -149,6 +157,7 @@ def trl_worker(spec_path: str) -> None:
                     "step": rid,
                     "time": time.time(),
                     "rollout/rewards": rewards[rid],
+                    "rollout/response_len_mean": lengths[rid],
                 }
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
@@ -170,6 +179,7 @@ def trl_worker(spec_path: str) -> None:
         group_size=args.num_generations,
         encode=lambda prompt: encoder.encode(PromptRecord(prompt)),
         sink=rewards,
+        lengths=lengths,
     )
     reward.__name__ = config.reward.reward_fn.replace(":", ".")  # TRL logs it by name
     trainer = GRPOTrainer(

@@ -17,7 +17,11 @@ the run's own records and its model (`hf_init/config.json`, built on the meta de
 
 where N is the matmul parameters one token meets: every weight of two dimensions or more but
 the embedding table (a lookup), the output layer once even when tied to the embedding, and a
-MoE layer's experts scaled to the `top_k` of them a token is routed to. It prints, per phase,
+MoE layer's experts scaled to the `top_k` of them a token is routed to. The output layer counts
+only at the positions whose logits are used: one per generated token in generation, one per
+response token in scoring and training (the prompt's positions predict nothing that is read).
+So the FLOPs are the work the phase needs, and a forward that also projects the prompt onto
+the vocabulary shows as a lower fraction. It prints, per phase,
 the median seconds per rollout (rollouts from `--skip` on), GFLOP per rollout, the rate that
 makes, and its fraction of the machine's. The weight push moves bytes, not FLOPs: its seconds
 only. With rollout and training overlapped, generation's time is its own (it runs beside
@@ -62,7 +66,8 @@ def machine_rate(seconds: float = 3.0, sizes: Sequence[int] = (1024, 1536, 2048)
 
 def model_shape(config_path: Path) -> dict[str, Any]:
     """The figures the FLOP counts need, from a transformers config.json: matmul parameters
-    per token (`active`), all parameters, layers and attention width."""
+    per token (`active`, the output layer's `output` among them), all parameters, layers and
+    attention width."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_path.parent, local_files_only=True)
@@ -82,11 +87,13 @@ def model_shape(config_path: Path) -> dict[str, Any]:
     output = model.get_output_embeddings()
     if output is not None and output.weight is embedding:  # tied: the table is a matmul too
         active += embedding.numel()
+    projection = output.weight.numel() if output is not None else 0
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return {
         "params": total,
         "active": active,
+        "output": projection,
         "layers": text.num_hidden_layers,
         "attention_width": heads * head_dim,
         "experts": experts,
@@ -111,19 +118,22 @@ def forwards(resolved: dict[str, Any], record: dict[str, Any]) -> tuple[int, int
 
 
 def phase_work(shape: dict[str, Any], resolved: dict[str, Any], record: dict[str, Any]) -> dict:
-    """GFLOP of each phase of one rollout."""
-    n, attention = shape["active"], 4 * shape["layers"] * shape["attention_width"]
+    """GFLOP of each phase of one rollout (the output layer only where its logits are read)."""
+    head = shape.get("output", 0)
+    body, attention = shape["active"] - head, 4 * shape["layers"] * shape["attention_width"]
     samples = record["rollout/num_samples"]
     prompt, response = record["rollout/prompt_len_mean"], record["rollout/response_len_mean"]
     generated = record.get("perf/rollout_gen_tokens", samples * response)
     prompted = record.get("perf/rollout_prompt_tokens", samples * prompt)
     per_sample = generated / samples if samples else 0.0
     per_prompt = prompted / samples if samples else 0.0
-    gen = 2 * n * (prompted + generated) + samples * attention * (
-        per_prompt**2 / 2 + per_sample * (per_prompt + per_sample / 2)
+    gen = (
+        2 * body * (prompted + generated)
+        + 2 * head * generated
+        + samples * attention * (per_prompt**2 / 2 + per_sample * (per_prompt + per_sample / 2))
     )
     length = prompt + response
-    forward = samples * (2 * n * length + attention * length**2 / 2)
+    forward = samples * (2 * body * length + 2 * head * response + attention * length**2 / 2)
     scoring, trained = forwards(resolved, record)
     return {"generation": gen / 1e9, "scoring": scoring * forward / 1e9,
             "training": trained * 3 * forward / 1e9}  # fmt: skip
