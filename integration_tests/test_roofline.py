@@ -55,7 +55,8 @@ def test_phase_work_follows_the_formulas():
     work = roofline.phase_work(shape, {"algorithm": {"use_rollout_log_probs": True}}, record)
     # The output layer (300 of the 1000) only at the 12 generated / 3 response positions.
     gen = 2 * 700 * 32 + 2 * 300 * 12 + 4 * attention * (5**2 / 2 + 3 * (5 + 3 / 2))
-    forward = 4 * (2 * 700 * 8 + 2 * 300 * 3 + attention * 8**2 / 2)
+    trunk = 4 * (2 * 700 * 8 + attention * 8**2 / 2)
+    forward = trunk + 4 * 2 * 300 * 3  # a critic's forward has no vocabulary projection
     assert work["generation"] == pytest.approx(gen / 1e9)
     assert work["scoring"] == 0.0  # the engine's log-probs: no scoring forward
     assert work["training"] == pytest.approx(3 * forward / 1e9)
@@ -64,8 +65,8 @@ def test_phase_work_follows_the_formulas():
     )
     assert scored["scoring"] == pytest.approx(2 * forward / 1e9)  # old log-probs + reference
     ppo = roofline.phase_work(shape, {"algorithm": {"advantage_estimator": "ppo"}}, record)
-    assert ppo["scoring"] == pytest.approx(2 * forward / 1e9)  # old log-probs + values
-    assert ppo["training"] == pytest.approx(2 * 3 * forward / 1e9)  # actor + critic
+    assert ppo["scoring"] == pytest.approx((forward + trunk) / 1e9)  # old log-probs + values
+    assert ppo["training"] == pytest.approx(3 * (forward + trunk) / 1e9)  # actor + critic
 
 
 def test_the_table_of_a_run_directory(tiny_moe, tmp_path, capsys):

@@ -60,14 +60,22 @@ def model_config(checkpoint: str):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
+    from ember_megatron_backend.parallel import destroy_distributed, init_distributed
+
+    init_distributed()
+    try:
+        return _compare(args)
+    finally:
+        destroy_distributed()
+
+
+def _compare(args: argparse.Namespace) -> dict[str, float]:
     from ember_core.heads import PolicyHead
     from ember_core.types import Sample, pack_samples
     from ember_megatron_backend.forward import response_window
     from ember_megatron_backend.forward import run_model as run
     from ember_megatron_backend.model import build_model
-    from ember_megatron_backend.parallel import init_distributed
 
-    init_distributed()
     cfg, source = model_config(args.checkpoint)
     model = build_model(cfg, seed=0)
     g = torch.Generator().manual_seed(0)

@@ -19,7 +19,8 @@ where N is the matmul parameters one token meets: every weight of two dimensions
 the embedding table (a lookup), the output layer once even when tied to the embedding, and a
 MoE layer's experts scaled to the `top_k` of them a token is routed to. The output layer counts
 only at the positions whose logits are used: one per generated token in generation, one per
-response token in scoring and training (the prompt's positions predict nothing that is read).
+response token in scoring and training (the prompt's positions predict nothing that is read);
+a critic's forwards have none (its value layer, 1 x hidden, is left out).
 So the FLOPs are the work the phase needs, and a forward that also projects the prompt onto
 the vocabulary shows as a lower fraction. It prints, per phase,
 the median seconds per rollout (rollouts from `--skip` on), GFLOP per rollout, the rate that
@@ -133,10 +134,13 @@ def phase_work(shape: dict[str, Any], resolved: dict[str, Any], record: dict[str
         + samples * attention * (per_prompt**2 / 2 + per_sample * (per_prompt + per_sample / 2))
     )
     length = prompt + response
-    forward = samples * (2 * body * length + 2 * head * response + attention * length**2 / 2)
+    trunk = samples * (2 * body * length + attention * length**2 / 2)
+    policy = trunk + samples * 2 * head * response  # the critic's value layer: next to nothing
     scoring, trained = forwards(resolved, record)
-    return {"generation": gen / 1e9, "scoring": scoring * forward / 1e9,
-            "training": trained * 3 * forward / 1e9}  # fmt: skip
+    critic = trained - 1
+    scored = (scoring - critic) * policy + critic * trunk
+    return {"generation": gen / 1e9, "scoring": scored / 1e9,
+            "training": 3 * (policy + critic * trunk) / 1e9}  # fmt: skip
 
 
 PHASE_TIMES = {

@@ -123,8 +123,8 @@ def model_inputs(batch: PackedBatch, layout: Layout | None = None) -> dict[str, 
     [B, S] batch under one causal mask: every sample starts at position 0 (RoPE sees its own
     positions, as in transformers), real tokens never see the padding that follows them, and
     attention costs B * S^2 rather than the (B * S)^2 of a block-diagonal mask over the stream.
-    ``ModelCall`` maps the output back to stream order and ``router_rows`` says which stream
-    token each MoE router row holds.
+    ``ModelCall`` maps the output back to stream rows (by default the response windows') and
+    ``router_rows`` says which stream token each MoE router row holds.
 
     Args:
         batch: The packed micro-batch.
