@@ -9,11 +9,11 @@ forwards hand its output layer each sample's last R + 1 positions only
 (`ember_megatron_backend.forward.ModelCall`). This builds the checkpoint's model (its
 `config.json`; the weights do not change the time and are left at their initialisation), packs
 `--samples` samples of `--prompt` prompt and `--response` response tokens, and times
-`run_model` with `window` true and false, alternating, `--repeats` times each after one warm-up
-of each: forward, `PolicyHead` log-probs and entropy at temperature 0.7, backward. It prints
-the median seconds of each and their ratio, the positions each projects, and checks that both
-give the same log-probs. Without `--checkpoint` (or when it is absent) it uses the
-`tiny-moe` preset.
+`run_model` with the response windows and without, alternating, `--repeats` times each after
+one warm-up of each: forward, `PolicyHead` log-probs and entropy at temperature 0.7, backward.
+It prints the median seconds of each and their ratio, the positions the output layer was given
+in each (counted by a hook on it), and the largest difference between their log-probs.
+Without `--checkpoint` (or when it is absent) it uses the `tiny-moe` preset.
 """
 
 from __future__ import annotations
@@ -86,14 +86,18 @@ def _compare(args: argparse.Namespace) -> dict[str, float]:
         for _ in range(args.samples)
     ]  # fmt: skip
     batch = pack_samples(samples)
-    window = response_window(batch).batch
+    spans = response_window(batch)
     head = PolicyHead(0.7)
+    projected: list[int] = []  # positions the output layer was given, per forward
+    model.output_layer.register_forward_hook(
+        lambda module, args, out: projected.append(args[0].shape[0] * args[0].shape[1])
+    )
 
     def step(windowed: bool) -> tuple[float, torch.Tensor]:
-        read = window if windowed else batch
+        read = spans.batch if windowed else batch
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        rows = run(model, batch, window=windowed)
+        rows = run(model, batch, window=spans if windowed else None)
         out = head.log_probs(rows, read.tokens[: read.num_tokens], read.total_lengths,
                              read.response_lengths, with_entropy=True)  # fmt: skip
         loss = torch.cat(out.log_probs).mean() + torch.cat(out.entropy).mean()
@@ -107,17 +111,19 @@ def _compare(args: argparse.Namespace) -> dict[str, float]:
     _, windowed = step(True)
     _, full = step(False)
     gap = float((windowed - full).abs().max())
+    at_windows, at_every = projected[:2]
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.repeats):
         for windowed_pass in (False, True):
             times[windowed_pass].append(step(windowed_pass)[0])
     every, windows = statistics.median(times[False]), statistics.median(times[True])
     print(f"{'output layer at':<28}{'positions':>10}{'median s':>10}")
-    print(f"{'every position':<28}{batch.num_tokens:>10}{every:>10.3f}")
-    print(f"{'the response windows':<28}{window.num_tokens:>10}{windows:>10.3f}")
+    print(f"{'every position':<28}{at_every:>10}{every:>10.3f}")
+    print(f"{'the response windows':<28}{at_windows:>10}{windows:>10.3f}")
     print(f"response windows vs every position: {windows / every:.2f}x the time")
     print(f"log-probs, largest difference: {gap:.1e}")
-    return {"every_s": every, "windows_s": windows, "max_log_prob_diff": gap}
+    return {"every_s": every, "windows_s": windows, "max_log_prob_diff": gap,
+            "positions_every": at_every, "positions_windows": at_windows}  # fmt: skip
 
 
 if __name__ == "__main__":

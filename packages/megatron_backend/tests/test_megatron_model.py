@@ -206,7 +206,7 @@ def test_padded_layout_matches_the_packed_stream_and_maps_router_rows(dist_env):
     router = next(m for m in model.modules() if type(m).__name__ == "TopKRouter")
     handle = router.register_forward_pre_hook(lambda m, args: rows_seen.append(args[0]))
     with torch.no_grad():
-        padded = run_model(model, batch, window=False)  # [T, V] in stream order
+        padded = run_model(model, batch, window=None)  # [T, V] in stream order
         ids, pos, mask = _batch(cfg, lengths)
         ids = batch.tokens[None]
         stream = model(ids, pos, attention_mask=mask)[0]
@@ -264,7 +264,7 @@ def test_the_output_layer_runs_at_the_response_windows_alone(dist_env, layout, c
 
     def grads(window):
         model.zero_grad()
-        rows = run_model(model, batch, layout, window=window)
+        rows = run_model(model, batch, layout, window=response_window(batch) if window else None)
         out = read(rows, response_window(batch).batch if window else batch)
         torch.cat(out).pow(2).sum().backward()
         return (

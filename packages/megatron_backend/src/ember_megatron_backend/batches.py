@@ -12,7 +12,14 @@ from torch import Tensor
 
 from ember_core.types import PackedBatch, Sample, pack_samples
 from ember_megatron_backend import comm
-from ember_megatron_backend.forward import Layout, padded_shape, plan_micro_batches, router_rows
+from ember_megatron_backend.forward import (
+    Layout,
+    ResponseWindow,
+    padded_shape,
+    plan_micro_batches,
+    response_window,
+    router_rows,
+)
 from ember_megatron_backend.model import uses_te_spec
 
 __all__ = [
@@ -45,6 +52,9 @@ class MicroBatch:
     """Pad the [B, S] batch of local attention to at least (rows, width): the layout every
     data-parallel rank agreed on where expert parallelism gathers equal shapes
     (``pipeline.needs_equal_layouts``); None: the micro-batch's own."""
+    window: ResponseWindow | None = None
+    """The packed stream's response windows (``forward.response_window``): the rows a forward's
+    output layer computes and the heads read (set by ``pack_micro_batch``)."""
     token_index: Tensor | None = None
     """[R] stream position of each row this rank's MoE routers see (-1 for padding): the
     padded [B, S] layout of local attention (``forward.router_rows``), or this rank's slice
@@ -328,6 +338,7 @@ def pack_micro_batch(
         indices=list(indices),
         packed=packed,
         layout=layout,
+        window=response_window(packed),
         token_index=token_index,
     )
 

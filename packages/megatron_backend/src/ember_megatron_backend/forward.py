@@ -233,23 +233,29 @@ def response_window(batch: PackedBatch) -> ResponseWindow:
 class ModelCall:
     """One forward of a model over a packed micro-batch: its inputs, and its output as rows.
 
-    With `window` the output is the response window's rows (``response_window``) and the output
-    layer runs at those positions only: megatron-core's GPTModel projects every position it is
-    given onto the vocabulary (models/gpt/gpt_model.py ``_postprocess``), the prompt's included,
-    and at a vocabulary of 49k that is a fifth of a small model's FLOPs per position. A forward
+    With a `window` (``response_window``; ``MicroBatch.window`` holds each micro-batch's) the
+    output is the window's rows and the output layer runs at those positions only:
+    megatron-core's GPTModel projects every position it is given onto the vocabulary
+    (models/gpt/gpt_model.py ``_postprocess``), the prompt's included, and at a vocabulary of
+    49k that is a fifth of a small model's FLOPs per position. A forward
     pre-hook on ``output_layer`` hands it the window's rows of the [s, b, h] hidden states
     instead, as [N, 1, h]. Under sequence parallelism the output layer gathers the sharded
     hidden states itself, so there it runs at every position and the window is read from its
-    output.
+    output. Without one it is every stream token's row, in stream order.
 
-        call = ModelCall(model, batch, layout, window=True)
+        call = ModelCall(model, mb.packed, mb.layout, window=mb.window)
         with call.selecting():
             output = model(**call.inputs, runtime_gather_output=True)
         rows = call.rows(output)
     """
 
     def __init__(
-        self, model: Any, batch: PackedBatch, layout: Layout | None = None, *, window: bool
+        self,
+        model: Any,
+        batch: PackedBatch,
+        layout: Layout | None = None,
+        *,
+        window: ResponseWindow | None,
     ) -> None:
         if uses_te_spec():
             self.inputs = model_inputs(batch)
@@ -261,9 +267,8 @@ class ModelCall:
             hidden = (stream % width) * num_rows + stream // width  # [s, b] hidden rows
         self._model = model
         self._selected = False
-        if window:
-            positions = response_window(batch).positions
-            self._stream, self._hidden = stream[positions], hidden[positions]
+        if window is not None:
+            self._stream, self._hidden = stream[window.positions], hidden[window.positions]
         else:
             self._stream, self._hidden = stream, None
 
@@ -307,10 +312,14 @@ def _output_layer(model: Any) -> Any:
 
 
 def run_model(
-    model: Any, batch: PackedBatch, layout: Layout | None = None, *, window: bool = True
+    model: Any,
+    batch: PackedBatch,
+    layout: Layout | None = None,
+    *,
+    window: ResponseWindow | None,
 ) -> Tensor:
-    """`model` over `batch`: logits (or values) of the response window's rows [N, ...]
-    (``response_window``), the output layer run at those alone; with `window` false, of every
+    """`model` over `batch`: logits (or values) of the rows of `window` [N, ...] (the batch's
+    ``response_window``), the output layer run at those alone; without a window, of every
     stream token [num_tokens, ...] in stream order. Vocabulary-sharded logits are gathered
     under TP."""
     call = ModelCall(model, batch, layout, window=window)
@@ -380,7 +389,10 @@ def forward_only(
         from ember_megatron_backend import pipeline
 
         return pipeline.score(model, micro_batches, **options)  # the plan keeps sample order
-    pieces = [score_batch(model, mb.packed, mb.layout, **options) for mb in micro_batches]
+    pieces = [
+        score_batch(model, mb.packed, mb.layout, window=mb.window, **options)
+        for mb in micro_batches
+    ]
     merged: dict[str, list[Tensor] | None] = {}
     for key in ("log_probs", "entropy", "values"):
         parts = [getattr(piece, key) for piece in pieces]
@@ -397,17 +409,19 @@ def score_batch(
     role: str,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    window: ResponseWindow | None = None,
 ) -> ForwardOutput:
     """A forward-only pass of `model` (in eval mode) over one packed micro-batch, and the
-    role's head (``heads``); the PP = 1 step of ``forward_only``."""
+    role's head (``heads``); the PP = 1 step of ``forward_only``. `window` is the batch's
+    ``response_window`` (``MicroBatch.window``), made here when not given."""
+    window = response_window(batch) if window is None else window
     was_training = model.training
     model.eval()
     try:
-        rows = run_model(model, batch, layout)
+        rows = run_model(model, batch, layout, window=window)
     finally:
         model.train(was_training)
-    window = response_window(batch).batch
-    return heads(rows, window, role=role, temperature=temperature, with_entropy=with_entropy)
+    return heads(rows, window.batch, role=role, temperature=temperature, with_entropy=with_entropy)
 
 
 def heads(
@@ -483,7 +497,7 @@ def log_probs_at(
                 )
             mb = pack_micro_batch(model, samples, indices, layout)
             with context(mb):
-                rows = run_model(model, mb.packed, mb.layout)  # the response window
+                rows = run_model(model, mb.packed, mb.layout, window=mb.window)
             logits = rows[: sample.response_length].float() / temperature
             log_probs = torch.log_softmax(logits, dim=-1)
             out.append(with_rest(log_probs, wanted.to(log_probs.device, torch.long)).cpu())

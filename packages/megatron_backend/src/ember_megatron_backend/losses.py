@@ -21,7 +21,7 @@ from ember_core.algorithms import (
 from ember_core.config import AlgorithmConfig
 from ember_core.heads import HeadOutput, PolicyHead, ValueHead
 from ember_megatron_backend.batches import MicroBatch, RolloutBatch
-from ember_megatron_backend.forward import response_window, run_model
+from ember_megatron_backend.forward import run_model
 
 __all__ = [
     "actor_loss",
@@ -39,13 +39,13 @@ __all__ = [
 
 def policy_forward(model: Any, mb: MicroBatch, temperature: float) -> HeadOutput:
     """Training forward of a policy: response log-probs and entropy, differentiable."""
-    return policy_head(run_model(model, mb.packed, mb.layout), mb, temperature)
+    return policy_head(run_model(model, mb.packed, mb.layout, window=mb.window), mb, temperature)
 
 
 def policy_head(rows: Tensor, mb: MicroBatch, temperature: float) -> HeadOutput:
     """Response log-probs and entropy from a policy's output rows [N, V] of the micro-batch's
     response window (what ``run_model`` returns, or the last pipeline stage's)."""
-    window = response_window(mb.packed).batch
+    window = mb.window.batch
     return PolicyHead(temperature).log_probs(
         rows,
         window.tokens.to(rows.device),
@@ -57,13 +57,13 @@ def policy_head(rows: Tensor, mb: MicroBatch, temperature: float) -> HeadOutput:
 
 def value_forward(model: Any, mb: MicroBatch) -> list[Tensor]:
     """Training forward of the critic: values at the response rows, differentiable."""
-    return value_head(run_model(model, mb.packed, mb.layout), mb)
+    return value_head(run_model(model, mb.packed, mb.layout, window=mb.window), mb)
 
 
 def value_head(rows: Tensor, mb: MicroBatch) -> list[Tensor]:
     """Values at the response rows from a critic's output rows [N, 1] of the micro-batch's
     response window (what ``run_model`` returns, or the last pipeline stage's)."""
-    window = response_window(mb.packed).batch
+    window = mb.window.batch
     return ValueHead().values(rows, window.total_lengths, window.response_lengths)
 
 

@@ -40,7 +40,6 @@ from ember_megatron_backend.forward import (
     ForwardOutput,
     ModelCall,
     heads,
-    response_window,
 )
 from ember_megatron_backend.parallel import device
 
@@ -156,7 +155,7 @@ def _run(
 
     def forward_step(data_iterator: Iterator[MicroBatch], stage: Any) -> tuple[Tensor, Any]:
         mb = next(data_iterator)
-        call = ModelCall(stage, mb.packed, mb.layout, window=True)
+        call = ModelCall(stage, mb.packed, mb.layout, window=mb.window)
         with forward_context(mb), call.selecting():
             output = stage(**call.inputs, runtime_gather_output=True)
         return output, functools.partial(loss_func, mb, call) if last else None
@@ -229,8 +228,9 @@ def score(
     outputs: list[list[Tensor]] = [[] for _ in keys]
 
     def last_stage(mb: MicroBatch, rows: Tensor) -> None:
-        window = response_window(mb.packed).batch
-        out = heads(rows, window, role=role, temperature=temperature, with_entropy=with_entropy)
+        out = heads(
+            rows, mb.window.batch, role=role, temperature=temperature, with_entropy=with_entropy
+        )
         for values, key in zip(outputs, keys, strict=True):
             values.extend(getattr(out, key))
 
@@ -265,7 +265,7 @@ def train_step(
         model: This rank's stage, DDP-wrapped.
         micro_batches: The step's packed micro-batches, the same on every stage.
         loss: On the last stage, `loss(mb, rows)` from the output rows of the micro-batch's
-            response window (``forward.response_window``): its loss, weighted as the gradient
+            response window (``MicroBatch.window``): its loss, weighted as the gradient
             should count it.
         forward_context: Entered around each micro-batch's forward on this stage.
         backward_context: Entered around each micro-batch's backward on this stage.

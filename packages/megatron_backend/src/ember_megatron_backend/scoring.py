@@ -95,7 +95,9 @@ def score_passes(
             for step in passes:
                 mb = pack(step, k)
                 with context(step, mb):
-                    out = score_batch(step.model, mb.packed, mb.layout, **options(step))
+                    out = score_batch(
+                        step.model, mb.packed, mb.layout, window=mb.window, **options(step)
+                    )
                 outputs[step.key].append((mb.indices, out))
     return {key: _in_sample_order(pieces, len(samples)) for key, pieces in outputs.items()}
 

@@ -583,7 +583,7 @@ class MegatronWorker:
             for role, model in roles.items():
                 mb = pack(model, k)
                 with forward(role, mb):
-                    value = loss(role, mb, run_model(model, mb.packed, mb.layout))
+                    value = loss(role, mb, run_model(model, mb.packed, mb.layout, window=mb.window))
                 if self.model_config.moe_aux_loss_coeff > 0:
                     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
