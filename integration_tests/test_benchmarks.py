@@ -113,10 +113,14 @@ def test_bench_rollout_reports_both_sides_median(capsys):
     argv = ["--prompts", "3", "--new-tokens", "4", "--reps", "2", "--threads", "1"]
     result = bench_rollout.main([*argv, "--dtype", "float32", "--top-p", "0.9"])
     out = capsys.readouterr().out
-    assert len(result["ember_runs_tokens_per_s"]) == len(result["generate_runs_tokens_per_s"]) == 2
-    assert result["ember_tokens_per_s"] > 0 and result["generate_tokens_per_s"] > 0
+    for side in ("ember", "ember_plain", "generate"):
+        assert len(result[f"{side}_runs_tokens_per_s"]) == 2
+        assert result[f"{side}_tokens_per_s"] > 0
+    assert result["packed_layers"] == 0  # the tiny model's weights are below packing's size
     assert result["sampling_max_abs_diff"] <= 1e-4
     assert f"Ember / generate() within a repetition: median {result['ratio']:.2f}x" in out
+    packed = f"packed / plain linears within a repetition: median {result['packed_ratio']:.2f}x"
+    assert packed in out
     assert "12 tokens" in out
 
 

@@ -1,10 +1,14 @@
 """Benchmark Ember's embedded hf engine against transformers' own `generate()` on the same work.
 
 Equal work, as measured here:
-- the same model object (weights, dtype, attention kernel), the same prompts (toy-task prompts
-  of mixed lengths, left-padded on both sides), the same batches (`--batch-size` requests
-  decoded together, with a KV cache on both sides) and the same sampling: `--temperature`,
-  `--top-p`, no top-k (`top_k=0` for generate(), whose default is 50), `--new-tokens`;
+- the same weights, dtype and attention kernel: generate() runs the model as transformers
+  builds it; Ember's engine a copy of it with its fp32 CPU linear weights packed for oneDNN, as
+  it serves by default (`engine.hf.pack_linears`, `ember_rollout.packed_linear`), and a third
+  side, Ember's engine on generate()'s own model, shows what the packing is worth; the same
+  prompts (toy-task prompts of mixed lengths, left-padded on both sides), the same batches
+  (`--batch-size` requests decoded together, with a KV cache on both sides) and the same
+  sampling: `--temperature`, `--top-p`, no top-k (`top_k=0` for generate(), whose default is
+  50), `--new-tokens`;
 - results of the same kind: each request's response token ids and the fp32 log-prob of each
   token, one log-softmax over the vocabulary per step on each side. Ember's engine always
   returns these (log softmax(logits / temperature), before the top-p filter, as the trainer
@@ -23,14 +27,16 @@ Equal work, as measured here:
   draw different random numbers (one seeded generator per request vs torch.multinomial), so
   their sequences would end at different points and the work would differ.
 
-After one untimed run of each side, each repetition runs Ember's engine then generate() on all
-requests; the figures are the medians over repetitions of each side's tokens/s and of the
-Ember / generate() ratio within a repetition.
+After one untimed run of each side, each repetition runs Ember's engine (packed), Ember's engine
+(plain linears) and generate() on all requests; the figures are the medians over repetitions of
+each side's tokens/s and of the ratios within a repetition.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -41,6 +47,7 @@ import torch
 from ember_rollout.config import HFEngineConfig, ToyTaskConfig
 from ember_rollout.engine import GenerateRequest, SamplingParams
 from ember_rollout.hf_engine import HFEngine
+from ember_rollout.packed_linear import pack_linears
 from ember_rollout.token_sampling import filtered_log_probs
 from ember_rollout.tokenizer import load_tokenizer
 from ember_rollout.toy_task import make_toy_prompts
@@ -216,40 +223,50 @@ def timed(fn) -> tuple[float, list[Completion]]:
 
 
 def benchmark(args: argparse.Namespace) -> dict:
-    """Tokens/s of both sides over `args.reps` repetitions, and the sampling check."""
+    """Tokens/s of the three sides over `args.reps` repetitions, and the sampling check."""
     torch.set_num_threads(args.threads)
-    engine = HFEngine(
-        HFEngineConfig(
-            model_path=args.model_path,
-            dtype=args.dtype,
-            max_batch_size=args.batch_size,
-            num_threads=args.threads,
-        )
+    config = HFEngineConfig(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        max_batch_size=args.batch_size,
+        num_threads=args.threads,
+        pack_linears=False,
     )
-    engine.load()
-    model = engine.model
+    plain = HFEngine(config)
+    plain.load()
+    model = plain.model  # generate() runs this one: plain nn.Linear layers, as TRL's does
+    # Ember's engine as configured by default: the same weights, linear weights packed.
+    engine = HFEngine(dataclasses.replace(config, pack_linears=True), model=copy.deepcopy(model))
+    packed = pack_linears(engine.model, batch_hint=args.batch_size)
     prompts = make_prompts(args)
     sampling = check_same_sampling(model, prompts[:2], args)
-    config = generation_config(args)
+    gen_config = generation_config(args)
+    sides = {
+        "ember": lambda: ember_generate(engine, prompts, args),
+        "ember_plain": lambda: ember_generate(plain, prompts, args),
+        "generate": lambda: hf_generate(model, prompts, args, gen_config),
+    }
+    names = {"ember": "Ember", "ember_plain": "Ember (plain linears)", "generate": "generate()"}
     # One untimed run of each side on the full batches: kernels are picked per shape.
-    ember_generate(engine, prompts, args)
-    hf_generate(model, prompts, args, config)
-    ember_times, hf_times = [], []
+    for run in sides.values():
+        run()
+    times: dict[str, list[float]] = {key: [] for key in sides}
     for rep in range(args.reps):
-        elapsed, ember = timed(lambda: ember_generate(engine, prompts, args))
-        ember_times.append(elapsed)
-        torch.manual_seed(args.seed * 100_003 + rep)  # generate() draws from the global generator
-        elapsed, hf = timed(lambda: hf_generate(model, prompts, args, config))
-        hf_times.append(elapsed)
-        for side, completions in (("Ember", ember), ("generate()", hf)):
+        for key, run in sides.items():
+            torch.manual_seed(args.seed * 100_003 + rep)  # generate() draws from this generator
+            elapsed, completions = timed(run)
+            times[key].append(elapsed)
             short = [i for i, (ids, _) in enumerate(completions) if len(ids) != args.new_tokens]
             if len(completions) != len(prompts) or short:
                 raise SystemExit(
-                    f"{side}: requests {short[:5]} did not get {args.new_tokens} tokens"
+                    f"{names[key]}: requests {short[:5]} did not get {args.new_tokens} tokens"
                 )
     tokens = len(prompts) * args.new_tokens
-    ember_rate = [tokens / t for t in ember_times]
-    hf_rate = [tokens / t for t in hf_times]
+    rates = {key: [tokens / t for t in runs] for key, runs in times.items()}
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=True))
+
     return {
         "prompts": args.prompts,
         "new_tokens": args.new_tokens,
@@ -259,11 +276,11 @@ def benchmark(args: argparse.Namespace) -> dict:
         "temperature": args.temperature,
         "top_p": args.top_p,
         "reps": args.reps,
-        "ember_tokens_per_s": statistics.median(ember_rate),
-        "generate_tokens_per_s": statistics.median(hf_rate),
-        "ratio": statistics.median(e / h for e, h in zip(ember_rate, hf_rate, strict=True)),
-        "ember_runs_tokens_per_s": ember_rate,
-        "generate_runs_tokens_per_s": hf_rate,
+        "packed_layers": packed,
+        **{f"{key}_tokens_per_s": statistics.median(r) for key, r in rates.items()},
+        **{f"{key}_runs_tokens_per_s": r for key, r in rates.items()},
+        "ratio": ratio("ember", "generate"),
+        "packed_ratio": ratio("ember", "ember_plain"),
         "sampling_max_abs_diff": sampling["max_abs_diff"],
         "sampling_rows": sampling["rows"],
         "sampling_boundary_rows": sampling["boundary_rows"],
@@ -291,21 +308,34 @@ def main(argv: list[str] | None = None) -> dict:
         f"batch {args.batch_size}, temperature {args.temperature}, top-p {args.top_p}, "
         f"{args.dtype}, {args.threads} threads, {result['model']}, median of {args.reps}"
     )
-    for name, key in (("Ember hf engine", "ember"), ("transformers generate()", "generate")):
+    sides = (
+        ("Ember hf engine", "ember"),
+        ("  with plain linears", "ember_plain"),
+        ("transformers generate()", "generate"),
+    )
+    for name, key in sides:
         runs = result[f"{key}_runs_tokens_per_s"]
         print(
             f"  {name + ':':<25} {tokens} tokens, {result[f'{key}_tokens_per_s']:9.1f} tokens/s "
             f"(runs {min(runs):.1f}-{max(runs):.1f})"
         )
-    ratios = [
-        e / h
-        for e, h in zip(
-            result["ember_runs_tokens_per_s"], result["generate_runs_tokens_per_s"], strict=True
+    for label, a, b, key in (
+        ("Ember / generate()", "ember", "generate", "ratio"),
+        ("packed / plain linears", "ember", "ember_plain", "packed_ratio"),
+    ):
+        ratios = [
+            x / y
+            for x, y in zip(
+                result[f"{a}_runs_tokens_per_s"], result[f"{b}_runs_tokens_per_s"], strict=True
+            )
+        ]
+        print(
+            f"  {label} within a repetition: median {result[key]:.2f}x "
+            f"(runs {min(ratios):.2f}-{max(ratios):.2f})"
         )
-    ]
     print(
-        f"  Ember / generate() within a repetition: median {result['ratio']:.2f}x "
-        f"(runs {min(ratios):.2f}-{max(ratios):.2f})"
+        f"  {result['packed_layers']} linear layers packed for oneDNN (0: this dtype or torch "
+        "build runs them as is); the other two sides share one unpacked model"
     )
     print(
         "  both return token ids and one fp32 log-prob per token (Ember's: log softmax(logits / "

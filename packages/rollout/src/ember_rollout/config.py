@@ -118,6 +118,11 @@ class HFEngineConfig:
     """torch intra-op threads of this process, set when the model loads; None keeps the default."""
     compact_every: int = 8
     """Every this many decode steps, drop finished rows from the batch and KV cache; 0: never."""
+    pack_linears: bool = True
+    """fp32 on CPU: multiply with linear weights packed once for oneDNN (packed again after each
+    weight load) instead of repacked by every call, for weights of 2^17 elements or more (about
+    384 x 384; smaller ones gain nothing); one more copy of those weights in memory. Other
+    dtypes, devices and smaller layers run as is (`ember_rollout.packed_linear`)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the built-in model (used when model_path is None)."""
 

@@ -39,6 +39,7 @@ from ember_rollout.models import (
     model_info,
     naming_of,
 )
+from ember_rollout.packed_linear import pack_linears
 from ember_rollout.routing import ExpertCapture, encode_routed_experts
 from ember_rollout.token_sampling import filter_log_probs, sample_tokens, tempered_log_probs
 from ember_rollout.weight_gate import WeightGate
@@ -153,7 +154,8 @@ class HFEngine(Engine):
 
         Args:
             config: Engine settings.
-            model: An already built causal LM to serve (its dtype and device are kept).
+            model: An already built causal LM to serve (its dtype, device and layers are kept:
+                `config.pack_linears` applies only to a model the engine loads itself).
             seed: Seeds the per-request generators of requests that carry no seed.
             partial_rollouts: Take weight updates while `generate` runs, between decode steps
                 (`rollout.partial_rollouts`; see the class docstring). Set it before the first
@@ -206,7 +208,10 @@ class HFEngine(Engine):
         device = cfg.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._adopt(model.to(device))
+        model = model.to(device)
+        if cfg.pack_linears:
+            pack_linears(model, batch_hint=cfg.max_batch_size)
+        self._adopt(model)
 
     def _adopt(self, model: nn.Module) -> None:
         self.model = model.eval()

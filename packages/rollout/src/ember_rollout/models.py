@@ -283,7 +283,9 @@ def load_hf_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.T
     count = 0
     for name, tensor in named_tensors:
         target, value = _resolve(state, name, tensor, naming)
-        target.data.copy_(value.to(device=target.device, dtype=target.dtype))
+        # copy_ on the parameter itself, not on `.data`: it bumps the version counter that
+        # tells a `PackedLinear` its packed copy is stale.
+        target.copy_(value.to(device=target.device, dtype=target.dtype))
         count += 1
     return count
 
