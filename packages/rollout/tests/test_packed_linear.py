@@ -3,6 +3,7 @@ where they apply."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def tiny_model(dtype=torch.float32, seed=TINY.init_seed):
+def tiny_model(dtype=torch.float32, seed=TINY.init_seed, vocab_size=32):
     tiny = dataclasses.replace(TINY, init_seed=seed)
-    return build_tiny_model(tiny, vocab_size=32, dtype=dtype).eval()
+    return build_tiny_model(tiny, vocab_size=vocab_size, dtype=dtype).eval()
 
 
 def logits(model, tokens):
@@ -96,8 +97,21 @@ def test_engine_samples_the_same_with_and_without_packing(monkeypatch):
     assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
     kw = dict(temperature=0.9, max_new_tokens=10)
-    for got, want in zip(
-        packed.generate_sync(requests(**kw)), plain.generate_sync(requests(**kw)), strict=True
-    ):
-        assert got.output_ids == want.output_ids
-        assert got.output_log_probs == pytest.approx(want.output_log_probs, abs=1e-5)
+
+    def same_samples():
+        for got, want in zip(
+            packed.generate_sync(requests(**kw)), plain.generate_sync(requests(**kw)), strict=True
+        ):
+            assert got.output_ids == want.output_ids
+            assert got.output_log_probs == pytest.approx(want.output_log_probs, abs=1e-5)
+
+    same_samples()
+    before = packed.generate_sync(requests(**kw))
+    # A weight update through the engine's own path: the packed engine serves the new weights.
+    vocab = packed.model_info.vocab_size
+    named = list(tiny_model(seed=11, vocab_size=vocab).state_dict().items())
+    for engine in (packed, plain):
+        asyncio.run(engine.update_weights_from_tensors(iter(named), weight_version="v1"))
+    same_samples()
+    after = packed.generate_sync(requests(**kw))
+    assert [o.output_log_probs for o in after] != [o.output_log_probs for o in before]
