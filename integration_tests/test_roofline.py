@@ -58,6 +58,14 @@ def test_phase_work_follows_the_formulas():
     trunk = 4 * (2 * 700 * 8 + attention * 8**2 / 2)
     forward = trunk + 4 * 2 * 300 * 3  # a critic's forward has no vocabulary projection
     assert work["generation"] == pytest.approx(gen / 1e9)
+    # Groups of two samples of one prompt: each prompt is prefilled once for its group.
+    grouped = roofline.phase_work(
+        shape,
+        {"algorithm": {"use_rollout_log_probs": True}, "rollout": {"n_samples_per_prompt": 2}},
+        record,
+    )
+    shared = 2 * 700 * (10 + 12) + 2 * 300 * 12 + 4 * attention * (5**2 / 4 + 3 * (5 + 3 / 2))
+    assert grouped["generation"] == pytest.approx(shared / 1e9)
     assert work["scoring"] == 0.0  # the engine's log-probs: no scoring forward
     assert work["training"] == pytest.approx(3 * forward / 1e9)
     scored = roofline.phase_work(

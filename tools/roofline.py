@@ -9,7 +9,10 @@ the run's own records and its model (`hf_init/config.json`, built on the meta de
 
 - generation: 2 x N x (prompt + generated tokens), plus attention (4 x layers x attention
   width x context per token: half the prompt per prefill token, the prompt plus half the
-  response per decoded token), over every sample generated (`perf/rollout_gen_*`);
+  response per decoded token), over every sample generated (`perf/rollout_gen_*`), each
+  prompt prefilled once for its group of `rollout.n_samples_per_prompt` samples (the
+  embedded engine forwards a group's identical prompts once, SGLang's prefix cache shares
+  them);
 - scoring (the forwards before training: old log-probs, reference, values): 2 x N x tokens
   plus attention, per forward the config runs;
 - training: 6 x N x tokens plus three times the attention, per trained model (the actor, and
@@ -128,10 +131,13 @@ def phase_work(shape: dict[str, Any], resolved: dict[str, Any], record: dict[str
     prompted = record.get("perf/rollout_prompt_tokens", samples * prompt)
     per_sample = generated / samples if samples else 0.0
     per_prompt = prompted / samples if samples else 0.0
+    group = resolved.get("rollout", {}).get("n_samples_per_prompt", 1)
     gen = (
-        2 * body * (prompted + generated)
+        2 * body * (prompted / group + generated)
         + 2 * head * generated
-        + samples * attention * (per_prompt**2 / 2 + per_sample * (per_prompt + per_sample / 2))
+        + samples
+        * attention
+        * (per_prompt**2 / 2 / group + per_sample * (per_prompt + per_sample / 2))
     )
     length = prompt + response
     trunk = samples * (2 * body * length + attention * length**2 / 2)

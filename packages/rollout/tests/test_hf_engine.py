@@ -156,6 +156,40 @@ def test_dropping_finished_rows_does_not_change_results(family_engine):
         assert x.output_log_probs == pytest.approx(y.output_log_probs, abs=1e-5)
 
 
+def test_a_group_of_one_prompt_is_prefilled_once_and_samples_as_if_alone(family_engine):
+    """A GRPO group's samples share their prompt: the prefill forwards each distinct prompt once
+    and hands every sample a copy of its cache, logits and routed experts, with the same tokens,
+    log-probs and experts as when each sample is generated alone."""
+    group = [
+        GenerateRequest(
+            input_ids=PROMPTS[p],
+            sampling=SamplingParams(max_new_tokens=10, temperature=0.9, seed=20 + i),
+            fields={"return_routed_experts": True},
+            name=f"prompt {p} sample {i}",
+        )
+        for p in (0, 1)
+        for i in range(3)
+    ]
+    prefill_rows = []
+    model = family_engine.model
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape),
+        with_kwargs=True,
+    )
+    try:
+        together = family_engine.generate_sync(group)
+    finally:
+        hook.remove()
+    assert prefill_rows[0] == (2, len(PROMPTS[1])), "one prefill row per distinct prompt"
+    assert all(shape[1] == 1 for shape in prefill_rows[1:]), "then one token per step"
+    assert len({tuple(o.output_ids) for o in together}) > 2, "seeds differ, samples differ"
+    for request, out in zip(group, together, strict=True):
+        alone = family_engine.generate_sync([request])[0]
+        assert out.output_ids == alone.output_ids and out.finish_reason == alone.finish_reason
+        assert torch.equal(out.routed_experts, alone.routed_experts)
+        assert out.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
+
+
 def test_top_p_samples_from_the_nucleus_and_reports_the_unfiltered_tempered_log_prob(fp32_engine):
     """The meaning of rollout log-probs on every engine: log softmax(logits / T) of the sampled
     token over the whole vocabulary, what the trainer computes and SGLang returns, while the

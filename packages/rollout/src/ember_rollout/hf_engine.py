@@ -518,10 +518,12 @@ class HFEngine(Engine):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         """Forward each row's prompt and tokens so far into a new KV cache.
 
-        The sequences are left-padded; position ids count real tokens only. Routed experts are
-        recorded for the positions a row has none for yet: all of them at the first prefill,
-        only the last sampled token when a weight update forces a new one (earlier positions
-        keep the experts of the weights that forwarded them).
+        The sequences are left-padded; position ids count real tokens only. Rows whose tokens
+        are identical (a GRPO group's samples of one prompt, at the first prefill) are forwarded
+        once and their cache, logits and experts copied to each of them, as a prefix cache would
+        share them. Routed experts are recorded for the positions a row has none for yet: all of
+        them at the first prefill, only the last sampled token when a weight update forces a new
+        one (earlier positions keep the experts of the weights that forwarded them).
 
         Returns:
             Logits of each row's last position [B, V], the attention mask [B, W], each row's
@@ -531,11 +533,16 @@ class HFEngine(Engine):
 
         model, device = self.model, self._device
         assert model is not None
-        sequences = [[*row.request.input_ids, *row.output_ids] for row in rows]
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [
+            distinct.setdefault((*row.request.input_ids, *row.output_ids), len(distinct))
+            for row in rows
+        ]  # row -> its sequence's index in `distinct`
+        sequences = list(distinct)
         lengths = [len(s) for s in sequences]
         width = max(lengths)
-        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
         for b, sequence in enumerate(sequences):
             input_ids[b, width - lengths[b] :] = torch.tensor(sequence)
             mask[b, width - lengths[b] :] = 1
@@ -556,10 +563,15 @@ class HFEngine(Engine):
                 f"{self._cache_kw!r}; this transformers version is not supported"
             )
         if capture is not None:
-            experts = capture.pop(len(rows), width)  # [B, W, layers, topk]
-            for b, row in enumerate(rows):
+            experts = capture.pop(len(sequences), width)  # [S, W, layers, topk]
+            for row, b in zip(rows, source, strict=True):
                 row.experts.append(experts[b, width - lengths[b] + row.recorded :])
-        return out.logits[:, -1], mask, positions[:, -1], cache
+        logits, last_positions = out.logits[:, -1], positions[:, -1]
+        if len(sequences) < len(rows):
+            index = torch.tensor(source, device=device)
+            cache.batch_select_indices(index)
+            logits, mask, last_positions = logits[index], mask[index], last_positions[index]
+        return logits, mask, last_positions, cache
 
     def _sampling(self, rows: list[_Row], live: list[int]) -> tuple[torch.Tensor, ...]:
         """Temperature, top-k and top-p of the rows in the batch, one entry per slot."""
