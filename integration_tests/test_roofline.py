@@ -66,6 +66,14 @@ def test_phase_work_follows_the_formulas():
     )
     shared = 2 * 700 * (10 + 12) + 2 * 300 * 12 + 4 * attention * (5**2 / 4 + 3 * (5 + 3 / 2))
     assert grouped["generation"] == pytest.approx(shared / 1e9)
+    # SGLang under partial rollouts runs without its prefix cache: every prompt is prefilled.
+    uncached = roofline.phase_work(
+        shape,
+        {"algorithm": {"use_rollout_log_probs": True}, "engine": {"kind": "sglang"},
+         "rollout": {"n_samples_per_prompt": 2, "partial_rollouts": True}},
+        record,
+    )  # fmt: skip
+    assert uncached["generation"] == pytest.approx(gen / 1e9)
     assert work["scoring"] == 0.0  # the engine's log-probs: no scoring forward
     assert work["training"] == pytest.approx(3 * forward / 1e9)
     scored = roofline.phase_work(

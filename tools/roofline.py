@@ -12,7 +12,8 @@ the run's own records and its model (`hf_init/config.json`, built on the meta de
   response per decoded token), over every sample generated (`perf/rollout_gen_*`), each
   prompt prefilled once for its group of `rollout.n_samples_per_prompt` samples (the
   embedded engine forwards a group's identical prompts once, SGLang's prefix cache shares
-  them);
+  them; under `rollout.partial_rollouts` SGLang runs without that cache, and every sample's
+  prompt counts);
 - scoring (the forwards before training: old log-probs, reference, values): 2 x N x tokens
   plus attention, per forward the config runs;
 - training: 6 x N x tokens plus three times the attention, per trained model (the actor, and
@@ -131,7 +132,10 @@ def phase_work(shape: dict[str, Any], resolved: dict[str, Any], record: dict[str
     prompted = record.get("perf/rollout_prompt_tokens", samples * prompt)
     per_sample = generated / samples if samples else 0.0
     per_prompt = prompted / samples if samples else 0.0
-    group = resolved.get("rollout", {}).get("n_samples_per_prompt", 1)
+    rollout = resolved.get("rollout", {})
+    sglang = resolved.get("engine", {}).get("kind") == "sglang"
+    shared = not (sglang and rollout.get("partial_rollouts"))  # no radix cache then
+    group = rollout.get("n_samples_per_prompt", 1) if shared else 1
     gen = (
         2 * body * (prompted / group + generated)
         + 2 * head * generated

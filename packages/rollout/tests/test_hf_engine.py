@@ -167,8 +167,8 @@ def test_a_group_of_one_prompt_is_prefilled_once_and_samples_as_if_alone(family_
             fields={"return_routed_experts": True},
             name=f"prompt {p} sample {i}",
         )
-        for p in (0, 1)
         for i in range(3)
+        for p in (0, 1)  # interleaved: the copies follow each row, not runs of equal rows
     ]
     prefill_rows = []
     model = family_engine.model

@@ -232,6 +232,36 @@ def test_weights_loaded_mid_generation_switch_the_policy_between_decode_steps(mo
     assert max(gaps) > 0.05 and rerouted > 0, (max(gaps), rerouted)
 
 
+def test_rows_that_agree_share_the_prefill_again_after_a_mid_generation_update(models):
+    """Copies of two requests (same prompt, same seed: the same tokens) share the prefill, and
+    again the prefill that a weight update forces, and get what the originals get."""
+    reqs = staggered_requests()
+    copies = [dataclasses.replace(reqs[i], name=f"copy of {i}") for i in (0, 3)]
+    shapes: list[tuple[int, int]] = []
+
+    def generate(target: HFEngine, batch: list[GenerateRequest]) -> list:
+        hook = target.model.register_forward_pre_hook(
+            lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+            with_kwargs=True,
+        )
+        try:
+            return target.generate_sync(batch)
+        finally:
+            hook.remove()
+
+    _, held, _, outputs = update_mid_generation(models, generate, reqs + copies)
+    assert held.seen[SWITCH:] and set(held.seen[SWITCH:]) == {"new"}
+    # The first prefill: 4 distinct prompts for 6 rows. The update's: rows 0, 2, 3 and the two
+    # copies still running (row 1 stopped at 3 tokens), 3 distinct sequences.
+    assert shapes[0][0] == 4 and shapes[SWITCH][0] == 3 and shapes[SWITCH][1] > 1
+    for original, copy in zip([outputs[0], outputs[3]], outputs[4:], strict=True):
+        assert copy.output_ids == original.output_ids
+        assert copy.output_log_probs == original.output_log_probs
+        assert torch.equal(copy.routed_experts, original.routed_experts)
+        assert copy.meta_info["weight_versions"] == original.meta_info["weight_versions"]
+        assert len(original.meta_info["weight_versions"]) == 2
+
+
 def test_without_partial_rollouts_a_weight_load_waits_for_generate(models):
     old_ref, new_ref = models
     target = engine()
