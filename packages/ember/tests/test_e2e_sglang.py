@@ -77,9 +77,10 @@ def test_partial_rollouts_on_the_real_sglang_server_keep_routes_and_log_probs_to
         "--set", "ci.test=true",
         "--set", "ci_kl_checker.audit_interval=4",
         # One request at a time, and answers of up to 64 tokens: a rollout's 16 requests then
-        # take 2.6-3.3 s, longer than a training step and its push (about 1.2 s), so each of the
-        # three pushes between the audits at 0 and 4 finds one running. (At the default 8 tokens
-        # the requests took a fraction of the push's second and only some pushes found one.)
+        # take 2.6-3.3 s on a 2-core AMD EPYC (family 23), longer than a training step and its
+        # push (about 1.2 s there), so each of the three pushes between the audits at 0 and 4
+        # finds one running. (At the default 8 tokens the requests took a fraction of the push's
+        # second and only some pushes found one.)
         "--set", "engine.sglang.max_concurrency=1",
         "--set", "rollout.max_response_len=64",
         "--set", "rollout.rollout_batch_size=8",
