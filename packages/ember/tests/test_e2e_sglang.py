@@ -31,7 +31,9 @@ SEED_SCENARIO = (
 )  # fmt: skip
 
 
-def test_r3_and_the_ci_checks_on_the_real_sglang_engine_then_a_wrong_reference(tmp_path):
+def test_r3_and_the_ci_checks_on_the_real_sglang_engine(tmp_path):
+    # A reference from other weights stopping the run is the trainer's check whatever the
+    # engine: it runs end to end on the embedded engine (test_certify, test_e2e_smollm2).
     right = ember(*SEED_SCENARIO, run_dir=tmp_path / "right", timeout=900)
     assert right.returncode == 0, right.stderr[-3000:]
     rollouts = records(tmp_path / "right", "rollout")
@@ -53,17 +55,6 @@ def test_r3_and_the_ci_checks_on_the_real_sglang_engine_then_a_wrong_reference(t
     (log,) = (tmp_path / "right" / "sglang").glob("sglang-0-*.log")
     assert "update_weights_from_distributed" in log.read_text()
 
-    # The reference from other weights than the actor's: the checker stops the run at rollout 0.
-    wrong = ember(
-        *SEED_SCENARIO,
-        "--set", f"train.ref_load={tmp_path / 'right' / 'hf_init'}",
-        "--set", "train.seed=1",
-        run_dir=tmp_path / "wrong",
-        timeout=900,
-    )  # fmt: skip
-    assert wrong.returncode != 0
-    assert "ref_replayed_log_probs failed at rollout 0" in wrong.stderr, wrong.stderr[-3000:]
-    assert records(tmp_path / "wrong", "train") == []
 
 
 def test_partial_rollouts_on_the_real_sglang_server_keep_routes_and_log_probs_together(tmp_path):

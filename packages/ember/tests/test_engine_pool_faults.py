@@ -147,3 +147,53 @@ def test_without_fault_tolerance_the_first_failure_is_raised(ray_session):
     pool = pool_of(engine("good")[0], engine("bad", "exit")[0], enabled=False)
     with pytest.raises(ray.exceptions.RayActorError):
         asyncio.run(pool.generate_groups(groups(4)))
+
+
+def test_a_push_retried_after_a_replacement_ends_in_the_slots_one_line_when_that_fails_too(
+    tmp_path, monkeypatch
+):
+    """The driver's push loop: a push that fails on a failed engine replaces it and pushes
+    again; when the replacement fails too (killed during the second push), the slot's
+    restarts decide, and a slot past them stops the run with its own line, not the raw death."""
+    from ember.config import load_config
+    from ember.driver import Driver
+    from ember.failures import EnginesExhausted
+
+    config, _ = load_config("default", overrides=[f"run.dir={tmp_path}"])
+    driver = Driver(config, tmp_path)
+    calls: list[str] = []
+    mended = iter([False, True])  # before the push: nothing failed; after the first: replaced
+
+    def push(version: str) -> None:
+        calls.append(f"push {version}")
+        raise RuntimeError(f"rollout engine 0 died during push {len(calls)}")
+
+    def mend(*, probe_all: bool = False) -> bool:
+        calls.append("mend")
+        replaced = next(mended, None)
+        if replaced is None:
+            raise EnginesExhausted("rollout engine 0 failed; it was replaced 1 time(s)")
+        return replaced
+
+    monkeypatch.setattr(driver, "_push", push)
+    monkeypatch.setattr(driver, "_mend_engines", mend)
+    with pytest.raises(EnginesExhausted, match="replaced 1 time"):
+        driver.push_weights(5)
+    assert calls == ["mend", "push 5", "mend", "push 5", "mend"]
+    assert driver._trained_version != "5"  # no push reached every engine
+
+
+def test_a_push_that_fails_with_every_engine_healthy_is_the_pushs_own_error(tmp_path, monkeypatch):
+    from ember.config import load_config
+    from ember.driver import Driver
+
+    config, _ = load_config("default", overrides=[f"run.dir={tmp_path}"])
+    driver = Driver(config, tmp_path)
+
+    def push(version: str) -> None:
+        raise RuntimeError("bucket 3 of 7: shape mismatch")
+
+    monkeypatch.setattr(driver, "_push", push)
+    monkeypatch.setattr(driver, "_mend_engines", lambda *, probe_all=False: False)
+    with pytest.raises(RuntimeError, match="bucket 3 of 7"):
+        driver.push_weights(2)

@@ -69,6 +69,13 @@ TOLERANCES = {
     # A maximum over tokens of such differences: a few ulps of the largest token log-prob.
     "rollout/log_probs_ref_max_abs_diff": ("rollout/log_probs", 16 * EPS),
     "train/ppo_kl_abs_max": ("rollout/log_probs", 16 * EPS),
+    # Importance ratios exp(log-prob difference): d(ratio) = ratio * d(difference), so a ratio
+    # rounds as the log-probs do (a few ulps at their scale), whatever its own size (seen: 6 ulps
+    # of the log-probs on a TIS maximum of 0.27, which is 24 ulps of the maximum itself).
+    "train/tis": ("rollout/log_probs", 16 * EPS),
+    "train/tis_max": ("rollout/log_probs", 16 * EPS),
+    "train/behaviour_ratio": ("rollout/log_probs", 16 * EPS),
+    "train/behaviour_ratio_max": ("rollout/log_probs", 16 * EPS),
     # Sums of advantage-weighted ratios that cancel (advantages normalised per group to unit
     # scale, ratios ~1), and critic values (a dot product of normalised hidden states): their
     # operands are of order one, however small the result.

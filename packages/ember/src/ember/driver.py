@@ -464,18 +464,23 @@ class Driver:
         and closes the engines' weight-update sessions, and never holds a weight.
         """
         self._mend_engines(probe_all=True)
-        try:
-            self._push(str(rollout_id))
-        except Exception:
-            # An engine that died or hung during the push: replace it (the replacement takes
-            # these weights) and push once more; any other failure is the push's own.
-            if not self._mend_engines(probe_all=True):
-                raise
-            logger.warning("weight push %d failed on a failed engine; pushing again", rollout_id)
-            self._push(str(rollout_id))
-        self._trained_version = str(rollout_id)
-        if self._replaced:
-            self._check_replacements()
+        while True:
+            try:
+                self._push(str(rollout_id))
+                self._trained_version = str(rollout_id)
+                if self._replaced:
+                    self._check_replacements()
+                return
+            except Exception:
+                # An engine that died or hung during the push or the check after it (a
+                # replacement too): replace it and push again; any other failure is the push's
+                # own. Each pass uses up a restart of a slot, so a slot that keeps failing ends
+                # the loop with EnginesExhausted (fault_tolerance.max_restarts).
+                if not self._mend_engines(probe_all=True):
+                    raise
+                logger.warning(
+                    "weight push %d failed on a failed engine; pushing again", rollout_id
+                )
 
     def _push(self, version: str, engines: list[Any] | None = None) -> None:
         """The trainer's current weights, as `version`, into `engines` (None: every engine)."""
