@@ -56,7 +56,6 @@ def test_r3_and_the_ci_checks_on_the_real_sglang_engine(tmp_path):
     assert "update_weights_from_distributed" in log.read_text()
 
 
-
 def test_partial_rollouts_on_the_real_sglang_server_keep_routes_and_log_probs_together(tmp_path):
     """Pushes land while SGLang requests run (paused in place, continued after), and R3 with
     the CI checks holds: every token's recorded experts and log-prob come from one forward."""
