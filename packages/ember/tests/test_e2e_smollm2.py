@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import generate_with_sglang
 from test_e2e import ember, records
 
 from ember_rollout import sglang_cpu
@@ -177,45 +176,6 @@ def test_seed_scenario_on_the_upcycled_moe_with_the_real_sglang_server(moe, tmp_
     run_seed_scenario(moe, tmp_path, "--set", "engine.kind=sglang", wrong_reference=False)
     (log,) = (tmp_path / "right" / "sglang").glob("sglang-0-*.log")
     assert "update_weights_from_distributed" in log.read_text()  # pushed by broadcast
-
-
-@pytest.mark.sglang
-@pytest.mark.skipif(
-    not sglang_cpu.sglang_installed(), reason=f"needs SGLang: {sglang_cpu.EXTRA_HINT}"
-)
-def test_the_real_sglang_server_scores_smollm2_as_transformers_does(smollm2, tmp_path):
-    """SGLang 0.5.23 serves the imported checkpoint (tied embeddings, llama) in fp32; its
-    log-probs of its own greedy answers to chat prompts are transformers' to fp32 rounding
-    accumulated over 30 layers of different kernels (SGLang's torch_native attention against
-    transformers' SDPA): measured 1.4e-5 at most, so 5e-5."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ember_rollout.engine import GenerateRequest, SamplingParams
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    questions = ["What is 7 + 5? Put the final answer in \\boxed{}.", "What is 36 - 20?"]
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True
-        )["input_ids"]
-        for q in questions
-    ]
-    requests = [
-        GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=12, top_k=1))
-        for p in prompts
-    ]
-    outputs = generate_with_sglang(smollm2, requests, tmp_path / "logs")
-    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    for prompt, result in zip(prompts, outputs, strict=True):
-        assert len(result.output_ids) > 3
-        tokens = prompt + result.output_ids
-        with torch.no_grad():
-            logits = hf(torch.tensor([tokens])).logits[0].double()
-        rows = logits[len(prompt) - 1 : -1].log_softmax(-1)
-        want = rows.gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
-        got = torch.tensor(result.output_log_probs, dtype=torch.float64)
-        assert (got - want).abs().max() < 5e-5, (got - want).abs().max()
 
 
 @pytest.mark.sglang

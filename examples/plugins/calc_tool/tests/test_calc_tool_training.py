@@ -58,7 +58,10 @@ def expected_mask(response: list[int], tokenizer, calculator_output) -> list[int
 # -- end to end --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("plugins", ["calc_tool", "calc_tool,r3_routing"], ids=["plain", "r3"])
+# The R3 variant (`--plugins calc_tool,r3_routing`, bar 0.88) learns as well (figures below) and
+# is run by hand: a 150-rollout learning run is a benchmark, and R3 on two-turn samples is
+# checked position by position below (test_r3_replays_every_position_of_a_two_turn_sample).
+@pytest.mark.parametrize("plugins", ["calc_tool"], ids=["plain"])
 def test_ember_train_learns_to_call_the_calculator(tmp_path, plugins, calculator_output):
     run = subprocess.run(
         [
