@@ -149,18 +149,24 @@ def test_without_fault_tolerance_the_first_failure_is_raised(ray_session):
         asyncio.run(pool.generate_groups(groups(4)))
 
 
+def _driver(tmp_path):
+    """A driver of the default run, without Ray: its push and mend steps are set by the test."""
+    from ember.config import load_config
+    from ember.driver import Driver
+
+    config, _ = load_config("default", overrides=[f"run.dir={tmp_path}"])
+    return Driver(config, tmp_path)
+
+
 def test_a_push_retried_after_a_replacement_ends_in_the_slots_one_line_when_that_fails_too(
     tmp_path, monkeypatch
 ):
     """The driver's push loop: a push that fails on a failed engine replaces it and pushes
     again; when the replacement fails too (killed during the second push), the slot's
     restarts decide, and a slot past them stops the run with its own line, not the raw death."""
-    from ember.config import load_config
-    from ember.driver import Driver
     from ember.failures import EnginesExhausted
 
-    config, _ = load_config("default", overrides=[f"run.dir={tmp_path}"])
-    driver = Driver(config, tmp_path)
+    driver = _driver(tmp_path)
     calls: list[str] = []
     mended = iter([False, True])  # before the push: nothing failed; after the first: replaced
 
@@ -184,11 +190,7 @@ def test_a_push_retried_after_a_replacement_ends_in_the_slots_one_line_when_that
 
 
 def test_a_push_that_fails_with_every_engine_healthy_is_the_pushs_own_error(tmp_path, monkeypatch):
-    from ember.config import load_config
-    from ember.driver import Driver
-
-    config, _ = load_config("default", overrides=[f"run.dir={tmp_path}"])
-    driver = Driver(config, tmp_path)
+    driver = _driver(tmp_path)
 
     def push(version: str) -> None:
         raise RuntimeError("bucket 3 of 7: shape mismatch")

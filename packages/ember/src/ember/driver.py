@@ -463,11 +463,12 @@ class Driver:
         the weights and the engines take them: this process only starts the calls and opens
         and closes the engines' weight-update sessions, and never holds a weight.
         """
+        version = str(rollout_id)
         self._mend_engines(probe_all=True)
         while True:
             try:
-                self._push(str(rollout_id))
-                self._trained_version = str(rollout_id)
+                self._push(version)
+                self._trained_version = version
                 if self._replaced:
                     self._check_replacements()
                 return
