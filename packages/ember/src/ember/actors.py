@@ -16,6 +16,7 @@ from typing import Any
 import ray
 import torch
 
+from ember import calls
 from ember.failures import errors_held_for_start
 from ember.quiet import quiet_libraries, verbose
 from ember.startup import mark, mark_process_start
@@ -42,7 +43,10 @@ def _hide_ungranted_gpus() -> None:
 
 def _prepare_process(threads: int | None) -> None:
     """What every actor process does first: hide the GPUs Ray did not grant, quiet library
-    chatter, then size torch's pool."""
+    chatter, then size torch's pool. An actor in the driver's process (`ember.calls.LocalActor`)
+    leaves all of that to the driver: it is the process's, not the actor's."""
+    if calls.in_local_actor():
+        return
     _hide_ungranted_gpus()
     quiet_libraries()
     if not verbose():
@@ -95,8 +99,8 @@ def _wait_all(refs: list[Any]) -> None:
     blocked on a broadcast that will not come)."""
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)
+        done, pending = calls.wait(pending, num_returns=1)
+        calls.get(done)
 
 
 def _meet(join: Callable[[], Any], others: list[Any]) -> Any:
@@ -116,8 +120,8 @@ def _meet(join: Callable[[], Any], others: list[Any]) -> Any:
     pending = list(others)
     while pending or thread.is_alive():
         if pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=0.1)
-            ray.get(done)
+            done, pending = calls.wait(pending, num_returns=1, timeout=0.1)
+            calls.get(done)
         else:
             thread.join(0.1)
         if "error" in result:
@@ -141,10 +145,10 @@ def _drop_weight_group(group: Any, engines: list[Any]) -> None:
     """
     group.abort()
     refs = [e.destroy_weights_group.remote(group.name) for e in engines]
-    done, late = ray.wait(refs, num_returns=len(refs), timeout=DROP_GROUP_WAIT_S)
+    done, late = calls.wait(refs, num_returns=len(refs), timeout=DROP_GROUP_WAIT_S)
     for ref in done:
         try:
-            ray.get(ref)
+            calls.get(ref)
         except Exception as exc:  # the push's own error is the one raised
             logger.warning("engine could not destroy weight group %s: %s", group.name, exc)
     if late:
@@ -200,7 +204,7 @@ class TrainRank:
         """
         from ember_megatron_backend.parallel import free_port
 
-        host = ray.util.get_node_ip_address()
+        host = calls.node_address()
         # torch 2.14 TCPStore: the server on rank 0 listens on every interface of its node.
         port = free_port("0.0.0.0")
         return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
@@ -288,9 +292,9 @@ class TrainRank:
         from ember_megatron_backend.parallel import free_port, uses_gpu
         from ember_megatron_backend.weight_sync import WeightGroup
 
-        sizes = ray.get([e.weight_group_size.remote() for e in engines])
+        sizes = calls.get([e.weight_group_size.remote() for e in engines])
         world = 1 + sum(sizes)
-        address = ray.util.get_node_ip_address()
+        address = calls.node_address()
         port = free_port("0.0.0.0")
         # From both ends' devices: NCCL only when the servers are on GPUs too.
         backend = weight_group_backend(self.config, trainer_on_gpu=uses_gpu())
@@ -393,6 +397,41 @@ class TrainRank:
             raise
         return sent
 
+    def send_weights_direct(self, engines: list[Any], version: str) -> dict[str, float]:
+        """Copy the actor's weights into `engines`, objects in this process, as weight version
+        `version`: buckets of `weights.bucket_mb` of the tensors themselves (cast to the
+        engine's dtype, which is no copy when it is the trainer's), each loaded by every
+        engine before the next is gathered; nothing is serialised. The engines must be inside
+        a weight-update session. One rank only: in one process there is no other.
+
+        Returns:
+            How much it handed over (`bytes`, `buckets`).
+        """
+        dtype = self._wire_dtype()
+        limit = self.config.weights.bucket_bytes
+        sent = {"bytes": 0.0, "buckets": 0.0}
+
+        def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            bucket: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            for name, tensor in self._sent_weights():
+                tensor = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
+                if bucket and size + tensor.nbytes > limit:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append((name, tensor))
+                size += tensor.nbytes
+            if bucket:
+                yield bucket
+
+        for bucket, last in _with_last(buckets()):
+            calls.get(
+                [e.update_weights_direct.remote(bucket, version if last else None) for e in engines]
+            )
+            sent["bytes"] += sum(t.nbytes for _, t in bucket)
+            sent["buckets"] += 1
+        return sent
+
     def send_weights_ipc(self, engine: Any | None, version: str) -> dict[str, float]:
         """Hand the actor's weights to the SGLang `engine` on this rank's GPU as CUDA IPC
         handles of flattened buckets, as weight version `version` (None: this rank feeds no
@@ -411,7 +450,7 @@ class TrainRank:
             for _ in named:
                 pass
             return {}
-        copies = ray.get(engine.weight_group_size.remote())
+        copies = calls.get(engine.weight_group_size.remote())
         sent = {"bytes": 0.0, "buckets": 0.0}
         buckets = bucket_weights(named, self.config.weights.bucket_bytes, device=device())
         for bucket, last in _with_last(buckets):
@@ -420,7 +459,7 @@ class TrainRank:
                 for _ in range(copies)  # one per server rank: each opens its own handle
             ]
             # The server has loaded the bucket when this returns; the buffer may go.
-            ray.get(
+            calls.get(
                 engine.update_weights_from_ipc.remote(payloads, version if last else None, last)
             )
             sent["bytes"] += bucket.nbytes
@@ -611,7 +650,7 @@ class RolloutEngine:
     @ray.method(concurrency_group=HEALTH_CALLS)
     def process(self) -> tuple[int, str]:
         """This actor's pid and node address, for the errors that name it."""
-        return os.getpid(), ray.util.get_node_ip_address()
+        return os.getpid(), calls.node_address()
 
     def weights_digest(self) -> str | None:
         """A SHA-256 over the served weights (the per-tensor digests, in name order), or None
@@ -743,6 +782,15 @@ class RolloutEngine:
             )
         )
 
+    def update_weights_direct(
+        self, named: list[tuple[str, torch.Tensor]], version: str | None
+    ) -> None:
+        """Load one bucket of tensors the training rank hands over in this process (the
+        `direct` transport); `version` comes with the last bucket of an update."""
+        self._run_weights(
+            self.engine.update_weights_in_session(named, weight_version=self._taken(version))
+        )
+
     def update_weights_from_ipc(
         self, payloads: list[str], version: str | None, flush_cache: bool
     ) -> None:
@@ -787,6 +835,7 @@ WEIGHT_METHODS = (
     "update_weights_from_distributed",
     "update_weights_from_ipc",
     "update_weights_from_disk",
+    "update_weights_direct",
 )
 """The `RolloutEngine` methods a weight push calls (the driver and the sending rank)."""
 

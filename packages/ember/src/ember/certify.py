@@ -26,8 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import ray
-
+from ember import calls
 from ember_core.certify import (
     TOLERANCE,
     at_most,
@@ -408,7 +407,7 @@ def certify(driver: Any) -> list[Row]:
     from ember.versions import INITIAL_WEIGHT_VERSION
 
     driver.run_dir.mkdir(parents=True, exist_ok=True)
-    driver.start_ray()
+    driver.start()
     driver.build()
     driver.load_initial_weights()
     try:
@@ -417,7 +416,7 @@ def certify(driver: Any) -> list[Row]:
         engine = driver.config.engine
         if engine.kind == "sglang" and engine.sglang.urls and driver.actors is not None:
             path, initial = str(driver.init_dir), INITIAL_WEIGHT_VERSION
-            ray.get(
+            calls.get(
                 [e.update_weights_from_disk.remote(path, initial) for e in driver.actors.engines]
             )
 
@@ -447,11 +446,11 @@ class Certifier:
         from ember_rollout.rollout import prompts_of
 
         driver, moe, replaying = self.driver, self.moe, self.replaying
-        batch = driver._take(0)
+        batch = driver.loop.take(0)
         if self.readable:
             rows = [self.digests("1", "initial load")]
         else:  # the initial weights by the run's transport, then from the initial export
-            driver._push(INITIAL_WEIGHT_VERSION)
+            driver.pusher.send(INITIAL_WEIGHT_VERSION)
             initial = (driver.init_dir, INITIAL_WEIGHT_VERSION)
             rows = [self.loaded_alike("1", "initial load", batch.samples, *initial)]
         probe = None
@@ -470,7 +469,7 @@ class Certifier:
         if not went_through:  # refused: the engine serves the old weights, nothing to measure
             return rows
         prompts = prompts_of(batch.samples)
-        again = [ray.get(self.actors.manager.generate.remote(1, prompts)) for _ in range(2)]
+        again = [calls.get(self.actors.manager.generate.remote(1, prompts)) for _ in range(2)]
         rows.append(version_row([s.weight_version for s in again[0].samples], "0"))
         rows += self.after_update(again[0].samples, scored_ok=rows[-1].verdict == PASS)
         tokens = [[s.tokens for s in b.samples] for b in again]
@@ -483,14 +482,15 @@ class Certifier:
         when = "after the update"
         try:
             self.driver.push_weights(0)
-        except ray.exceptions.RayTaskError as exc:  # refused: the engine keeps the old weights
-            detail = f"the push failed: {type(exc.cause).__name__}: {exc.cause}"
+        except Exception as exc:  # refused: the engine keeps the old weights
+            cause = getattr(exc, "cause", None) or exc  # a Ray actor's error wraps the engine's
+            detail = f"the push failed: {type(cause).__name__}: {cause}"
             return Row("7.1", f"weights arrive ({when})", "", "", FAIL, detail), False
         if self.readable:
             return self.digests("7.1", when), True
         export = self.driver.run_dir / "certify-weights"
         try:
-            ray.get([t.export_hf.remote(str(export)) for t in self.actors.train])
+            calls.get([t.export_hf.remote(str(export)) for t in self.actors.train])
             return self.loaded_alike("7.1", when, samples, export, "0"), True
         finally:
             shutil.rmtree(export, ignore_errors=True)
@@ -513,10 +513,10 @@ class Certifier:
     def digests(self, row: str, when: str) -> Row:
         """Row 1 on the embedded engine: per-tensor SHA-256, trainer against engine."""
         dtype = engine_dtype(self.config)
-        held = ray.get([t.weights_digests.remote(dtype) for t in self.actors.train])
+        held = calls.get([t.weights_digests.remote(dtype) for t in self.actors.train])
         trainer = next((d for d in held if d), {})
         shapes = {name: shape for name, (shape, _) in trainer.items()}
-        served = ray.get([e.weights_digests.remote(shapes) for e in self.actors.engines])
+        served = calls.get([e.weights_digests.remote(shapes) for e in self.actors.engines])
         return weights_row(row, {n: d for n, (_, d) in trainer.items()}, served, when)
 
     def loaded_alike(
@@ -526,9 +526,9 @@ class Certifier:
         sequences with the weights pushed and with the same weights loaded from disk."""
         engines = self.actors.engines
         sequences = [s.tokens for s in samples[:WEIGHT_SEQUENCES]]
-        pushed = ray.get([e.prompt_log_probs.remote(sequences) for e in engines])
-        ray.get([e.update_weights_from_disk.remote(str(path), version) for e in engines])
-        loaded = ray.get([e.prompt_log_probs.remote(sequences) for e in engines])
+        pushed = calls.get([e.prompt_log_probs.remote(sequences) for e in engines])
+        calls.get([e.update_weights_from_disk.remote(str(path), version) for e in engines])
+        loaded = calls.get([e.prompt_log_probs.remote(sequences) for e in engines])
         return loaded_alike_row(row, pushed, loaded, when)
 
     def distribution(self, row: str, when: str, samples: list[Any]) -> Row:
@@ -542,12 +542,12 @@ class Certifier:
         chosen = samples[:DISTRIBUTION_SAMPLES]
         temperature = self.config.rollout.temperature
         engine = self.actors.engines[0]
-        top = ray.get(engine.top_log_probs.remote(chosen, self.k, temperature))
+        top = calls.get(engine.top_log_probs.remote(chosen, self.k, temperature))
         if top is None:
             detail = "the engine does not report its distribution (an SGLang server)"
             return distribution_row(row, None, self.ceiling, self.why, **bars, detail=detail)
         ids = [i for i, _ in top]
-        held = ray.get([t.log_probs_at.remote(chosen, ids) for t in self.actors.train])[0]
+        held = calls.get([t.log_probs_at.remote(chosen, ids) for t in self.actors.train])[0]
         kl = torch.cat([top_k_kl(e, t) for (_, e), t in zip(top, held, strict=True)])
         return distribution_row(row, kl, self.ceiling, self.why, **bars)
 

@@ -129,3 +129,75 @@ def truncate_metrics(run_dir: Path, last_rollout: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
     os.replace(tmp, path)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """The command that continues from the newest checkpoint, or that there is none."""
+    checkpoints = complete_checkpoints(run_dir)
+    if not checkpoints:
+        return "no checkpoint was saved yet (run.save_interval): start the run again"
+    rollout = int(checkpoints[-1].name.removeprefix("rollout_"))
+    return f"continue from the checkpoint of rollout {rollout} with: ember train --resume {run_dir}"
+
+
+def save(driver: Any, rollout_id: int, accumulated_step: int) -> Path:
+    """Write a checkpoint of the run of `driver` (a `Driver`) atomically: everything into a
+    hidden directory, then one rename.
+
+    It holds the training state, the rollout manager's prompt stream and, with
+    `rollout.max_staleness` >= 1, the rollouts generating ahead, once they finish
+    (`PENDING_ROLLOUTS`): the prompt stream has moved past them, and the weights they came
+    from are gone.
+    """
+    import shutil
+
+    from ember import calls
+    from ember_megatron_backend.checkpoint import fsync_path, replace_dir
+
+    actors, mender = driver.actors, driver.mender
+    root = driver.run_dir / CHECKPOINTS
+    final = root / checkpoint_name(rollout_id)
+    tmp = root / f".{checkpoint_name(rollout_id)}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    calls.get([t.save.remote(str(tmp / "train")) for t in actors.train])
+    # The manager answers once it has finished any rollout it is generating.
+    state = {
+        "rollout_id": rollout_id,
+        "accumulated_step": accumulated_step,
+        "rollout": mender.get(actors.manager.state_dict.remote()),
+    }
+    ahead = {j: mender.get(pending) for j, pending in sorted(driver.loop.pending.items())}
+    if ahead:
+        with (tmp / PENDING_ROLLOUTS).open("wb") as handle:
+            pickle.dump(ahead, handle)
+    (tmp / DRIVER_STATE).write_text(json.dumps(state))
+    replace_dir(tmp, final)
+    fsync_path(root)
+    for old in complete_checkpoints(driver.run_dir)[: -driver.config.run.keep_checkpoints]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def restore(driver: Any, checkpoint: Path) -> tuple[int, int]:
+    """Load `checkpoint` into the actors of `driver`; returns (next rollout id, accumulated
+    step).
+
+    Any number of engines can continue it: the prompt stream lives in the manager. The
+    rollouts the checkpoint holds already generated are trained on next (each generated
+    again, from its own prompts, if it is staler than this run's `rollout.max_staleness` or
+    audited: `Loop.take`).
+    """
+    from ember import calls
+
+    state = driver_state(checkpoint)
+    stream = rollout_state(checkpoint, state)
+    driver.handoff.to_training()  # the trainer loads into its own memory
+    calls.get([t.load.remote(str(checkpoint / "train")) for t in driver.actors.train])
+    calls.get(driver.actors.manager.load_state_dict.remote(stream))
+    driver.loop.pending.clear()
+    driver.loop.pending.update(pending_rollouts(checkpoint, state["rollout_id"]))
+    driver.trained_version = str(state["rollout_id"])
+    driver.handoff.after_training(lambda: driver.pusher.push(state["rollout_id"]))
+    truncate_metrics(driver.run_dir, state["rollout_id"])
+    return state["rollout_id"] + 1, state["accumulated_step"]

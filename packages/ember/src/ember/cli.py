@@ -74,6 +74,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
 
     driver = Driver(config, run_dir, plugins)
+    logging.getLogger("ember").info("%s", driver.describe())
     try:
         out = driver.run(resume=bool(args.resume))
     except Exception as exc:

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -142,6 +142,14 @@ class RunSection:
 class RaySection:
     """Where the pieces run."""
 
+    enabled: bool | Literal["auto"] = "auto"
+    """Whether the run's roles (training ranks, engines, the rollout manager) are Ray actors,
+    each a process of its own (true), or plain objects in the `ember train` process, each on
+    threads of its own (false). auto: in this process when every role fits one (one training
+    rank, one embedded `hf` engine, no GPUs, no `address`), Ray otherwise. In one process
+    nothing is serialised and weights are copied straight into the engine (`weights.transport`
+    direct); an engine cannot fail apart from the run there, so `fault_tolerance` applies
+    under Ray only. `ember train` prints which it uses."""
     address: str | None = None
     """Ray cluster to join ("auto" or host:port); None starts a local Ray."""
     num_cpus: int | None = None
@@ -270,7 +278,7 @@ class FaultToleranceSection:
         check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
 
 
-WEIGHT_TRANSPORTS = ("broadcast", "ipc", "disk")
+WEIGHT_TRANSPORTS = ("broadcast", "ipc", "disk", "direct")
 """How the trainer's weights can reach the engines (`weights.transport`)."""
 
 
@@ -286,8 +294,10 @@ class WeightsSection:
     gloo otherwise). ipc: buckets handed to SGLang servers on the training ranks' GPUs as CUDA
     IPC handles (SGLang with `ray.colocate: true` on GPUs; rank i feeds engine i). disk: an HF
     checkpoint under the run directory that every engine loads (a debugging fallback; attached
-    servers must see the path). auto: ipc for SGLang colocated on GPUs, broadcast otherwise
-    (disk for an engine kind that cannot join a weight group)."""
+    servers must see the path). direct: the trainer's tensors copied straight into the embedded
+    engine's model, in buckets, nothing serialised (a run in one process, `ray.enabled`).
+    auto: direct in one process, ipc for SGLang colocated on GPUs, broadcast otherwise (disk
+    for an engine kind that cannot join a weight group)."""
     bucket_mb: int = 512
     """MiB of flattened tensors per bucket (broadcast and ipc): beyond the model, the sending
     rank holds about two buckets' worth at a time."""
@@ -499,7 +509,7 @@ def load_config(
     check_engine_log_probs(run_config)
     check_partial_rollouts(run_config)
     weight_transport(run_config)
-    from ember.placement import plan_layout
+    from ember.layout import plan_layout
 
     plan_layout(run_config)  # the layout rules that span sections, before any process starts
     run_config.plugin_sections = sections
@@ -609,11 +619,20 @@ def weight_transport(config: RunConfig) -> str:
         ValueError: A transport the engines or the placement cannot use; names
             weights.transport, why, and what works instead.
     """
+    from ember.layout import in_process
     from ember_rollout.engine import Engine, engine_registry
 
     kind, ray = config.engine.kind, config.ray
     on_gpus = ray.colocate and ray.gpus_per_rank > 0 and ray.gpus_per_engine > 0
     transport = config.weights.transport
+    local, why = in_process(config)
+    if transport == "direct" and not local:
+        raise ValueError(
+            f"weights.transport=direct copies tensors within one process, and this run's roles "
+            f"are Ray actors ({why}); use broadcast (or auto)"
+        )
+    if transport == "auto" and local:
+        return "direct"
     if transport == "auto":
         transport = "ipc" if kind == "sglang" and on_gpus else "broadcast"
     cls = engine_registry().get(kind)

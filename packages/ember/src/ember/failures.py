@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
-import ray
+from ember import calls
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,7 +35,8 @@ class ActorDeath:
 def actor_death(exc: BaseException) -> ActorDeath | None:
     """The death a `ray.exceptions.RayActorError` reports (None for any other error, and for
     an actor whose __init__ failed: that is a bad config or input, not a death)."""
-    if not isinstance(exc, ray.exceptions.RayActorError) or exc.actor_init_failed:
+    ray = sys.modules.get("ray")  # without Ray imported, no error comes from a Ray actor
+    if ray is None or not isinstance(exc, ray.exceptions.RayActorError) or exc.actor_init_failed:
         return None
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     fields = dict(line.split(": ", 1) for line in lines[1:] if ": " in line[:20])
@@ -48,6 +50,12 @@ def actor_death(exc: BaseException) -> ActorDeath | None:
         ip=fields.get("ip"),
         detail=detail,
     )
+
+
+def is_actor_error(exc: BaseException) -> bool:
+    """Whether `exc` is Ray's word that an actor died or never started."""
+    ray = sys.modules.get("ray")
+    return ray is not None and isinstance(exc, ray.exceptions.RayActorError)
 
 
 class EngineFailure(Exception):
@@ -69,12 +77,14 @@ def probe(engine: Any, timeout_s: float) -> str | None:
     """Why `engine` (an engine actor) is not healthy, or None when it is: it answered its
     health call within `timeout_s` with nothing wrong."""
     ref = engine.health.remote()
-    ready, _ = ray.wait([ref], timeout=timeout_s)
+    ready, _ = calls.wait([ref], timeout=timeout_s)
     if not ready:
         return f"did not answer a health probe within {timeout_s:g} s (hung)"
     try:
-        return ray.get(ref)
-    except ray.exceptions.RayActorError as exc:
+        return calls.get(ref)
+    except Exception as exc:
+        if not is_actor_error(exc):
+            raise
         death = actor_death(exc)
         if death is None:
             return "died"
@@ -84,10 +94,7 @@ def probe(engine: Any, timeout_s: float) -> str | None:
 def kill(engine: Any) -> None:
     """Stop an engine actor for good (a hung one included: SIGKILL reaches a stopped process).
     Servers it launched go with it (`sglang_launch` ties them to its life)."""
-    try:
-        ray.kill(engine, no_restart=True)
-    except Exception:  # gone already
-        pass
+    calls.kill(engine)
 
 
 def errors_held_for_start(init: Callable[..., None]) -> Callable[..., None]:

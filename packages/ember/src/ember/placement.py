@@ -43,201 +43,28 @@ The colocated memory hand-off (`MemoryHandoff`) is at the end of this module.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import ray
-
-if TYPE_CHECKING:
-    from ember.config import RunConfig
+from ember import calls
+from ember.layout import (  # noqa: F401  (the layout's names, as placement's callers know them)
+    COLOCATED,
+    MEMORY_SAVER_FLAG,
+    ROLLOUT,
+    TRAIN,
+    Layout,
+    RunConfig,
+    Slot,
+    _gpus,
+    colocated_on_gpu,
+    plan_layout,
+)
 
 logger = logging.getLogger(__name__)
 
-TRAIN, ROLLOUT, COLOCATED = "train", "rollout", "colocated"
-"""Placement group names: one per role, or one shared by both."""
 NODE_ID_LABEL = "ray.io/node-id"
 """The label every Ray node carries with its id (ray/util/placement_group.py)."""
-MEMORY_SAVER_FLAG = "--enable-memory-saver"
-"""SGLang's launch flag without which /release_memory_occupation frees nothing (sglang 0.5.23
-utils/torch_memory_saver_adapter.py: the no-op adapter)."""
-
-
-# --------------------------------------------------------------------------------------------
-# The layout: arithmetic from the config alone
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """Where one actor goes: a bundle of a placement group and the GPUs it takes there."""
-
-    group: str
-    bundle: int
-    gpus: float
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """A run's GPU layout before any cluster is looked at."""
-
-    bundles: dict[str, list[int]]
-    """GPUs of each bundle, per placement group name; no entry for a role on CPU."""
-    train: list[Slot] | None
-    """Slot of each training rank; None: the ranks run on CPU."""
-    engines: list[Slot] | None
-    """Slot of each engine; None: the engines run on CPU."""
-    arithmetic: list[str]
-    """How each role's GPUs are counted, one line per role (error messages quote it)."""
-
-    @property
-    def gpus(self) -> int:
-        """GPUs the whole layout holds."""
-        return sum(sum(b) for b in self.bundles.values())
-
-
-def _per_gpu(share: float) -> int:
-    """Actors of this GPU share that fit on one GPU."""
-    return max(1, math.floor(1 / share + 1e-9))
-
-
-def _gpus(n: int) -> str:
-    return f"{n} GPU" if n == 1 else f"{n} GPUs"
-
-
-def _shared(count: int, share: float, group: str) -> tuple[list[int], list[Slot]]:
-    """One-GPU bundles for `count` actors of `share` <= 1 each, packed as tightly as fits."""
-    per = _per_gpu(share)
-    bundles = [1] * math.ceil(count / per)
-    return bundles, [Slot(group, i // per, share) for i in range(count)]
-
-
-def plan_layout(config: RunConfig) -> Layout:
-    """The placement groups and slots the config's `ray` section asks for.
-
-    The single-field rules (a rank takes at most one GPU, an engine a share or whole GPUs,
-    colocated shares fit in one GPU) are `RaySection`'s own checks; this adds the rules that
-    involve other sections.
-
-    Raises:
-        ValueError: A colocated GPU layout that cannot work as configured (one-step-off-policy
-            rollouts, or launched SGLang servers without the memory saver), launched SGLang
-            servers whose GPU count differs from the engine's, or two launched SGLang servers
-            packed onto one GPU; names the keys.
-    """
-    ray_cfg = config.ray
-    dp, gpr = ray_cfg.data_parallel, ray_cfg.gpus_per_rank
-    ne, gpe = ray_cfg.num_engines, ray_cfg.gpus_per_engine
-    bundles: dict[str, list[int]] = {}
-    train = engines = None
-    arithmetic: list[str] = []
-    _check_engine_gpus(config)
-    _check_packed_servers(config)
-    if ray_cfg.colocate and gpr > 0 and gpe > 0:
-        _check_colocated(config)
-        n = max(dp, ne)
-        bundles[COLOCATED] = [1] * n
-        train = [Slot(COLOCATED, i, gpr) for i in range(dp)]
-        engines = [Slot(COLOCATED, j, gpe) for j in range(ne)]
-        arithmetic.append(
-            f"colocated: rank i (ray.gpus_per_rank {gpr:g}) and engine i (ray.gpus_per_engine "
-            f"{gpe:g}) share GPU i, max(ray.data_parallel {dp}, ray.num_engines {ne}) = "
-            f"{_gpus(n)}"
-        )
-        return Layout(bundles=bundles, train=train, engines=engines, arithmetic=arithmetic)
-    # Half a run (run.rollout_only, run.train_from_rollouts) holds no GPU for the other half.
-    if config.run.rollout_only:
-        gpr = 0
-    if config.run.train_from_rollouts is not None:
-        gpe = 0
-    if gpr > 0:
-        bundles[TRAIN], train = _shared(dp, gpr, TRAIN)
-        packed = f", {_per_gpu(gpr)} ranks per GPU" if gpr < 1 else ""
-        arithmetic.append(
-            f"training: ray.data_parallel {dp} x ray.gpus_per_rank {gpr:g}{packed} = "
-            f"{_gpus(len(bundles[TRAIN]))}"
-        )
-    if gpe >= 1:
-        bundles[ROLLOUT] = [int(gpe)] * ne
-        engines = [Slot(ROLLOUT, j, gpe) for j in range(ne)]
-        arithmetic.append(
-            f"rollout: ray.num_engines {ne} x ray.gpus_per_engine {gpe:g} = {_gpus(int(gpe) * ne)}"
-            + (f", {int(gpe)} on one node per engine" if gpe > 1 else "")
-        )
-    elif gpe > 0:
-        bundles[ROLLOUT], engines = _shared(ne, gpe, ROLLOUT)
-        arithmetic.append(
-            f"rollout: ray.num_engines {ne} x ray.gpus_per_engine {gpe:g}, {_per_gpu(gpe)} "
-            f"engines per GPU = {_gpus(len(bundles[ROLLOUT]))}"
-        )
-    return Layout(bundles=bundles, train=train, engines=engines, arithmetic=arithmetic)
-
-
-def _check_engine_gpus(config: RunConfig) -> None:
-    engine, gpe = config.engine, config.ray.gpus_per_engine
-    if engine.kind != "sglang" or engine.sglang.urls or gpe == 0:
-        return
-    sglang = engine.sglang
-    used = sglang.tp_size * sglang.num_servers
-    if used != max(gpe, 1):
-        raise ValueError(
-            f"engine.sglang.tp_size {sglang.tp_size} x engine.sglang.num_servers "
-            f"{sglang.num_servers} = {_gpus(used)} per engine, but ray.gpus_per_engine="
-            f"{gpe:g} gives each engine {'a share of one GPU' if gpe < 1 else _gpus(int(gpe))}; "
-            "launched servers must use exactly the engine's GPUs"
-        )
-
-
-def _check_packed_servers(config: RunConfig) -> None:
-    """Refuse two or more launched SGLang servers on one GPU (`colocate: false`, shares of 0.5
-    or less).
-
-    Neither the memory nor the weight group can work there:
-    - sglang 0.5.23 sizes a server's KV pool as the GPU memory free after its own weights load
-      minus `(1 - mem_fraction_static)` of the memory free before they did
-      (mem_cache/kv_cache_configurator.py 3007 and 3038; the "before" is read at
-      distributed/bootstrap.py 207). Servers started together each read the whole GPU as
-      "before", so the first pool takes all but that reserve and the next server finds less
-      free than its own reserve: "Loaded weights leave no GPU memory for the KV cache"
-      (3043-3059), whatever fraction each is given (or a tiny pool, if it measured before
-      the first pool was made).
-    - with the trainer on GPUs the weights travel over NCCL, with consecutive ranks of one
-      communicator for these servers; NCCL 2.30.7 refuses two ranks on one GPU (src/init.cc
-      1057: "Multiple Ranks are using the same GPU/Partition", unless
-      NCCL_MULTI_RANK_GPU_ENABLE=1).
-    """
-    engine, ray_cfg = config.engine, config.ray
-    gpe, ne = ray_cfg.gpus_per_engine, ray_cfg.num_engines
-    if engine.kind != "sglang" or engine.sglang.urls or not 0 < gpe < 1 or colocated_on_gpu(config):
-        return
-    per_gpu = min(_per_gpu(gpe), ne)
-    if per_gpu >= 2:
-        raise ValueError(
-            f"ray.gpus_per_engine={gpe:g}: with ray.colocate=false it puts {per_gpu} of the "
-            f"ray.num_engines={ne} launched SGLang servers on one GPU, which cannot run (sglang "
-            "sizes each server's KV pool from the GPU memory free before the others loaded, so "
-            "the next finds none, and NCCL refuses two ranks of the weight group on one GPU); "
-            "give each engine a GPU (ray.gpus_per_engine=1, or a share above 0.5), or attach "
-            "servers you started (engine.sglang.urls)"
-        )
-
-
-def _check_colocated(config: RunConfig) -> None:
-    if config.rollout.async_:
-        raise ValueError(
-            "rollout.async=true with ray.colocate=true on GPUs: one-step-off-policy generates "
-            "while the trainer trains, but colocated engines hand their GPU memory to the "
-            "trainer during training; set ray.colocate=false (engines on GPUs of their own)"
-        )
-    engine = config.engine
-    if engine.kind == "sglang" and not engine.sglang.urls:
-        if MEMORY_SAVER_FLAG not in engine.sglang.server_args:
-            raise ValueError(
-                f"engine.sglang.server_args={engine.sglang.server_args!r}: colocated SGLang "
-                f"servers need {MEMORY_SAVER_FLAG} to free their GPU memory while the trainer "
-                f"trains; add it (sglang's [sglang] extra installs torch-memory-saver for it)"
-            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,6 +89,8 @@ class Node:
 
 def cluster_nodes() -> list[Node]:
     """The connected cluster's alive nodes, the driver's first, then by address and id."""
+    import ray
+
     here = ray.get_runtime_context().get_node_id()
     nodes = [
         Node(n["NodeID"], n["NodeManagerAddress"], int(n["Resources"].get("GPU", 0)))
@@ -339,6 +168,7 @@ class Placement:
             TimeoutError: The cluster did not grant the GPUs within `ray.placement_timeout_s`
                 (other jobs hold them); the groups are removed again.
         """
+        import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
         layout = plan_layout(config)
@@ -357,7 +187,7 @@ class Placement:
         }
         timeout = config.ray.placement_timeout_s if timeout_s is None else timeout_s
         refs = {name: pg.ready() for name, pg in groups.items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        ready, _ = calls.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
         waiting = [name for name, ref in refs.items() if ref not in ready]
         if waiting:
             for pg in groups.values():
@@ -403,9 +233,10 @@ class Placement:
 
     def manager_options(self) -> dict[str, Any]:
         """`.options(...)` of the rollout manager: no GPU, nothing reserved, the driver's node."""
+        if self.driver_node is None:  # no Ray: the manager is an object in this process
+            return {"num_cpus": 0, "num_gpus": 0}
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        assert self.driver_node is not None
         return {
             "num_cpus": 0,
             "num_gpus": 0,
@@ -451,12 +282,6 @@ class Placement:
 # --------------------------------------------------------------------------------------------
 
 
-def colocated_on_gpu(config: RunConfig) -> bool:
-    """Whether training and rollout share GPUs, so memory must change hands around training."""
-    ray_cfg = config.ray
-    return ray_cfg.colocate and ray_cfg.gpus_per_rank > 0 and ray_cfg.gpus_per_engine > 0
-
-
 class MemoryHandoff:
     """Who holds the shared GPUs of a colocated run, and when.
 
@@ -493,10 +318,10 @@ class MemoryHandoff:
         return cls(engines, train_ranks, enabled=colocated_on_gpu(config))
 
     def _engines(self, method: str, tags: list[str] | None) -> None:
-        ray.get([getattr(e, method).remote(tags) for e in self.engines])
+        calls.get([getattr(e, method).remote(tags) for e in self.engines])
 
     def _ranks(self, method: str, *args: Any) -> None:
-        ray.get([getattr(t, method).remote(*args) for t in self.train_ranks])
+        calls.get([getattr(t, method).remote(*args) for t in self.train_ranks])
 
     def to_rollout(self) -> None:
         """The trainer moves everything it holds to CPU memory (before the first rollout)."""

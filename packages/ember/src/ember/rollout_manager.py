@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.actor import ActorHandle
 
+from ember import calls
 from ember.failures import EngineFailure, actor_death, errors_held_for_start, kill, probe
 from ember_core.types import Sample
 from ember_rollout.rollout import PromptGroup, RolloutBatch
@@ -172,13 +172,13 @@ class EnginePool:
         engine = self.engines[slot]
         ref = engine.generate.remote(groups)
         ft = self.fault_tolerance
-        if ft is None or not ft.enabled or not isinstance(engine, ActorHandle):
-            return ray.get(ref)  # in-process stand-ins (tests) neither fail nor probe
+        if ft is None or not ft.enabled or not calls.is_ray_actor(engine):
+            return calls.get(ref)  # an engine in this process cannot fail apart from it
         while True:
-            ready, _ = ray.wait([ref], timeout=ft.health_check_interval_s)
+            ready, _ = calls.wait([ref], timeout=ft.health_check_interval_s)
             if ready:
                 try:
-                    return ray.get(ref)
+                    return calls.get(ref)
                 except ray.exceptions.RayActorError as exc:
                     death = actor_death(exc)
                     if death is None:
@@ -269,7 +269,7 @@ class RolloutManager:
 
         self.generator = RolloutGenerator.from_config(
             runner=self.pool,
-            model_info=ray.get(self.pool.engines[0].model_info.remote()),
+            model_info=calls.get(self.pool.engines[0].model_info.remote()),
             sampling=self.config.rollout,
             sections=self.config,
             plugins=self.plugins,

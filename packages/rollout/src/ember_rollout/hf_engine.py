@@ -436,14 +436,39 @@ class HFEngine(Engine):
             (name, flat[start:end].view(dtype).reshape(shape))
             for name, dtype, shape, start, end in layout
         ]
+        await self._load_bucket(named, f"weight bucket of group {group_name!r}", weight_version)
+
+    async def update_weights_in_session(
+        self, named: Sequence[tuple[str, torch.Tensor]], *, weight_version: str | None = None
+    ) -> None:
+        """Load one bucket of tensors handed over in this process (a trainer in the same
+        process: nothing received, nothing serialised), as a bucket of the open session, with
+        the same checks and the same version rule as a broadcast bucket.
+
+        Raises:
+            EngineError: No session is open, or a name or shape the model does not have.
+        """
+        await self.start()
+        if self._weight_update is None:
+            raise EngineError(OUTSIDE_SESSION)
+        await self._load_bucket(list(named), "weight bucket", weight_version)
+
+    async def _load_bucket(
+        self, named: list[tuple[str, torch.Tensor]], what: str, weight_version: str | None
+    ) -> None:
+        """Check `named` against the model (every name and shape before anything is copied),
+        load it, and count it towards the open session."""
+        update = self._weight_update
+        assert update is not None
+        names = [name for name, _ in named]
         async with self._loading():
             try:
-                check_update_names(self.model, list(names), partial=True)
+                check_update_names(self.model, names, partial=True)
                 state, naming = self.model.state_dict(keep_vars=True), naming_of(self.model)
-                for name, tensor in named:  # every shape checked before anything is copied
+                for name, tensor in named:
                     _resolve(state, name, tensor, naming)
             except ValueError as exc:
-                raise EngineError(f"weight bucket of group {group_name!r}: {exc}") from None
+                raise EngineError(f"{what}: {exc}") from None
             await asyncio.to_thread(self._load, named)
         update.names.extend(names)
         if weight_version is not None:

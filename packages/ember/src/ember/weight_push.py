@@ -1,0 +1,190 @@
+"""The trainer's weights into the engines: the push after each update, the initial load, and
+the transports that carry them (`weights.transport`). The driver's process starts the calls and
+opens and closes the engines' weight-update sessions; it never holds a weight."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ember import calls
+from ember.checkpoints import checkpoint_name
+from ember.versions import INITIAL_WEIGHT_VERSION
+
+logger = logging.getLogger(__name__)
+
+PUSHED_WEIGHTS = "pushed_weights"
+"""Run subdirectory of the HF checkpoints the engines load weights from (disk transport)."""
+SESSION_TRANSPORTS = ("broadcast", "ipc", "direct")
+"""The transports that load weights inside a weight-update session on every engine."""
+
+
+def weight_transport(config: Any) -> str:
+    """The transport that carries the trainer's weights to this run's engines: one of
+    `ember.config.WEIGHT_TRANSPORTS` (`weights.transport`, auto resolved, checked against the
+    engine kind and the placement; see `ember.config.weight_transport`)."""
+    from ember.config import weight_transport as resolve
+
+    return resolve(config)
+
+
+class WeightPush:
+    """Pushes the trainer's weights to the engines of `driver` (a `Driver`), mending failed
+    engines around each push (`driver.mender`)."""
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+
+    @property
+    def _actors(self) -> Any:
+        assert self.driver.actors is not None
+        return self.driver.actors
+
+    def push(self, rollout_id: int) -> None:
+        """Load the actor's current weights into every engine, as version `str(rollout_id)`.
+
+        Whichever the transport, the training ranks send the weights and the engines take
+        them. An engine that died or hung during the push, or the check after it, is replaced
+        and the push runs again: each pass uses up a restart of a slot, so a slot that keeps
+        failing ends the loop with `EnginesExhausted` (`fault_tolerance.max_restarts`).
+        """
+        driver, mender = self.driver, self.driver.mender
+        version = str(rollout_id)
+        mender.mend(probe_all=True)
+        while True:
+            try:
+                self.send(version)
+                driver.trained_version = version
+                if mender.replaced:
+                    mender.check_replacements()
+                return
+            except Exception:
+                if not mender.mend(probe_all=True):
+                    raise  # the push's own failure, with every engine healthy
+                logger.warning(
+                    "weight push %d failed on a failed engine; pushing again", rollout_id
+                )
+
+    def send(self, version: str, engines: list[Any] | None = None) -> None:
+        """The trainer's current weights, as `version`, into `engines` (None: every engine)."""
+        transport = weight_transport(self.driver.config)
+        if transport == "disk":
+            self._disk(version, engines)
+        else:
+            self.in_session(version, transport, engines)
+
+    def in_session(self, version: str, transport: str, engines: list[Any] | None = None) -> None:
+        """A session transport (`SESSION_TRANSPORTS`) inside a weight-update session on every
+        engine of `engines` (None: all; closed even when the push fails, and then the push's
+        error is the one raised)."""
+        one_off = engines is not None
+        engines = self._actors.engines if engines is None else engines
+        opened: list[Any] = []
+        try:
+            begun = [e.begin_weight_update.remote() for e in engines]
+            failed: BaseException | None = None
+            for engine, ref in zip(engines, begun, strict=True):
+                try:  # every answer, so that each session that opened is closed again
+                    calls.get(ref)
+                    opened.append(engine)
+                except Exception as exc:
+                    failed = failed or exc
+            if failed is not None:
+                raise failed
+            if transport == "broadcast":
+                self._broadcast(version, engines, one_off=one_off)
+            elif transport == "direct":
+                self._direct(version, engines)
+            else:
+                self._ipc(version, engines)
+        except BaseException:
+            end_sessions(opened, quiet=True)
+            raise
+        end_sessions(opened)
+
+    def _broadcast(self, version: str, engines: list[Any], *, one_off: bool) -> None:
+        """Every rank walks the weights; the sending rank broadcasts them to `engines` (with
+        `one_off`, a replacement alone, over a group of their own)."""
+        args = (engines, version, True) if one_off else (engines, version)
+        calls.get([t.send_weights.remote(*args) for t in self._actors.train])
+
+    def _direct(self, version: str, engines: list[Any]) -> None:
+        """The one training rank copies its tensors into the engines in this process."""
+        calls.get([t.send_weights_direct.remote(engines, version) for t in self._actors.train])
+
+    def _ipc(self, version: str, engines: list[Any]) -> None:
+        """Training rank i hands its copy to engine i, on the same GPU (`ray.colocate`), where
+        engine i is one of `engines`."""
+        slots = self._actors.engines
+        calls.get(
+            [
+                t.send_weights_ipc.remote(
+                    slots[i] if i < len(slots) and slots[i] in engines else None, version
+                )
+                for i, t in enumerate(self._actors.train)
+            ]
+        )
+
+    def _disk(self, version: str, engines: list[Any] | None = None) -> None:
+        # A fresh directory per version: a server never reads one that is being written, and
+        # the previous one goes only after every engine has loaded the new one.
+        # A replacement's load has a directory of its own, gone once it is loaded.
+        root = self.driver.run_dir / PUSHED_WEIGHTS
+        name = checkpoint_name(int(version))
+        target = root / (name if engines is None else f"{name}-replacement")
+        calls.get([t.export_hf.remote(str(target)) for t in self._actors.train])
+        into = self._actors.engines if engines is None else engines
+        calls.get([e.update_weights_from_disk.remote(str(target), version) for e in into])
+        for old in root.iterdir():
+            if old != target or engines is not None:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load_initial(self) -> None:
+        """Bring every engine that did not load `hf_init` itself (attached SGLang servers) to
+        the trainer's initial weights, so rollout 0 comes from them: by the run's transport
+        (disk: `hf_init` itself, which such a server must be able to read)."""
+        driver = self.driver
+        engines = self._actors.engines
+        loaded = calls.get([e.loaded_model_path.remote() for e in engines])
+        if all(loaded):
+            return
+        transport = "disk" if driver.rollout_only else weight_transport(driver.config)
+        if transport != "disk":
+            # Engines that loaded hf_init get the same weights again: a broadcast or a
+            # bucket goes to every engine at once. The trainer sends, so it takes the GPUs.
+            driver.handoff.to_training()
+            driver.handoff.after_training(
+                lambda: self.in_session(INITIAL_WEIGHT_VERSION, transport)
+            )
+            return
+        path = driver.config.train.hf_load if driver.rollout_only else str(driver.init_dir)
+        calls.get(
+            [
+                e.update_weights_from_disk.remote(path, INITIAL_WEIGHT_VERSION)
+                for e, done in zip(engines, loaded, strict=True)
+                if not done
+            ]
+        )
+
+
+def end_sessions(engines: list[Any], *, quiet: bool = False) -> None:
+    """Close the weight-update session of every engine; raise the first failure once all
+    answered (log them instead when `quiet`: another error is on its way)."""
+    refs = [e.end_weight_update.remote() for e in engines]
+    errors = []
+    for ref in refs:
+        try:
+            calls.get(ref)
+        except Exception as exc:
+            if quiet:
+                logger.error("while closing an engine's weight-update session: %s", exc)
+            errors.append(exc)
+    if errors and not quiet:
+        raise errors[0]
+
+
+def init_complete(model_dir: Path) -> bool:
+    """Whether the export of the initial weights finished, tokenizer included (saved last)."""
+    return all((model_dir / name).is_file() for name in ("config.json", "tokenizer_config.json"))
