@@ -3,9 +3,9 @@
 Without `rollout.partial_rollouts` the push waits for every rollout that is generating (an
 engine never changes weights mid-request); with it the push goes at once and the engines take
 the new weights between decode steps. The real driver runs; only the Ray actors are stand-ins,
-and the driver module's `ray` resolves their calls: a rollout started ahead stays generating
-until `ray.wait` or `ray.get` waits for it, and the push records which were still generating
-when it began.
+and `ember.calls`' `get` and `wait` resolve their calls: a rollout started ahead stays
+generating until `wait` or `get` waits for it, and the push records which were still
+generating when it began. The run is a Ray run's (`ray.enabled=true`: the broadcast push).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-import ember.driver
+import ember.calls
 from ember.config import load_config
 from ember.driver import Actors, Driver
 from ember_core.plugins import EmberPlugins
@@ -36,14 +36,14 @@ class Ref:
 
 
 class Cluster:
-    """The stand-in actors and the `ray` that resolves their calls, with one event log."""
+    """The stand-in actors and the `get` and `wait` that resolve their calls, with one event log."""
 
     def __init__(self) -> None:
         self.events: list[tuple[Any, ...]] = []
         self.rollouts: dict[int, Ref] = {}
         self.training_beside: list[list[int]] = []  # per training step: the rollouts generating
 
-    # -- ray -----------------------------------------------------------------------------------
+    # -- get and wait ----------------------------------------------------------------------------
 
     def _finish(self, ref: Ref) -> Any:
         if not ref.done:
@@ -108,7 +108,8 @@ class Cluster:
 def drive(tmp_path, monkeypatch, *, partial: bool, k: int = 2, iterations: int = 2) -> Cluster:
     """The first `iterations` iterations of a run with rollout.max_staleness=k."""
     cluster = Cluster()
-    monkeypatch.setattr(ember.driver, "ray", cluster)
+    monkeypatch.setattr(ember.calls, "get", cluster.get)
+    monkeypatch.setattr(ember.calls, "wait", cluster.wait)
     config, _ = load_config(
         "default",
         overrides=[
@@ -118,6 +119,7 @@ def drive(tmp_path, monkeypatch, *, partial: bool, k: int = 2, iterations: int =
             f"rollout.n_samples_per_prompt={N}",
             f"rollout.max_staleness={k}",
             f"rollout.partial_rollouts={str(partial).lower()}",
+            "ray.enabled=true",
         ],
     )
     driver = Driver(config, tmp_path, plugins=EmberPlugins())

@@ -181,12 +181,12 @@ def test_a_push_retried_after_a_replacement_ends_in_the_slots_one_line_when_that
             raise EnginesExhausted("rollout engine 0 failed; it was replaced 1 time(s)")
         return replaced
 
-    monkeypatch.setattr(driver, "_push", push)
-    monkeypatch.setattr(driver, "_mend_engines", mend)
+    monkeypatch.setattr(driver.pusher, "send", push)
+    monkeypatch.setattr(driver.mender, "mend", mend)
     with pytest.raises(EnginesExhausted, match="replaced 1 time"):
         driver.push_weights(5)
     assert calls == ["mend", "push 5", "mend", "push 5", "mend"]
-    assert driver._trained_version != "5"  # no push reached every engine
+    assert driver.trained_version != "5"  # no push reached every engine
 
 
 def test_a_push_that_fails_with_every_engine_healthy_is_the_pushs_own_error(tmp_path, monkeypatch):
@@ -195,7 +195,7 @@ def test_a_push_that_fails_with_every_engine_healthy_is_the_pushs_own_error(tmp_
     def push(version: str) -> None:
         raise RuntimeError("bucket 3 of 7: shape mismatch")
 
-    monkeypatch.setattr(driver, "_push", push)
-    monkeypatch.setattr(driver, "_mend_engines", lambda *, probe_all=False: False)
+    monkeypatch.setattr(driver.pusher, "send", push)
+    monkeypatch.setattr(driver.mender, "mend", lambda *, probe_all=False: False)
     with pytest.raises(RuntimeError, match="bucket 3 of 7"):
         driver.push_weights(2)

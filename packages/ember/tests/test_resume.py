@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-import ember.driver
+import ember.calls
 from ember.checkpoints import PENDING_ROLLOUT, PENDING_ROLLOUTS, truncate_metrics
 from ember.cli import main
 from ember.config import load_config, write_resolved
@@ -127,7 +127,7 @@ def test_restore_gives_the_one_prompt_stream_to_the_manager_whatever_the_engine_
         json.dumps({"rollout_id": 1, "accumulated_step": 4, **layout})
     )
     calls: list[tuple[str, object]] = []
-    monkeypatch.setattr(ember.driver, "ray", SimpleNamespace(get=lambda refs: refs))
+    monkeypatch.setattr(ember.calls, "get", lambda refs: refs)
     config, _ = load_config("default", overrides=[f"run.dir={run}", "ray.num_engines=3"])
     driver = Driver(config, run)
     (rank,) = handles(calls, "rank0")
@@ -168,7 +168,7 @@ def test_restore_keeps_the_rollouts_a_checkpoint_holds_generated_ahead(
     with (saved / name).open("wb") as handle:
         pickle.dump(content({2: ahead}), handle)
     calls: list[tuple[str, object]] = []
-    monkeypatch.setattr(ember.driver, "ray", SimpleNamespace(get=lambda refs: refs))
+    monkeypatch.setattr(ember.calls, "get", lambda refs: refs)
     config, _ = load_config("default", overrides=[f"run.dir={run}"])
     driver = Driver(config, run)
     (rank,) = handles(calls, "rank0")
@@ -176,8 +176,8 @@ def test_restore_keeps_the_rollouts_a_checkpoint_holds_generated_ahead(
     driver.actors = Actors(train=[rank], engines=handles(calls, "e0"), manager=manager)
     monkeypatch.setattr(driver, "push_weights", lambda rollout: calls.append(("push", rollout)))
     assert driver.restore(saved) == (2, 4)
-    assert list(driver._pending) == [2]
-    assert driver._pending[2] == ahead
+    assert list(driver.loop.pending) == [2]
+    assert driver.loop.pending[2] == ahead
 
 
 def test_a_fresh_run_in_a_used_directory_is_refused(tmp_path, capsys):

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from ember.config import RaySection, load_config
-from ember.driver import actor_threads, summary_line
+from ember.driver import summary_line
 from ember.rollout_manager import assign_groups
+from ember.runtimes import actor_threads
 from ember.versions import beyond_bound, staleness_metrics
 from ember_core.types import Sample
 from ember_rollout.rollout import RolloutBatch
@@ -438,10 +439,10 @@ def test_the_driver_starts_up_to_k_rollouts_ahead_and_none_into_an_audit(
 
     driver.actors = Actors(train=[], engines=[], manager=Manager())
     for rollout_id, expected in started.items():
-        driver._start(rollout_id)  # as `_take` does, unless started ahead
-        driver._pending.pop(rollout_id)
+        driver.loop.start(rollout_id)  # as `take` does, unless started ahead
+        driver.loop.pending.pop(rollout_id)
         calls.clear()
-        driver._start_ahead(rollout_id)
+        driver.loop.start_ahead(rollout_id)
         assert calls == expected, rollout_id
 
 
@@ -503,14 +504,14 @@ def test_a_restored_rollout_that_cannot_be_trained_is_generated_again_from_its_p
 
     driver.actors = Actors(train=[], engines=[], manager=Manager())
     restored = {2: _restored(2, 0), 3: _restored(3, 0)}
-    driver._pending.update(restored)
+    driver.loop.pending.update(restored)
     for rollout_id in (2, 3):
-        batch = driver._take(rollout_id)
+        batch = driver.loop.take(rollout_id)
         if rollout_id in again:
             assert calls == [(rollout_id, prompts_of(restored[rollout_id].samples))]
             assert {s.weight_version for s in batch.samples} == {str(rollout_id - 1)}
-            assert driver._regenerated.pop(rollout_id) == 4
+            assert driver.loop.regenerated.pop(rollout_id) == 4
         else:
             assert calls == [] and batch is restored[rollout_id]
         calls.clear()
-    assert driver._regenerated == {}
+    assert driver.loop.regenerated == {}

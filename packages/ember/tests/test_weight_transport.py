@@ -29,7 +29,9 @@ def test_defaults_follow_the_engine_and_the_placement():
     config, _ = load_config("default")
     assert (config.weights.transport, config.weights.bucket_mb) == ("auto", 512)
     assert config.weights.bucket_bytes == 512 << 20
-    assert transport() == "broadcast"  # the embedded engine, on CPU
+    assert transport() == "direct"  # the embedded engine, on CPU, in one process
+    assert transport("ray.enabled=true") == "broadcast"  # the same under Ray
+    assert transport("ray.num_engines=2") == "broadcast"  # engines of their own: Ray
     assert transport(*SGLANG) == "broadcast"  # disaggregated servers
     assert transport(*SGLANG, *COLOCATED_GPUS) == "ipc"  # on the training ranks' GPUs
     assert transport(*SGLANG, *COLOCATED_GPUS, "ray.colocate=false") == "broadcast"
@@ -60,6 +62,16 @@ def test_defaults_follow_the_engine_and_the_placement():
         ),
         (["weights.transport=tensors"], r"weights\.transport='tensors': expected auto or one of"),
         (["weights.bucket_mb=0"], r"weights\.bucket_mb=0: expected an integer >= 1"),
+        (
+            ["weights.transport=direct", "ray.enabled=true"],
+            r"weights\.transport=direct copies tensors within one process, and this run's "
+            r"roles are Ray actors \(ray\.enabled=true\)",
+        ),
+        (
+            ["ray.enabled=false", "ray.num_engines=2"],
+            r"ray\.enabled=false: ray\.num_engines=2: each engine is a process",
+        ),
+        (["ray.enabled=maybe"], r"ray\.enabled: 'maybe' is not one of 'auto', True, False"),
     ],
 )
 def test_impossible_combinations_fail_naming_weights_transport(overrides, message):
@@ -110,6 +122,7 @@ def test_a_gpu_trainer_forms_a_gloo_group_with_a_cpu_sglang_server(monkeypatch):
     fails in torch's ProcessGroupNCCL constructor on the server ("ProcessGroupNCCL is only
     supported with GPUs, no GPUs found!"), at the first push."""
     import ember.actors
+    import ember.calls
     import ember_megatron_backend.parallel
     import ember_megatron_backend.weight_sync
 
@@ -117,12 +130,10 @@ def test_a_gpu_trainer_forms_a_gloo_group_with_a_cpu_sglang_server(monkeypatch):
         "default", overrides=["rollout.async=false", *SGLANG, "ray.gpus_per_rank=1"]
     )
     created: list[dict[str, Any]] = []
-    fake_ray = SimpleNamespace(
-        get=lambda refs: refs,
-        wait=lambda pending, num_returns, timeout=None: (pending[:1], pending[1:]),
-        util=SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1"),
+    monkeypatch.setattr(ember.calls, "get", lambda refs: refs)
+    monkeypatch.setattr(
+        ember.calls, "wait", lambda pending, num_returns, timeout=None: (pending[:1], pending[1:])
     )
-    monkeypatch.setattr(ember.actors, "ray", fake_ray)
     monkeypatch.setattr(ember_megatron_backend.parallel, "uses_gpu", lambda: True)
     monkeypatch.setattr(
         ember_megatron_backend.weight_sync.WeightGroup,

@@ -198,6 +198,6 @@ def restore(driver: Any, checkpoint: Path) -> tuple[int, int]:
     driver.loop.pending.clear()
     driver.loop.pending.update(pending_rollouts(checkpoint, state["rollout_id"]))
     driver.trained_version = str(state["rollout_id"])
-    driver.handoff.after_training(lambda: driver.pusher.push(state["rollout_id"]))
+    driver.handoff.after_training(lambda: driver.push_weights(state["rollout_id"]))
     truncate_metrics(driver.run_dir, state["rollout_id"])
     return state["rollout_id"] + 1, state["accumulated_step"]

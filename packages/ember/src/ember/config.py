@@ -142,7 +142,7 @@ class RunSection:
 class RaySection:
     """Where the pieces run."""
 
-    enabled: bool | Literal["auto"] = "auto"
+    enabled: Literal["auto", True, False] = "auto"
     """Whether the run's roles (training ranks, engines, the rollout manager) are Ray actors,
     each a process of its own (true), or plain objects in the `ember train` process, each on
     threads of its own (false). auto: in this process when every role fits one (one training
