@@ -4,7 +4,7 @@
         [--min-digits N] [--max-digits N] [--rollouts N] [--seeds S ...] [--only ember|trl]
         [--out DIR] [--set key=value ...]
     uv run python tools/bench_peer.py --config CONFIG [--rollouts N] [--seeds S ...] ...
-    either: [--thresholds T ...] [--first N] [--last N] [--no-in-turn] [--keep]
+    either: [--thresholds T ...] [--first N] [--last N] [--no-in-turn] [--ray] [--keep]
 
 TRL lives in the `peer` dependency group, which the default install leaves out; when it is
 missing, the bench runs itself again through `uv run --group peer`, which installs it. Both
@@ -40,8 +40,11 @@ stream).
 
 Ember runs twice: its default overlapped loop, and its in-turn loop (`rollout.async=false`,
 which generates and then trains as TRL does; `--no-in-turn` skips it, and so does a config
-that is in turn already). The bench prints the machine it ran on (processor, vector
-extensions, cores, load) before and after. Per side it prints the whole command's wall time;
+that is in turn already). Both run as the config says (`ray.enabled`: by default in one
+process where every role fits one); `--ray` adds a third run, the default loop with every role
+a Ray actor (`ray.enabled=true`), to compare the two runtimes on the same work. The bench
+prints the machine it ran on (processor, vector extensions, cores, load) before and after.
+Per side it prints the whole command's wall time;
 for each threshold, the first rollout whose mean reward reaches it (its index, and the seconds
 from the command's start to the end of that rollout's training); the median seconds per rollout
 (from one rollout's end to the next) and the mean response length in tokens (generation's work
@@ -114,6 +117,9 @@ IN_TURN = "ember_inturn"
 """Ember's in-turn loop (`rollout.async=false`: generate, then train, as TRL does), which
 bench_peer runs beside its overlapped default unless `--no-in-turn`."""
 IN_TURN_SETS = ("rollout.async=false",)
+ON_RAY = "ember_ray"
+"""The side of Ember's default loop with every role a Ray actor (`--ray`)."""
+ON_RAY_SETS = ("ray.enabled=true",)
 RESULT = "result.json"
 
 
@@ -136,6 +142,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         dest="in_turn",
         action="store_false",
         help="skip Ember's in-turn loop (rollout.async=false), run beside the default otherwise",
+    )
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="also run Ember's default loop with every role a Ray actor (ray.enabled=true), "
+        "beside the default (in one process where the run fits one)",
     )
     parser.add_argument("--out", type=Path, default=None, help="output directory")
     parser.add_argument(
@@ -598,9 +610,10 @@ def run_ember(
     where: Path, sets: list[str], side: str = "ember", config: str | None = None
 ) -> dict[str, Any]:
     """One Ember run of `config` (None: the default) in `where/<side>`: the default loop, or
-    with `side` IN_TURN the in-turn loop (`IN_TURN_SETS` on top of `sets`)."""
+    with `side` IN_TURN the in-turn loop (`IN_TURN_SETS` on top of `sets`), with ON_RAY the
+    default loop under Ray (`ON_RAY_SETS`)."""
     run_dir = where / side
-    extra = list(IN_TURN_SETS) if side == IN_TURN else []
+    extra = list({IN_TURN: IN_TURN_SETS, ON_RAY: ON_RAY_SETS}.get(side, ()))
     cmd = ["uv", "run", "ember", "train", *([config] if config else []),
            *set_args([*sets, *extra, f"run.dir={run_dir}"])]  # fmt: skip
     start, wall, memory = _run(cmd, where / f"{side}.log")
@@ -703,16 +716,17 @@ def run_pair(
     *,
     reuse: bool = False,
     in_turn: bool = False,
+    on_ray: bool = False,
     config: str | None = None,
     figures: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Ember (and with `in_turn` its in-turn loop), then TRL, on the same work in `where`
-    (results already there are kept when `reuse`); returns each side's summary (`figures`:
-    `summarize`'s thresholds, first and last)."""
+    """Ember (and with `in_turn` its in-turn loop, with `on_ray` its default loop under Ray),
+    then TRL, on the same work in `where` (results already there are kept when `reuse`);
+    returns each side's summary (`figures`: `summarize`'s thresholds, first and last)."""
     out = {}
-    sides = ("ember", IN_TURN, "trl") if in_turn else SIDES
+    sides = ("ember", *([IN_TURN] if in_turn else []), *([ON_RAY] if on_ray else []), "trl")
     for side in sides:
-        if only not in (None, "ember" if side == IN_TURN else side):
+        if only not in (None, "ember" if side in (IN_TURN, ON_RAY) else side):
             continue
         directory = where / side
         result = load_result(directory, sets, config) if reuse else None
@@ -790,7 +804,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     for seed in seeds:
         where = work_dir(out, args.work, seed)
         pair = run_pair(where, sets_for(seed), seed, args.only, reuse=args.keep,
-                        in_turn=in_turn, config=args.config, figures=figures)  # fmt: skip
+                        in_turn=in_turn, on_ray=args.ray, config=args.config,
+                        figures=figures)  # fmt: skip
         for side, summary in pair.items():
             summaries.setdefault(side, []).append(summary)
     print()

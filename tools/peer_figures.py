@@ -199,8 +199,13 @@ def peer_rows(
     return rows
 
 
-NAMES = {"ember": "Ember", "ember_inturn": "Ember in turn", "trl": "TRL"}
-RATIO_NAMES = {"ember": "Ember/TRL", "ember_inturn": "in turn/TRL"}
+NAMES = {
+    "ember": "Ember",
+    "ember_inturn": "Ember in turn",
+    "ember_ray": "Ember on Ray",
+    "trl": "TRL",
+}
+RATIO_NAMES = {"ember": "Ember/TRL", "ember_inturn": "in turn/TRL", "ember_ray": "on Ray/TRL"}
 
 
 def peer_table(
@@ -231,7 +236,12 @@ def peer_table(
 # --------------------------------------------------------------------------------------------
 
 
-COLORS = {"ember": "tab:red", "ember_inturn": "tab:orange", "trl": "tab:blue"}
+COLORS = {
+    "ember": "tab:red",
+    "ember_inturn": "tab:orange",
+    "ember_ray": "tab:purple",
+    "trl": "tab:blue",
+}
 
 
 def plot_curves(summaries: dict[str, list[dict[str, Any]]], path: Path, title: str) -> Path:
