@@ -1,12 +1,12 @@
 """The driver's weight path: rendezvous, initial weights, pushes to the hf and sglang engines.
 
 Broadcast pushes run under real Ray: the training ranks and engines are actors, the sending
-rank and the engines meet in a real gloo group, and the driver module's `ray` records every
-value `ray.get` hands to the driver, which must never be a tensor. Disk pushes run the real
-`TrainRank` and `RolloutEngine` classes in this process behind stand-in actor handles (a call
-runs at once), with the same recording. SGLang servers are `fake_sglang_server.py`
-subprocesses that speak SGLang's HTTP format, receive broadcasts the way SGLang does, and
-record what they load.
+rank and the engines meet in a real gloo group. Direct, disk and ipc pushes run the real
+`TrainRank` and `RolloutEngine` classes in this process, as `LocalActor`s of the in-process
+runtime (`ember.runtimes.LocalRuntime`). Either way `ember.calls.get` is recorded: every value
+it hands to the driver's code, which must never be a tensor. SGLang servers are
+`fake_sglang_server.py` subprocesses that speak SGLang's HTTP format, receive broadcasts the
+way SGLang does, and record what they load.
 """
 
 from __future__ import annotations
@@ -24,17 +24,13 @@ import pytest
 import torch
 from fake_server_process import FAKE_SERVER, fake_server
 
-import ember.actors
-import ember.driver
-import ember.placement
-import ember.rollout_manager
+import ember.calls
+from ember.calls import LocalActor
 from ember.config import load_config
 from ember.driver import Driver
+from ember.runtimes import LocalRuntime
 
 pytestmark = pytest.mark.slow
-
-NODE_IP = "127.0.0.2"
-"""The node address the rank-0 actor reports: a loopback address other than 127.0.0.1."""
 
 TINY = [
     "train.model_overrides.num_layers=2",
@@ -51,76 +47,8 @@ TINY = [
 
 
 # --------------------------------------------------------------------------------------------
-# Ray stand-ins
+# What the driver receives, and the actors in this process
 # --------------------------------------------------------------------------------------------
-
-
-class Ref:
-    """An ObjectRef of a call that has already run."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _resolve(arg: Any) -> Any:
-    return arg.value if isinstance(arg, Ref) else arg
-
-
-class Handle:
-    """An actor handle over an instance in this process; records each call's resolved args."""
-
-    def __init__(self, instance: Any) -> None:
-        self.instance = instance
-        self.calls: list[tuple[str, list[Any]]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.instance, name)
-
-        def remote(*args: Any, **kwargs: Any) -> Ref:
-            args = [_resolve(a) for a in args]
-            self.calls.append((name, args))
-            return Ref(method(*args, **{k: _resolve(v) for k, v in kwargs.items()}))
-
-        return SimpleNamespace(remote=remote)
-
-
-class ActorClass:
-    """`SomeActor.options(...).remote(...)` building the real class in this process."""
-
-    def __init__(self, actor_class: Any) -> None:
-        self.cls = actor_class.__ray_actor_class__
-        self.handles: list[Handle] = []
-
-    def options(self, **_: Any) -> ActorClass:
-        return self
-
-    def remote(self, *args: Any, **kwargs: Any) -> Handle:
-        handle = Handle(self.cls(*args, **kwargs))
-        self.handles.append(handle)
-        return handle
-
-
-class DriverRay:
-    """The driver module's `ray`: records what `get` returns and every `put`."""
-
-    def __init__(self) -> None:
-        self.got: list[Any] = []
-        self.put_values: list[Any] = []
-
-    def get(self, refs: Any) -> Any:
-        value = [r.value for r in refs] if isinstance(refs, list) else refs.value
-        self.got.append(value)
-        return value
-
-    def put(self, value: Any) -> Ref:
-        self.put_values.append(value)
-        return Ref(value)
-
-    def is_initialized(self) -> bool:
-        return True
-
-    def get_runtime_context(self) -> Any:
-        return SimpleNamespace(get_node_id=lambda: "0" * 56)  # this process is the one node
 
 
 def holds_tensor(value: Any) -> bool:
@@ -134,38 +62,57 @@ def holds_tensor(value: Any) -> bool:
 
 
 @pytest.fixture
-def in_process(monkeypatch):
-    """Actors in this process, the driver's `ray` recorded, the node IP and rendezvous seen."""
-    import ray.util
+def got(monkeypatch):
+    """Every value `ember.calls.get` hands to the driver's code. In-process actors wait on each
+    other with the same `get`, on their own threads (the training rank on the engine it feeds):
+    those values stay inside the actors, as they would in Ray's processes, and are left out."""
+    real = ember.calls.get
+    values: list[Any] = []
 
+    def get(refs: Any, **kwargs: Any) -> Any:
+        value = real(refs, **kwargs)
+        if not ember.calls.in_local_actor():
+            values.append(value)
+        return value
+
+    monkeypatch.setattr(ember.calls, "get", get)
+    return values
+
+
+class OnThisMachine(LocalRuntime):
+    """The in-process runtime for runs that need Ray in a real run (SGLang engines, whose
+    servers Ray places and watches; a colocated GPU layout): the same actor classes, built in
+    this process, where no GPU is granted, so their placement is the CPU layout's."""
+
+    def placement(self, config: Any) -> Any:
+        cpu = dataclasses.replace(config.ray, gpus_per_rank=0, gpus_per_engine=0)
+        return super().placement(dataclasses.replace(config, ray=cpu))
+
+
+@pytest.fixture
+def in_process(monkeypatch, got):
+    """Drivers whose actors are `LocalActor`s in this process; every call made to one of them,
+    by the driver or by another actor, is recorded by actor."""
     import ember_megatron_backend.parallel as parallel
 
-    fake = DriverRay()
-    train, engines = ActorClass(ember.actors.TrainRank), ActorClass(ember.actors.RolloutEngine)
-    monkeypatch.setattr(ember.driver, "ray", fake)
-    monkeypatch.setattr(ember.actors, "TrainRank", train)
-    monkeypatch.setattr(ember.actors, "RolloutEngine", engines)
-    # The rollout manager runs here too, reaching the engines through the same stand-ins.
-    manager = ActorClass(ember.rollout_manager.RolloutManager)
-    monkeypatch.setattr(ember.rollout_manager, "RolloutManager", manager)
-    monkeypatch.setattr(ember.rollout_manager, "ray", fake)
-    monkeypatch.setattr(ember.placement, "ray", fake)
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: NODE_IP)
-    init_methods: list[str] = []
-    real_init = parallel.init_distributed
+    called: list[tuple[LocalActor, str]] = []
+    real_submit = LocalActor._submit
 
-    def init_distributed(*args: Any, init_method: str | None = None, **kwargs: Any) -> None:
-        init_methods.append(init_method)
-        real_init(*args, init_method=init_method, **kwargs)
+    def submit(actor: LocalActor, name: str, args: tuple, kwargs: dict) -> Any:
+        called.append((actor, name))
+        return real_submit(actor, name, args, kwargs)
 
-    monkeypatch.setattr(parallel, "init_distributed", init_distributed)
+    monkeypatch.setattr(LocalActor, "_submit", submit)
+    # The runtime sizes torch's pool and OMP_NUM_THREADS for the whole process: both go back.
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     threads = torch.get_num_threads()
     had_group = torch.distributed.is_initialized()  # another module's world of one, kept
     drivers: list[Driver] = []
     try:
         yield SimpleNamespace(
-            ray=fake, train=train, engines=engines, init_methods=init_methods, drivers=drivers
+            got=got,
+            called=lambda actor: [name for a, name in called if a is actor],
+            drivers=drivers,
         )
     finally:
         for driver in drivers:
@@ -176,8 +123,12 @@ def in_process(monkeypatch):
 
 
 def make_driver(ctx: Any, run_dir: Path, *overrides: str) -> Driver:
+    """A driver whose actors live in this process: the in-process runtime where the run asks
+    for it (`ray.enabled`), else `OnThisMachine`."""
     config, _ = load_config("default", overrides=[*TINY, *overrides])
     driver = Driver(config, run_dir)
+    if not isinstance(driver.runtime, LocalRuntime):
+        driver.runtime = OnThisMachine()
     ctx.drivers.append(driver)
     return driver
 
@@ -264,9 +215,9 @@ def test_sglang_launches_from_the_trainers_export_and_loads_pushes_from_disk(in_
     for rollout_id in (0, 1):
         perturb(driver)
         wanted = trainer_weights(driver)
-        in_process.ray.got.clear()
+        in_process.got.clear()
         driver.push_weights(rollout_id)
-        assert not any(holds_tensor(v) for v in in_process.ray.got)
+        assert not any(holds_tensor(v) for v in in_process.got)
         update = records(record)[-1]
         assert update["route"] == "/update_weights_from_disk"
         assert update["weight_version"] == str(rollout_id)
@@ -311,15 +262,13 @@ def test_attached_sglang_serves_the_trainers_weights_from_rollout_0_and_after_re
 
 
 def test_ipc_buckets_go_from_the_training_rank_to_its_engine_inside_one_session(
-    in_process, tmp_path, monkeypatch
+    in_process, tmp_path
 ):
     """The colocated path (`weights.transport: ipc`) on CPU up to the device call: the driver
     opens the session, `TrainRank.send_weights_ipc` packs flattened buckets and hands them, by
     shared-memory file name where a GPU would pass a CUDA IPC handle, to the sglang engine of its
     GPU, which posts them to a launched server that opens and loads them. Only where the tensors
     live differs from a GPU run (the device check covers that part)."""
-    # The rank waits on its engine with ray.get, here on a call that has already run.
-    monkeypatch.setattr(ember.actors.ray, "get", in_process.ray.get)
     record = tmp_path / "launched.jsonl"
     driver = make_driver(
         in_process,
@@ -333,10 +282,10 @@ def test_ipc_buckets_go_from_the_training_rank_to_its_engine_inside_one_session(
     driver.build()
     perturb(driver)
     wanted = trainer_weights(driver)
-    in_process.ray.got.clear()
+    in_process.got.clear()
     launched = len(records(record))
-    driver._push_in_session("5", "ipc")
-    assert not any(holds_tensor(v) for v in in_process.ray.got)  # the driver holds no weight
+    driver.pusher.in_session("5", "ipc")
+    assert not any(holds_tensor(v) for v in in_process.got)  # the driver holds no weight
     log = records(record)[launched:]
     routes = [r["route"] for r in log]
     updates = [r for r in log if r["route"] == "/update_weights_from_tensor"]
@@ -347,32 +296,72 @@ def test_ipc_buckets_go_from_the_training_rank_to_its_engine_inside_one_session(
     assert [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + ["5"]
     # The bytes go over untouched: the server holds the trainer's weights exactly.
     assert log[-1]["sums"] == sums(wanted)
-    (sent,) = [v[0] for v in in_process.ray.got if isinstance(v, list) and v and "buckets" in v[0]]
+    (sent,) = [v[0] for v in in_process.got if isinstance(v, list) and v and "buckets" in v[0]]
     assert sent["buckets"] == len(updates)
     assert sent["bytes"] == sum(t.numel() * t.element_size() for t in wanted.values())
+
+
+def test_a_direct_push_lands_the_trainers_exact_weights_inside_a_session(in_process, tmp_path):
+    """`weights.transport: direct`, the default of a run in one process: the training rank hands
+    its tensors, in the engine's dtype, to the embedded engine in buckets, inside the session
+    the driver opens; a bucket handed over outside a session is refused."""
+    import re
+
+    from ember.weight_push import weight_transport
+    from ember_rollout.engine import EngineError
+    from ember_rollout.hf_engine import OUTSIDE_SESSION
+    from ember_rollout.models import _resolve, naming_of
+
+    driver = make_driver(
+        in_process,
+        tmp_path / "run",
+        "ray.enabled=false",
+        "weights.bucket_mb=1",
+        # Wide enough experts that the weights fill several 1 MiB buckets.
+        "train.model_overrides.moe_ffn_hidden_size=256",
+    )
+    assert type(driver.runtime) is LocalRuntime and weight_transport(driver.config) == "direct"
+    driver.build()
+    rank, engine = driver.actors.train[0], driver.actors.engines[0]
+
+    def mismatches(wanted: dict[str, torch.Tensor]) -> list[str]:
+        """Names whose tensor the engine does not serve (cast to its dtype)."""
+        model = engine.instance.engine.model
+        state, naming = model.state_dict(), naming_of(model)
+        bad = []
+        for name, tensor in wanted.items():
+            target, _ = _resolve(state, name, tensor, naming)
+            if not torch.equal(target, tensor.to(target.dtype)):
+                bad.append(name)
+        return bad
+
+    perturb(driver)
+    wanted = trainer_weights(driver)
+    assert mismatches(wanted) == list(wanted)  # the engine still serves the initial weights
+    in_process.got.clear()
+    before = len(in_process.called(engine))
+    driver.push_weights(0)
+    assert not any(holds_tensor(v) for v in in_process.got)  # the driver holds no weight
+    assert mismatches(wanted) == [] and engine.instance.engine.weight_version == "0"
+    pushed = in_process.called(engine)[before:]
+    buckets = pushed[1:-1]
+    assert pushed[0] == "begin_weight_update" and pushed[-1] == "end_weight_update"
+    assert len(buckets) > 1 and set(buckets) == {"update_weights_direct"}
+    (sent,) = [v[0] for v in in_process.got if isinstance(v, list) and v and isinstance(v[0], dict)]
+    assert sent["buckets"] == len(buckets)
+    size = getattr(torch, driver.config.engine.hf.dtype).itemsize  # the engine's dtype
+    assert sent["bytes"] == sum(t.numel() * size for t in wanted.values())
+
+    # Outside a session the engine refuses the first bucket and keeps serving version 0.
+    perturb(driver)
+    with pytest.raises(EngineError, match=re.escape(OUTSIDE_SESSION)):
+        ember.calls.get(rank.send_weights_direct.remote([engine], "1"))
+    assert mismatches(wanted) == [] and engine.instance.engine.weight_version == "0"
 
 
 # --------------------------------------------------------------------------------------------
 # Broadcast under Ray: the sending rank and the engines in one gloo group
 # --------------------------------------------------------------------------------------------
-
-
-class RecordingRay:
-    """The driver module's `ray` under a real Ray: every value `get` returns is recorded."""
-
-    def __init__(self) -> None:
-        import ray
-
-        self.ray = ray
-        self.got: list[Any] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.ray, name)
-
-    def get(self, refs: Any, **kwargs: Any) -> Any:
-        value = self.ray.get(refs, **kwargs)
-        self.got.append(value)
-        return value
 
 
 @pytest.fixture(scope="module")
@@ -394,11 +383,10 @@ def ray_session():
 
 
 @pytest.fixture
-def on_ray(ray_session, monkeypatch):
-    """A driver module whose `ray.get` is recorded; the test's actors are killed after it."""
-    recorder = RecordingRay()
-    monkeypatch.setattr(ember.driver, "ray", recorder)
-    ctx = SimpleNamespace(ray=ray_session, recorder=recorder, drivers=[])
+def on_ray(ray_session, got):
+    """Drivers whose actors are Ray actors, what `get` hands the driver recorded; the test's
+    actors are killed after it."""
+    ctx = SimpleNamespace(ray=ray_session, got=got, drivers=[])
     try:
         yield ctx
     finally:
@@ -411,8 +399,13 @@ def on_ray(ray_session, monkeypatch):
 
 
 def build_on_ray(ctx: Any, run_dir: Path, *overrides: str) -> Driver:
-    config, _ = load_config("default", overrides=[*TINY, *overrides])
+    """A built driver of Ray actors that push by broadcast (the default under Ray, named here
+    because these tests are of it)."""
+    config, _ = load_config(
+        "default", overrides=[*TINY, "ray.enabled=true", "weights.transport=broadcast", *overrides]
+    )
     driver = Driver(config, run_dir)
+    assert driver.runtime.name == "ray"
     ctx.drivers.append(driver)
     driver.build()
     return driver
@@ -470,16 +463,16 @@ def test_hf_engines_receive_rank_0s_buckets_over_gloo_and_the_driver_holds_no_we
         "engine.hf.dtype=bfloat16",  # weights travel in the engine's dtype
         "weights.bucket_mb=1",
     )
-    ray, recorder = on_ray.ray, on_ray.recorder
+    ray, got = on_ray.ray, on_ray.got
     for version in ("0", "1"):
         perturb_ranks(ray, driver)
         wanted = trainer_weights_on_ray(ray, driver)
-        recorder.got.clear()
+        got.clear()
         driver.push_weights(int(version))
-        assert not any(holds_tensor(v) for v in recorder.got)
+        assert not any(holds_tensor(v) for v in got)
         # What the ranks answered the driver: rank 0 sent every weight once, in bf16 (the
         # engine's dtype), in buckets of at most 1 MiB; rank 1 sent nothing.
-        (sent,) = [v for v in recorder.got if isinstance(v, list) and len(v) == 2 and {} in v]
+        (sent,) = [v for v in got if isinstance(v, list) and len(v) == 2 and {} in v]
         total = sum(t.numel() * 2 for t in wanted.values())
         assert sent[1] == {} and sent[0]["bytes"] == total > 1 << 20
         assert sent[0]["buckets"] >= -(-total // (1 << 20))
@@ -515,9 +508,9 @@ def test_sglang_servers_receive_broadcasts_the_way_sglang_does(on_ray, tmp_path)
     node = ray.get(driver.actors.train[0].__ray_call__.remote(node_ip))
     perturb_ranks(ray, driver)
     wanted = trainer_weights_on_ray(ray, driver)
-    on_ray.recorder.got.clear()
+    on_ray.got.clear()
     driver.push_weights(0)
-    assert not any(holds_tensor(v) for v in on_ray.recorder.got)
+    assert not any(holds_tensor(v) for v in on_ray.got)
 
     log = records(record)
     routes = [r["route"] for r in log]
@@ -722,7 +715,6 @@ def test_colocated_hand_off_through_build_the_loop_and_restore_with_real_offload
     wires it, on CPU: the trainer's real `TrainerOffload` moves its CPU storages out and back
     as it would move GPU ones, and the run trains, checkpoints and resumes through it."""
     import ember_megatron_backend.offload as offload
-    from ember.placement import Placement
 
     moved: list[tuple[str, int]] = []
     real_init, real_offload = offload.TrainerOffload.__init__, offload.TrainerOffload.offload
@@ -739,33 +731,25 @@ def test_colocated_hand_off_through_build_the_loop_and_restore_with_real_offload
         moved.append(("reload", real_reload(self)))
         return moved[-1][1]
 
-    # The rank waits on the engines with ray.get, here on calls that have already run.
-    monkeypatch.setattr(ember.actors.ray, "get", in_process.ray.get)
     monkeypatch.setattr(offload.TrainerOffload, "__init__", init)
     monkeypatch.setattr(offload.TrainerOffload, "offload", offload_part)
     monkeypatch.setattr(offload.TrainerOffload, "reload", reload)
-    # No GPUs here: the actors go where a CPU layout puts them (placement has its own tests).
-    real_create = Placement.create
-    cpu = load_config("default", overrides=TINY)[0].ray
-    monkeypatch.setattr(
-        ember.driver.Placement,
-        "create",
-        staticmethod(lambda config: real_create(dataclasses.replace(config, ray=cpu))),
-    )
+    # No GPUs here: the actors go where a CPU layout puts them (`OnThisMachine`; placement
+    # has its own tests).
     run_dir = tmp_path / "run"
     colocated = ["ray.gpus_per_rank=0.5", "ray.gpus_per_engine=0.5", "run.save_interval=1",
                  "rollout.async=false",  # colocated engines cannot generate during training
                  "weights.transport=disk"]  # fmt: skip
     driver = make_driver(in_process, run_dir, *colocated, "run.num_rollouts=2")
     driver.run()
-    assert driver.handoff.enabled
+    assert isinstance(driver.runtime, OnThisMachine) and driver.handoff.enabled
     sizes = dict(moved[:2])
     assert [m for m, _ in moved[:2]] == ["offload training_state", "offload weights"]
     assert sizes["offload weights"] > 0  # the parameters really left
     restored = [b for m, b in moved if m == "reload"]
     assert restored and all(b >= sizes["offload weights"] for b in restored)
-    rank = [name for name, _ in in_process.train.handles[0].calls]
-    engine = [name for name, _ in in_process.engines.handles[0].calls]
+    rank = in_process.called(driver.actors.train[0])
+    engine = in_process.called(driver.actors.engines[0])
     first = rank.index("prepare")
     assert rank[rank.index("save_tokenizer") + 1 : first] == ["offload", "offload", "reload"]
     assert engine.index("release_memory") < engine.index("resume_memory")
@@ -794,7 +778,7 @@ def test_colocated_hand_off_through_build_the_loop_and_restore_with_real_offload
     monkeypatch.setattr(checkpoint.torch, "load", lambda *a, **k: fresh(real_load(*a, **k)))
     resumed = make_driver(in_process, run_dir, *colocated, "run.num_rollouts=3")
     resumed.run(resume=True)
-    calls = [name for name, _ in in_process.train.handles[-1].calls]
+    calls = in_process.called(resumed.actors.train[0])
     load = calls.index("load")
     assert calls[load - 1] == "reload"
     assert calls[load + 1 : load + 4] == ["offload", "export_hf", "offload"]

@@ -400,10 +400,3 @@ def _configured_plugins(config: RunConfig) -> EmberPlugins:
     plugins = load_plugins(config.plugins)
     plugins.configure(config, config.plugin_sections)
     return plugins
-
-
-def _configured_plugins(config: RunConfig) -> EmberPlugins:
-    """The config's enabled plugins, loaded and configured with its parsed sections."""
-    plugins = load_plugins(config.plugins)
-    plugins.configure(config, config.plugin_sections)
-    return plugins
