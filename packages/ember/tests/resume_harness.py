@@ -1,15 +1,19 @@
 """Runs `ember train` in child processes that a test can SIGKILL at a named point of the loop.
 
-A real `ember train` costs about a minute of Ray start and actor imports per launch on 2 cores,
-and a kill + resume test launches five times. Here a server process imports everything once
-and forks one child per launch; each child runs `ember.cli.main` with the real `TrainRank`,
-`RolloutEngine` and `RolloutManager` classes in its own process behind stand-in actor handles
-(as test_weight_push.py does; a call runs when it is made, so an async run keeps its order of
-calls but overlaps nothing), so killing the child kills the driver and its actors at once, as
-a SIGKILL of `ember train` takes its Ray actors with it. The server only imports before it
-forks: a process that has run parallel torch ops is not safe to fork (OpenMP's thread pool).
+A kill + resume test launches `ember train` five times, and each launch would import
+megatron-core, transformers and the actors' modules again (about 20 s on 2 cores). Here a
+server process imports everything once and forks one child per launch; each child runs
+`ember.cli.main(argv)` as it is. The test runs' configs (one training rank, one embedded engine,
+no GPUs) get the default in-process runtime (`ray.enabled: auto`): the training rank, the engine
+and the rollout manager are objects in the child, each on threads of its own, so killing the
+child kills the driver and its actors at once, as a SIGKILL of `ember train` does. A launch
+whose config needs Ray (`ray.num_engines=2`) starts its own local Ray from the child, as
+`ember train` would. The server only imports before it forks: a process that has run parallel
+torch ops is not safe to fork (OpenMP's thread pool).
 
-Kill points (`POINT:ROLLOUT`), each a SIGKILL of the child from inside the loop:
+Kill points (`POINT:ROLLOUT`), each a SIGKILL of the child from inside the loop. They are armed
+in the child's process, so they fire in an in-process run (and `checkpoint`, which is the
+driver's rename, under Ray too):
 - `rollout:R`: during rollout R's generation, as an engine hands its first sample to the
   plugins (`ember_process_sample`; the hf engine's `meta_info.id` names the request's
   rollout). With `rollout.async` that is during rollout R - 1's iteration;
@@ -31,23 +35,19 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import ray.util
-
-import ember.actors
 import ember.checkpoints
 import ember.cli
-import ember.driver
-import ember.placement
-import ember.rollout_manager
 import ember_megatron_backend.checkpoint
 from ember_core import hookimpl
 from ember_core.plugins import EmberPlugins
 
 POINTS = ("rollout", "train", "checkpoint")
 PRELOAD = (
+    "ember.driver",
+    "ember.actors",
+    "ember.rollout_manager",
     "ember_megatron_backend.worker",
     "ember_rollout.hf_engine",
     "megatron.core",
@@ -58,8 +58,9 @@ PRELOAD = (
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "safetensors.torch",
 )
-"""What the server imports before forking, so that no child imports it again: modules the
-actors import lazily (megatron-core alone takes about 10 s on 2 cores without cached bytecode)."""
+"""What the server imports before forking, so that no child imports it again: the driver and
+the actors' classes, and the modules the actors import lazily (megatron-core alone takes about
+10 s on 2 cores without cached bytecode)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,13 +157,8 @@ def _child(argv: list[str], log: str, kill: str | None) -> int:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    _stand_in_for_ray()
     if kill is not None:
         _arm(kill)
-    if argv[:1] == ["train"]:
-        # A stand-in call runs when it is made, so a training rank and an engine never run at
-        # once and cannot meet in a weight group: weights go through disk here.
-        argv = [*argv, "--set", "weights.transport=disk"]
     return ember.cli.main(argv)
 
 
@@ -214,67 +210,3 @@ def _arm(kill: str) -> None:
         return plugins
 
     EmberPlugins.load = classmethod(load)  # type: ignore[method-assign,assignment]
-
-
-class _Ref:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-class _Handle:
-    """An actor handle over an instance in this process: `.method.remote()` runs at once."""
-
-    def __init__(self, instance: Any) -> None:
-        self.instance = instance
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.instance, name)
-
-        class Remote:
-            @staticmethod
-            def remote(*args: Any, **kwargs: Any) -> _Ref:
-                args = tuple(a.value if isinstance(a, _Ref) else a for a in args)
-                return _Ref(method(*args, **kwargs))
-
-        return Remote
-
-
-class _ActorClass:
-    def __init__(self, actor_class: Any) -> None:
-        self.cls = actor_class.__ray_actor_class__
-
-    def options(self, **_: Any) -> _ActorClass:
-        return self
-
-    def remote(self, *args: Any, **kwargs: Any) -> _Handle:
-        return _Handle(self.cls(*args, **kwargs))
-
-
-class _Ray:
-    @staticmethod
-    def get(refs: Any) -> Any:
-        return [r.value for r in refs] if isinstance(refs, list) else refs.value
-
-    @staticmethod
-    def wait(refs: list[_Ref], **_: Any) -> tuple[list[_Ref], list[_Ref]]:
-        return refs, []  # every call has run already
-
-    @staticmethod
-    def is_initialized() -> bool:
-        return True
-
-    @staticmethod
-    def get_runtime_context() -> Any:
-        return SimpleNamespace(get_node_id=lambda: "0" * 56)  # this process is the one node
-
-
-def _stand_in_for_ray() -> None:
-    ember.driver.ray = _Ray  # type: ignore[assignment]
-    ember.rollout_manager.ray = _Ray  # type: ignore[assignment]
-    ember.placement.ray = _Ray  # type: ignore[assignment]
-    ember.actors.TrainRank = _ActorClass(ember.actors.TrainRank)  # type: ignore[misc]
-    ember.actors.RolloutEngine = _ActorClass(ember.actors.RolloutEngine)  # type: ignore[misc]
-    ember.rollout_manager.RolloutManager = _ActorClass(  # type: ignore[misc]
-        ember.rollout_manager.RolloutManager
-    )
-    ray.util.get_node_ip_address = lambda: "127.0.0.1"

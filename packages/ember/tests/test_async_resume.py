@@ -1,6 +1,6 @@
 """SIGKILL and `--resume` with the rollout manager: one-step-off-policy runs lose and repeat no
-rollout, and a run resumes with another number of engines (`resume_harness`: actors in the
-killed process, each call run when it is made)."""
+rollout, and a run resumes with another number of engines (`resume_harness`: the actors in the
+killed process, the in-process runtime; the resume with two engines is under Ray)."""
 
 from __future__ import annotations
 
@@ -119,6 +119,7 @@ def test_a_run_resumes_with_another_number_of_engines(launcher, tmp_path):
 
     train(*SYNC, "--set", f"run.dir={run}", kill="train:2")
     assert ids(run) == [0, 1] and complete(run) == ["rollout_000001"]
+    # Two engines are two processes: the in-process run resumes under Ray (ray.enabled=auto).
     train("--resume", str(run), "--set", "ray.num_engines=2")
     assert ids(run) == [0, 1, 2, 3]
     resumed = records(run, "rollout")

@@ -1,5 +1,6 @@
-"""`ember certify` end to end (real Ray, megatron-core and the embedded engine): the default
-setup passes, and each planted fault fails its row."""
+"""`ember certify` end to end (megatron-core and the embedded engine, in one process as the
+default config runs; the matrix's two-rank layouts under Ray): the default setup passes, and
+each planted fault fails its row."""
 
 from __future__ import annotations
 

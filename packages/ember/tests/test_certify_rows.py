@@ -186,11 +186,17 @@ def test_planted_reads_the_environment(monkeypatch):
 
 
 @pytest.fixture
-def no_ray(monkeypatch):
+def nothing_starts(monkeypatch):
+    """Fail the test if the certifier's actors start: under Ray, or in this process (the
+    default config's runtime)."""
+    from ember.runtimes import LocalRuntime, RayRuntime
+
     def refuse(*args, **kwargs):
-        raise AssertionError("ray.init was called")
+        raise AssertionError("the run's runtime was started")
 
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(LocalRuntime, "start", refuse)
+    monkeypatch.setattr(RayRuntime, "start", refuse)
 
 
 @pytest.mark.parametrize(
@@ -202,7 +208,7 @@ def no_ray(monkeypatch):
         (["--plugins", "no_such_plugin"], "no_such_plugin"),
     ],
 )
-def test_bad_input_is_one_line_before_ray(argv, named, capsys, no_ray):
+def test_bad_input_is_one_line_before_ray(argv, named, capsys, nothing_starts):
     started = time.perf_counter()
     assert main(["certify", *argv]) == USAGE_ERROR
     assert time.perf_counter() - started < 10
@@ -245,7 +251,7 @@ def test_loaded_alike_row_needs_equal_scores_from_push_and_checkpoint():
     assert loaded_alike_row("1", [None], [None], "x").verdict == NOT_APPLICABLE
 
 
-def test_a_colocated_gpu_run_is_refused_in_one_line(capsys, no_ray):
+def test_a_colocated_gpu_run_is_refused_in_one_line(capsys, nothing_starts):
     argv = ["certify", "--set", "ray.colocate=true", "--set", "ray.gpus_per_rank=0.5"]
     argv += ["--set", "ray.gpus_per_engine=0.5"]
     assert main(argv) == USAGE_ERROR

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from ember.config import EXAMPLES_DIR, load_config
+from ember.layout import in_process
 from ember_megatron_backend.weights import hf_shapes
 from ember_rollout.sglang_engine import SGLangEngine
 
@@ -212,6 +213,10 @@ def test_example_loads_and_its_layout_adds_up(name, tmp_path):
         assert ray.gpus_per_rank + ray.gpus_per_engine <= 1  # shares of the same devices
     elif gpus:
         assert ray.gpus_per_rank == 1 and ray.gpus_per_engine == int(ray.gpus_per_engine)
+    # Where the roles live: the example's ray.enabled holds for its layout (in_process refuses
+    # what cannot run in one process), and Ray, which grants the GPUs, runs a GPU example's.
+    local, _ = in_process(config)
+    assert not (gpus and local)
 
     # The engine uses the devices its actor gets and starts from the trainer's weights.
     engine = config.engine

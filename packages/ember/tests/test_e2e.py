@@ -1,5 +1,7 @@
-"""End-to-end `ember train` on CPU: CI-mode plugins and data parallel through Ray; kills at
-each stage of the loop and resumes (`resume_harness`: actors in the killed process)."""
+"""End-to-end `ember train` on CPU: CI-mode plugins, the loop variants and half runs in one
+process (the default runtime for one training rank and one embedded engine), data and pipeline
+parallel through Ray (each training rank a process of its own); kills at each stage of the loop
+and resumes (`resume_harness`: the actors die with the killed process)."""
 
 from __future__ import annotations
 
@@ -309,10 +311,11 @@ def test_sigkill_during_rollout_training_and_checkpoint_write_then_resume(tmp_pa
 
 
 def test_r3_with_two_rollouts_ahead_replays_every_rollouts_own_experts(tmp_path):
-    """rollout.max_staleness=2 under R3 on real Ray: rollouts 1 and 2 generate from the initial
-    weights while rollout 0 trains, the staleness reaches the bound and stays there, and every
-    training step replays exactly the experts its rollout's engine chose, whichever version
-    generated them."""
+    """rollout.max_staleness=2 under R3, the engine and the trainer working at once (on
+    threads of their own in one process): rollouts 1 and 2 generate from the initial weights
+    while rollout 0 trains, the staleness reaches the bound and stays there, and every training
+    step replays exactly the experts its rollout's engine chose, whichever version generated
+    them."""
     run = ember(
         "--plugins", "r3_routing",
         "--set", "rollout.max_staleness=2",
@@ -334,7 +337,8 @@ def test_r3_with_two_rollouts_ahead_replays_every_rollouts_own_experts(tmp_path)
 
 
 def test_r3_with_partial_rollouts_keeps_the_bound_and_replays_exactly(tmp_path):
-    """Partial rollouts on real Ray under R3: the push lands while rollouts ahead generate, no
+    """Partial rollouts under R3, the engine generating while the trainer trains and pushes (on
+    threads of their own in one process): the push lands while rollouts ahead generate, no
     sample is older than the bound when trained, spans of versions ascend within each sample,
     and every training step still replays exactly the experts the engine chose (recorded by
     the version that generated each token)."""

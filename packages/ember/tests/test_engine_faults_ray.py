@@ -3,6 +3,9 @@ server killed, and a slot that fails past `fault_tolerance.max_restarts`.
 
 Nothing stands in: the driver starts its own Ray, the engines are the embedded ones (or the real
 SGLang server on CPU), and the victims are their processes, found by title below the driver.
+Every run here is under Ray without asking (`ray.enabled=auto`: two engines, or an SGLang
+server, each need a process of their own), which engine replacement needs: an engine in the
+driver's process cannot fail apart from the run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`ember train` reports bad input before Ray starts, and any actor's error, as one line."""
+"""`ember train` reports bad input before any actor starts (in this process or under Ray), and
+any actor's error, as one line."""
 
 from __future__ import annotations
 
@@ -21,13 +22,17 @@ def _environment(monkeypatch):
 
 
 @pytest.fixture
-def no_ray(monkeypatch):
-    """Fail the test if anything tries to start Ray."""
+def nothing_starts(monkeypatch):
+    """Fail the test if anything tries to start the run's actors: Ray, or the in-process
+    runtime that the default config gets."""
+    from ember.runtimes import LocalRuntime, RayRuntime
 
     def refuse(*args, **kwargs):
-        raise AssertionError("ray.init was called")
+        raise AssertionError("the run's runtime was started")
 
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(LocalRuntime, "start", refuse)
+    monkeypatch.setattr(RayRuntime, "start", refuse)
     assert not ray.is_initialized()
     yield
     assert not ray.is_initialized()
@@ -56,7 +61,7 @@ def _write(path, lines):
         (['{"prompt": 3, "label": "1"}'], ":1: 'prompt' must be a string or a non-empty list"),
     ],
 )
-def test_bad_prompt_lines_fail_before_ray(tmp_path, capsys, no_ray, lines, expected):
+def test_bad_prompt_lines_fail_before_ray(tmp_path, capsys, nothing_starts, lines, expected):
     path = _write(tmp_path / "prompts.jsonl", lines)
     run_dir = tmp_path / "run"
     argv = ["train", "--set", f"data.prompt_data={path}", "--set", f"run.dir={run_dir}"]
@@ -81,7 +86,7 @@ def test_bad_prompt_lines_fail_before_ray(tmp_path, capsys, no_ray, lines, expec
         ("reward.reward_fn=no_such_module:score", "cannot import module 'no_such_module'"),
     ],
 )
-def test_bad_paths_and_reward_names_fail_before_ray(capsys, no_ray, setting, expected):
+def test_bad_paths_and_reward_names_fail_before_ray(capsys, nothing_starts, setting, expected):
     assert main(["train", "--set", setting]) == USAGE_ERROR
     assert expected in _one_error_line(capsys)
 
@@ -97,13 +102,13 @@ def test_bad_paths_and_reward_names_fail_before_ray(capsys, no_ray, setting, exp
         (["run.eval_samples_per_prompt=0"], "run.eval_samples_per_prompt=0: expected >= 1"),
     ],
 )
-def test_bad_eval_sets_fail_before_ray(capsys, no_ray, settings, expected):
+def test_bad_eval_sets_fail_before_ray(capsys, nothing_starts, settings, expected):
     argv = ["train"] + [arg for setting in settings for arg in ("--set", setting)]
     assert main(argv) == USAGE_ERROR
     assert expected in _one_error_line(capsys)
 
 
-def test_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys, no_ray):
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys, nothing_starts):
     path = tmp_path / "run.yaml"
     path.write_text("run:\n  name: x\nrollout:\n  temperature: [1.0, 2.0\n")
     assert main(["train", str(path)]) == USAGE_ERROR
@@ -112,7 +117,7 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys, no_ray):
     assert "(while parsing a flow sequence at line 4, column 16)" in line
 
 
-def test_tab_indentation_names_its_position(tmp_path, capsys, no_ray):
+def test_tab_indentation_names_its_position(tmp_path, capsys, nothing_starts):
     path = tmp_path / "run.yaml"
     path.write_text("run:\n\tname: x\n")
     assert main(["train", str(path)]) == USAGE_ERROR
@@ -120,7 +125,7 @@ def test_tab_indentation_names_its_position(tmp_path, capsys, no_ray):
 
 
 def test_tensor_parallel_the_checkpoints_heads_do_not_split_fails_before_ray(
-    tmp_path, capsys, no_ray
+    tmp_path, capsys, nothing_starts
 ):
     from ember_megatron_backend.hf_layout import hf_config
     from ember_megatron_backend.model import ModelConfig
@@ -139,7 +144,7 @@ def test_tensor_parallel_the_checkpoints_heads_do_not_split_fails_before_ray(
     assert not (tmp_path / "run").exists()
 
 
-def test_a_tied_mixtral_on_sglang_fails_before_ray(tmp_path, capsys, no_ray):
+def test_a_tied_mixtral_on_sglang_fails_before_ray(tmp_path, capsys, nothing_starts):
     argv = ["train", "--set", "train.model=tiny-mixtral"]
     argv += ["--set", "train.model_overrides.tie_word_embeddings=true"]
     argv += ["--set", "engine.kind=sglang", "--set", "engine.sglang.urls=[http://127.0.0.1:1]"]
@@ -152,7 +157,7 @@ def test_a_tied_mixtral_on_sglang_fails_before_ray(tmp_path, capsys, no_ray):
     assert not (tmp_path / "run").exists()
 
 
-def test_bad_plugin_section_fails_before_ray(capsys, no_ray):
+def test_bad_plugin_section_fails_before_ray(capsys, nothing_starts):
     argv = ["train", "--plugins", "ci_kl_checker", "--set", "ci_kl_checker.nope=1"]
     assert main(argv) == USAGE_ERROR
     assert "ci_kl_checker.nope: unknown key" in _one_error_line(capsys)
@@ -227,8 +232,11 @@ def test_actor_error_is_one_line_and_whole_with_verbose(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_error_inside_an_actor_is_one_line(tmp_path):
-    """A checkpoint of another architecture fails in the training actors, after Ray started."""
+@pytest.mark.parametrize("runtime", ["in-process", "ray"])
+def test_error_inside_an_actor_is_one_line(tmp_path, runtime):
+    """A checkpoint of another architecture fails in the training actor, once the run's
+    runtime started: raised in this process by the default config's in-process actor, and
+    across processes, wrapped by Ray, under Ray."""
     model = tmp_path / "gpt2"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
@@ -239,6 +247,7 @@ def test_error_inside_an_actor_is_one_line(tmp_path):
             "--set", f"train.hf_load={model}",
             "--set", "train.model=null",  # the shape comes from the checkpoint's config.json
             "--set", f"run.dir={tmp_path / 'run'}",
+            "--set", f"ray.enabled={'true' if runtime == 'ray' else 'auto'}",
         ],
         capture_output=True,
         text=True,
@@ -253,7 +262,7 @@ def test_error_inside_an_actor_is_one_line(tmp_path):
     ], run.stderr[-3000:]
 
 
-def test_config_given_as_an_option_reads_like_the_argument(tmp_path, capsys, no_ray):
+def test_config_given_as_an_option_reads_like_the_argument(tmp_path, capsys, nothing_starts):
     path = _write(tmp_path / "run.yaml", ["rollout:", "  temperature: -1"])
     assert main(["train", "--config", str(path)]) == USAGE_ERROR
     assert "rollout.temperature=-1.0: expected a finite number > 0" in _one_error_line(capsys)
@@ -262,7 +271,7 @@ def test_config_given_as_an_option_reads_like_the_argument(tmp_path, capsys, no_
 
 
 def test_sglang_without_its_extra_fails_before_ray_with_the_install_command(
-    capsys, no_ray, monkeypatch
+    capsys, nothing_starts, monkeypatch
 ):
     from ember_rollout import sglang_cpu
 
@@ -273,7 +282,9 @@ def test_sglang_without_its_extra_fails_before_ray_with_the_install_command(
     assert "uv sync --extra sglang" in error
 
 
-def test_sglang_servers_with_untempered_log_probs_fail_before_ray(capsys, no_ray, monkeypatch):
+def test_sglang_servers_with_untempered_log_probs_fail_before_ray(
+    capsys, nothing_starts, monkeypatch
+):
     from ember_rollout import sglang_cpu
 
     monkeypatch.setattr(sglang_cpu, "sglang_installed", lambda: True)

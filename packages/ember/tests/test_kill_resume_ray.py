@@ -1,10 +1,12 @@
 """SIGKILL of a real `ember train` under Ray, in the default overlapped loop, then `--resume`.
 
 `test_async_resume.py` kills at exact points of the loop, with the actors in the killed process
-and each call run when it is made. Here nothing stands in: the driver starts its own local Ray
-with the default config (rollout i + 1 generating while rollout i trains, weights broadcast),
-is SIGKILLed once it has published a checkpoint and gone on, and the resumed run must log what
-an uninterrupted run logs, leaving no process of the killed run's Ray behind.
+(the in-process runtime). Here the run is under Ray (`ray.enabled=true`; the default config
+alone would run in one process): the driver starts its own local Ray with the default loop
+(rollout i + 1 generating while rollout i trains, weights broadcast), is SIGKILLed once it has
+published a checkpoint and gone on, and the resumed run must log what an uninterrupted run
+logs, leaving no process of the killed run's Ray behind; a killed actor process stops the run
+with one line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ RUN = [
     "--set", "run.plot=false",
     "--set", "run.tensorboard=false",
     "--set", "ray.threads_per_actor=1",
+    # What these tests kill are Ray's processes (the driver with its Ray, an actor's worker):
+    # under the default ray.enabled=auto this config would run every actor in one process.
+    "--set", "ray.enabled=true",
 ]  # fmt: skip
 ENV = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 

@@ -1,4 +1,4 @@
-"""A prompt longer than the model's context is refused before Ray starts, in one line."""
+"""A prompt longer than the model's context is refused before any actor starts, in one line."""
 
 from __future__ import annotations
 
@@ -13,13 +13,19 @@ from ember_rollout.families import write_family_checkpoint
 
 
 @pytest.fixture
-def no_ray(monkeypatch):
+def nothing_starts(monkeypatch):
+    """Fail the test if the run's actors start: under Ray, or in this process (the default
+    config's runtime)."""
+    from ember.runtimes import LocalRuntime, RayRuntime
+
     monkeypatch.setenv("EMBER_VERBOSE", "0")
 
     def refuse(*args, **kwargs):
-        raise AssertionError("ray.init was called")
+        raise AssertionError("the run's runtime was started")
 
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(LocalRuntime, "start", refuse)
+    monkeypatch.setattr(RayRuntime, "start", refuse)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +53,7 @@ def _train(capsys, *settings):
 
 
 def test_a_prompt_longer_than_the_context_names_itself_and_the_limit(
-    tmp_path, capsys, no_ray, short_context_model
+    tmp_path, capsys, nothing_starts, short_context_model
 ):
     path = _prompts(tmp_path, "copy 12 =", "copy " + "1" * 31 + " =")
     status, line, seconds = _train(
@@ -66,7 +72,7 @@ def test_a_prompt_longer_than_the_context_names_itself_and_the_limit(
 
 
 def test_prompts_that_fit_pass_and_the_explicit_limit_is_named(
-    tmp_path, capsys, no_ray, short_context_model
+    tmp_path, capsys, nothing_starts, short_context_model
 ):
     from ember.config import check_inputs, load_config
 

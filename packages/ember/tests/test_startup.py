@@ -102,25 +102,33 @@ def _processes_with(marker: str) -> list[str]:
     return found
 
 
-@pytest.mark.slow  # the default job for one rollout, with Ray
-def test_profile_startup_times_every_process_and_the_run_leaves_none_behind(tmp_path):
+@pytest.mark.slow  # the default job for one rollout
+@pytest.mark.parametrize("runtime", ["in-process", "ray"])
+def test_profile_startup_times_every_process_and_the_run_leaves_none_behind(tmp_path, runtime):
     trace = tmp_path / "trace.tsv"
     run_dir = tmp_path / "run"
     env = {**os.environ, TRACE_ENV: str(trace)}
+    # The default job runs in one process (ray.enabled=auto); under Ray each role is a process
+    # of Ray's, whose reaping at the end is what the Ray variant checks.
+    forced = ["--set", "ray.enabled=true"] if runtime == "ray" else []
     subprocess.run(
         [sys.executable, "-m", "ember.cli", "train", "--set", "run.num_rollouts=1",
-         "--set", f"run.dir={run_dir}"],
+         "--set", f"run.dir={run_dir}", *forced],
         env=env, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
-    # Every process Ray started inherited the variable: none may outlive the command.
+    # Every process the run started (Ray's, under Ray) inherited the variable: none may outlive
+    # the command.
     assert _processes_with(str(trace)) == []
     rows = profile_startup.read_trace(trace)
     steps: dict[str, list[tuple[float, str]]] = {}
+    pids: dict[str, set[str]] = {}
     for when, process, step in rows:
-        steps.setdefault(process.split("[")[0], []).append((when, step))
+        name, _, pid = process.partition("[")
+        steps.setdefault(name, []).append((when, step))
+        pids.setdefault(name, set()).add(pid)
     order = {name: [s for _, s in seen] for name, seen in steps.items()}
     # Each actor records its process start, its __init__, and its own steps, in that order;
-    # they reach the trace through the environment the local Ray's workers inherit.
+    # under Ray they reach the trace through the environment the local Ray's workers inherit.
     assert order["rank 0"] == ["process started", "actor created",
                                "megatron-core imported, process group joined",
                                "model built"]  # fmt: skip
@@ -128,13 +136,23 @@ def test_profile_startup_times_every_process_and_the_run_leaves_none_behind(tmp_
                                "model loaded"]  # fmt: skip
     assert order["manager"] == ["process started", "actor created", "libraries imported"]
     driver = order["driver"]
-    assert driver[:3] == ["process started", "config loaded and checked", "ray.init starts"]
+    if runtime == "ray":
+        assert driver[:3] == ["process started", "config loaded and checked", "ray.init starts"]
+        pairs = [("ray.init done", "actors created"), ("actors shut down", "ray shut down")]
+        # A process of its own for each role.
+        assert len({pid for name in ("driver", "rank 0", "engine", "manager")
+                    for pid in pids[name]}) == 4  # fmt: skip
+    else:
+        assert driver[:3] == ["process started", "config loaded and checked", "actors created"]
+        assert "ray.init starts" not in driver and "ray shut down" not in driver
+        pairs = []
+        # Every role is an object in the driver's process.
+        assert pids["rank 0"] == pids["engine"] == pids["manager"] == pids["driver"]
     for before, after in [
-        ("ray.init done", "actors created"),
+        *pairs,
         ("trainer built", "initial weights exported"),
         ("initial weights exported", "engines started"),
         ("rollout 0 trained", "checkpoint 0 saved"),
-        ("actors shut down", "ray shut down"),
     ]:
         assert driver.index(before) < driver.index(after)
     assert "plots written" in driver and (run_dir / "plots" / "reward.png").is_file()
