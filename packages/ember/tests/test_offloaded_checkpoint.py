@@ -45,9 +45,7 @@ def samples(vocab: int) -> list[Sample]:
 def rank():
     had_group = torch.distributed.is_initialized()
     config, _ = load_config("default", overrides=SMALL)
-    actor = ember.actors.TrainRank.__ray_actor_class__(
-        config.to_dict(), rank=0, world_size=1, threads=None
-    )
+    actor = ember.actors.TrainRank(config.to_dict(), rank=0, world_size=1, threads=None)
     actor.setup(None)
     try:
         yield actor

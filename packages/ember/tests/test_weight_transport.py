@@ -144,7 +144,7 @@ def test_a_gpu_trainer_forms_a_gloo_group_with_a_cpu_sglang_server(monkeypatch):
     engine = SimpleNamespace(
         weight_group_size=_Call([], 1), join_weights_group=_Call(joins, "joined")
     )
-    cls = ember.actors.TrainRank.__ray_actor_class__
+    cls = ember.actors.TrainRank
     rank = cls.__new__(cls)
     rank.config = config
 

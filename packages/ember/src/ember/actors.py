@@ -1,4 +1,8 @@
-"""Ray actors: one per training rank (a Megatron worker) and one per rollout engine."""
+"""The actor classes: one per training rank (a Megatron worker) and one per rollout engine.
+
+Plain classes: `ember.runtimes` makes them Ray actors (`RayRuntime`) or builds them in the
+driver's process (`LocalRuntime`); the methods that run beside the default calls name their
+concurrency group (`ember.calls.concurrency_group`), which both runtimes honour."""
 
 from __future__ import annotations
 
@@ -7,13 +11,13 @@ import datetime
 import inspect
 import logging
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
 from ember import calls
@@ -37,7 +41,8 @@ def _hide_ungranted_gpus() -> None:
     classes run in the caller's process) it does nothing: `ray.get_gpu_ids()` would start a
     local Ray there.
     """
-    if ray.is_initialized() and not ray.get_gpu_ids():
+    ray = sys.modules.get("ray")  # an actor in the driver's process has no Ray to ask
+    if ray is not None and ray.is_initialized() and not ray.get_gpu_ids():
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
@@ -160,7 +165,6 @@ def _drop_weight_group(group: Any, engines: list[Any]) -> None:
         )
 
 
-@ray.remote
 class TrainRank:
     """One data-parallel training rank: a torch.distributed process holding a Megatron worker.
 
@@ -521,7 +525,6 @@ HEALTH_CALLS = "health"
 answered while `generate` runs (an engine that cannot answer it is hung)."""
 
 
-@ray.remote(concurrency_groups={HEALTH_CALLS: 1})
 class RolloutEngine:
     """One rollout engine: it generates the prompt groups the `RolloutManager` sends it, and
     nothing else (the prompt stream, rewards and filters live in the manager).
@@ -640,14 +643,14 @@ class RolloutEngine:
         """The served model's shape (`ModelInfo`), or None when the engine cannot tell."""
         return self.engine.model_info
 
-    @ray.method(concurrency_group=HEALTH_CALLS)
+    @calls.concurrency_group(HEALTH_CALLS)
     def health(self, timeout_s: float = 10.0) -> str | None:
         """Why this engine cannot serve, or None: answered on a thread of its own beside
         `generate` (`Engine.probe`: for SGLang, its servers' processes and GET /health)."""
         engine = self.engine
         return None if engine is None else engine.probe(timeout_s)
 
-    @ray.method(concurrency_group=HEALTH_CALLS)
+    @calls.concurrency_group(HEALTH_CALLS)
     def process(self) -> tuple[int, str]:
         """This actor's pid and node address, for the errors that name it."""
         return os.getpid(), calls.node_address()
@@ -842,20 +845,20 @@ WEIGHT_METHODS = (
 
 def _on_weight_thread(name: str) -> Callable[..., Any]:
     """`RolloutEngine` method `name`, put in the `WEIGHT_CALLS` concurrency group."""
-    method = getattr(RolloutEngine.__ray_actor_class__, name)
+    method = getattr(RolloutEngine, name)
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         return method(self, *args, **kwargs)
 
     # Not functools.wraps: ray 2.60 (actor.py `_ActorClassMethodMetadata.create`) unwraps
     # `__wrapped__` and would read the group from the base method, which has none.
-    call.__name__, call.__qualname__ = name, f"_PartialRolloutEngine.{name}"
+    call.__name__, call.__qualname__ = name, f"PartialRolloutEngine.{name}"
     call.__doc__ = method.__doc__
     call.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
-    return ray.method(concurrency_group=WEIGHT_CALLS)(call)
+    return calls.concurrency_group(WEIGHT_CALLS)(call)
 
 
-class _PartialRolloutEngine(RolloutEngine.__ray_actor_class__):  # type: ignore[name-defined]
+class PartialRolloutEngine(RolloutEngine):
     """`RolloutEngine` for `rollout.partial_rollouts`: its weight calls (`WEIGHT_METHODS`) run
     on a thread of their own, so a push reaches the engine while `generate` runs on the
     actor's default thread (the embedded engine takes the weights between decode steps). Every
@@ -864,11 +867,7 @@ class _PartialRolloutEngine(RolloutEngine.__ray_actor_class__):  # type: ignore[
 
 
 for _name in WEIGHT_METHODS:
-    setattr(_PartialRolloutEngine, _name, _on_weight_thread(_name))
-
-PartialRolloutEngine = ray.remote(concurrency_groups={WEIGHT_CALLS: 1, HEALTH_CALLS: 1})(
-    _PartialRolloutEngine
-)
+    setattr(PartialRolloutEngine, _name, _on_weight_thread(_name))
 
 
 def engine_actor(config: Any) -> Any:

@@ -6,7 +6,7 @@ process. The driver, the rollout manager and the actors make every call the same
   placement groups; `get` and `wait` are Ray's.
 - A `LocalActor` (`ember.runtimes.LocalRuntime`): the same class as a plain object in this
   process. Each concurrency group of the actor (its default calls, and any group its methods
-  name with `ray.method`) gets one thread, so calls run in order per group and the roles run
+  name with `concurrency_group`) gets one thread, so calls run in order per group and the roles run
   at the same time as they do under Ray: the overlapped loop trains on one thread while the
   engine generates on another (torch releases the GIL in its kernels). Nothing is serialised:
   a call's arguments and results are the objects themselves.
@@ -148,9 +148,21 @@ def node_address() -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def concurrency_group(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Put an actor method in concurrency group `name`: one thread of its own, beside the
+    actor's default calls, in this process and under Ray alike. It sets the attribute
+    `ray.method(concurrency_group=...)` sets (ray 2.60 actor.py reads
+    `__ray_concurrency_group__` when it makes a class an actor), without importing Ray."""
+
+    def mark(method: Callable[..., Any]) -> Callable[..., Any]:
+        method.__ray_concurrency_group__ = name  # type: ignore[attr-defined]
+        return method
+
+    return mark
+
+
 def method_groups(cls: type) -> dict[str, str]:
-    """The concurrency group of each method of `cls` that names one (`ray.method`'s
-    `concurrency_group`)."""
+    """The concurrency group of each method of `cls` that names one (`concurrency_group`)."""
     groups = {}
     for name in dir(cls):
         group = getattr(getattr(cls, name, None), "__ray_concurrency_group__", None)

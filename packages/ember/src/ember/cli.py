@@ -432,5 +432,21 @@ def main(argv: list[str] | None = None) -> int:
         return status
 
 
+def entry() -> None:
+    """The `ember` command: `main`, then the process ends without the interpreter's teardown.
+
+    Once `main` returns, everything a command writes is written and closed (metrics, events,
+    checkpoints, plots; Ray stopped, actors' threads joined), and what is left is freeing the
+    modules of torch, transformers and megatron-core one by one: 1.3 s on a 2-core AMD EPYC,
+    a tenth of a one-rollout run. An error that escapes `main` still exits the usual way, with
+    its traceback.
+    """
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

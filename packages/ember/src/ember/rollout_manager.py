@@ -1,4 +1,4 @@
-"""The rollout manager: one Ray actor per run that owns the prompt stream, group sampling,
+"""The rollout manager: one actor per run that owns the prompt stream, group sampling,
 filters and rewards, and spreads each rollout's prompt groups over the engine actors."""
 
 from __future__ import annotations
@@ -10,10 +10,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import ray
-
 from ember import calls
-from ember.failures import EngineFailure, actor_death, errors_held_for_start, kill, probe
+from ember.failures import (
+    EngineFailure,
+    actor_death,
+    errors_held_for_start,
+    is_actor_error,
+    kill,
+    probe,
+)
 from ember_core.types import Sample
 from ember_rollout.rollout import PromptGroup, RolloutBatch
 
@@ -179,13 +184,13 @@ class EnginePool:
             if ready:
                 try:
                     return calls.get(ref)
-                except ray.exceptions.RayActorError as exc:
-                    death = actor_death(exc)
-                    if death is None:
-                        raise
-                    detail = death.detail or "Ray gives no reason"
-                    raise EngineFailure(slot, f"died ({death.where()}): {detail}") from exc
                 except Exception as exc:
+                    if is_actor_error(exc):  # a Ray actor here: Ray is imported
+                        death = actor_death(exc)
+                        if death is None:
+                            raise
+                        detail = death.detail or "Ray gives no reason"
+                        raise EngineFailure(slot, f"died ({death.where()}): {detail}") from exc
                     # A server that went away fails the call; anything else is the call's own.
                     why = probe(engine, ft.health_check_timeout_s)
                     if why is None:
@@ -224,7 +229,6 @@ CONTROL_CALLS = "control"
 a rollout generates on the default thread."""
 
 
-@ray.remote(concurrency_groups={CONTROL_CALLS: 1})
 class RolloutManager:
     """Generates rollouts over `ray.num_engines` engine actors: the run's one `RolloutGenerator`
     (prompt stream, group sampling, dynamic filter, rewards) around an `EnginePool`.
@@ -300,17 +304,17 @@ class RolloutManager:
         batch.metrics.update(self.pool.metrics())
         return batch
 
-    @ray.method(concurrency_group=CONTROL_CALLS)
+    @calls.concurrency_group(CONTROL_CALLS)
     def engine_failures(self) -> dict[int, str]:
         """The slots whose engine failed and awaits a replacement, with why."""
         return self.pool.failed_slots()
 
-    @ray.method(concurrency_group=CONTROL_CALLS)
+    @calls.concurrency_group(CONTROL_CALLS)
     def fail_engine(self, slot: int, reason: str) -> None:
         """Take engine `slot` out of the pool (the driver's probe found it failed)."""
         self.pool.fail(slot, reason)
 
-    @ray.method(concurrency_group=CONTROL_CALLS)
+    @calls.concurrency_group(CONTROL_CALLS)
     def install_engine(self, slot: int, engine: Any) -> None:
         """Put a replacement, holding the trainer's current weights, in `slot`."""
         self.pool.install(slot, engine)

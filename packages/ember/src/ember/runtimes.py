@@ -7,13 +7,14 @@ code for both. `choose_runtime` picks one from the config (`ray.enabled`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from ember import processes
-from ember.calls import LocalActor
+from ember.calls import LocalActor, method_groups
 from ember.layout import in_process, plan_layout
 from ember.placement import Placement
 from ember.quiet import VERBOSE_ENV, verbose
@@ -62,11 +63,10 @@ class LocalRuntime:
         return Placement(layout=plan_layout(config))
 
     def create(self, actor_class: Any, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        """`actor_class` (a `@ray.remote` class) built in this process, under the name
-        `role`; Ray's `options` do not apply here."""
+        """`actor_class` built in this process, under the name `role`; Ray's `options` do not
+        apply here."""
         role = kwargs.pop("role")
-        cls = getattr(actor_class, "__ray_actor_class__", actor_class)
-        actor = LocalActor(cls, args, kwargs, name=role)
+        actor = LocalActor(actor_class, args, kwargs, name=role)
         self.actors.append(actor)
         return actor
 
@@ -139,8 +139,9 @@ class RayRuntime:
         return Placement.create(config)
 
     def create(self, actor_class: Any, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """`actor_class` as a Ray actor (`ray_actor`) with Ray's `options`."""
         kwargs.pop("role")
-        return actor_class.options(**options).remote(*args, **kwargs)
+        return ray_actor(actor_class).options(**options).remote(*args, **kwargs)
 
     def log_tail(self, pid: str | None) -> str | None:
         """The last non-empty line the worker process `pid` wrote to stderr (Ray's session
@@ -172,6 +173,18 @@ class RayRuntime:
             logger.warning("killed %d process(es) Ray left running", len(killed))
         self.started, self._processes = False, set()
         mark("driver", "ray shut down")
+
+
+@functools.cache
+def ray_actor(cls: type) -> Any:
+    """`cls` as a Ray actor class, with a thread for each concurrency group its methods name
+    (`ember.calls.concurrency_group`)."""
+    import ray
+
+    groups = sorted(set(method_groups(cls).values()))
+    if not groups:
+        return ray.remote(cls)
+    return ray.remote(concurrency_groups=dict.fromkeys(groups, 1))(cls)
 
 
 def choose_runtime(config: Any) -> tuple[LocalRuntime | RayRuntime, str]:
