@@ -615,6 +615,7 @@ def test_a_partial_rollout_engine_takes_a_broadcast_while_it_generates(ray_sessi
     import ray
 
     from ember.actors import WEIGHT_CALLS, PartialRolloutEngine, _meet, engine_actor
+    from ember.runtimes import ray_actor
     from ember_megatron_backend.parallel import free_port
     from ember_megatron_backend.weight_sync import WeightGroup, bucket_weights
     from ember_rollout.config import TinyModelConfig
@@ -630,8 +631,10 @@ def test_a_partial_rollout_engine_takes_a_broadcast_while_it_generates(ray_sessi
     pushed = dict(
         iter_checkpoint(write_tiny_checkpoint(tmp_path / "new", TinyModelConfig(init_seed=1)))
     )
-    engine = PartialRolloutEngine.options(num_cpus=0).remote(
-        config.to_dict(), model_path=str(initial), threads=1
+    engine = (
+        ray_actor(PartialRolloutEngine)
+        .options(num_cpus=0)
+        .remote(config.to_dict(), model_path=str(initial), threads=1)
     )
 
     def slow_decoder(actor: Any) -> None:
