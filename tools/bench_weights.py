@@ -126,6 +126,7 @@ def measure(preset: str, path: str, pushes: int, bucket_mb: int) -> dict[str, An
 
     overrides = [
         *PRESETS[preset],
+        "ray.enabled=true",  # the object store path is Ray's: every role a Ray actor
         "ray.threads_per_actor=1",
         "ray.num_cpus=2",
         f"weights.bucket_mb={bucket_mb}",
@@ -136,7 +137,7 @@ def measure(preset: str, path: str, pushes: int, bucket_mb: int) -> dict[str, An
     config, _ = load_config("default", overrides=overrides)
     with tempfile.TemporaryDirectory() as run_dir:
         driver = Driver(config, Path(run_dir))
-        driver.start_ray()
+        driver.start()
         try:
             driver.build()
             train, engines = driver.actors.train, driver.actors.engines
