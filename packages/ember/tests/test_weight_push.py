@@ -307,7 +307,7 @@ def test_a_direct_push_lands_the_trainers_exact_weights_inside_a_session(in_proc
     the driver opens; a bucket handed over outside a session is refused."""
     import re
 
-    from ember.weight_push import weight_transport
+    from ember.config import weight_transport
     from ember_rollout.engine import EngineError
     from ember_rollout.hf_engine import OUTSIDE_SESSION
     from ember_rollout.models import _resolve, naming_of

@@ -21,6 +21,7 @@ import concurrent.futures as cf
 import copy
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,33 +84,19 @@ def wait(
         import ray
 
         return ray.wait(refs, num_returns=num_returns, timeout=timeout, fetch_local=fetch_local)
-    futures = {ref.future: ref for ref in refs}
+    futures = [ref.future for ref in refs]
+    deadline = None if timeout is None else time.monotonic() + timeout
     done: set[cf.Future] = set()
-    remaining = timeout
-    clock = _Clock(timeout)
     while len(done) < num_returns:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         newly, _ = cf.wait(
-            [f for f in futures if f not in done],
-            timeout=remaining,
-            return_when=cf.FIRST_COMPLETED,
+            [f for f in futures if f not in done], timeout=left, return_when=cf.FIRST_COMPLETED
         )
-        done |= newly
-        remaining = clock.left()
-        if not newly or (remaining is not None and remaining <= 0):
+        if not newly:  # the timeout passed
             break
+        done |= newly
     ready = [ref for ref in refs if ref.future in done]
     return ready, [ref for ref in refs if ref.future not in done]
-
-
-class _Clock:
-    def __init__(self, timeout: float | None) -> None:
-        import time
-
-        self._time = time.monotonic
-        self._end = None if timeout is None else self._time() + timeout
-
-    def left(self) -> float | None:
-        return None if self._end is None else max(0.0, self._end - self._time())
 
 
 def is_ray_actor(handle: Any) -> bool:

@@ -4,6 +4,7 @@ opens and closes the engines' weight-update sessions; it never holds a weight.""
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 from ember import calls
 from ember.checkpoints import checkpoint_name
+from ember.config import weight_transport
 from ember.versions import INITIAL_WEIGHT_VERSION
 
 logger = logging.getLogger(__name__)
@@ -21,21 +23,18 @@ SESSION_TRANSPORTS = ("broadcast", "ipc", "direct")
 """The transports that load weights inside a weight-update session on every engine."""
 
 
-def weight_transport(config: Any) -> str:
-    """The transport that carries the trainer's weights to this run's engines: one of
-    `ember.config.WEIGHT_TRANSPORTS` (`weights.transport`, auto resolved, checked against the
-    engine kind and the placement; see `ember.config.weight_transport`)."""
-    from ember.config import weight_transport as resolve
-
-    return resolve(config)
-
-
 class WeightPush:
     """Pushes the trainer's weights to the engines of `driver` (a `Driver`), mending failed
     engines around each push (`driver.mender`)."""
 
     def __init__(self, driver: Any) -> None:
         self.driver = driver
+
+    @functools.cached_property
+    def transport(self) -> str:
+        """The run's transport (`ember.config.weight_transport`: auto resolved and checked
+        against the engine kind and the placement), resolved once for the run."""
+        return weight_transport(self.driver.config)
 
     @property
     def _actors(self) -> Any:
@@ -69,7 +68,7 @@ class WeightPush:
 
     def send(self, version: str, engines: list[Any] | None = None) -> None:
         """The trainer's current weights, as `version`, into `engines` (None: every engine)."""
-        transport = weight_transport(self.driver.config)
+        transport = self.transport
         if transport == "disk":
             self._disk(version, engines)
         else:
@@ -150,7 +149,7 @@ class WeightPush:
         loaded = calls.get([e.loaded_model_path.remote() for e in engines])
         if all(loaded):
             return
-        transport = "disk" if driver.rollout_only else weight_transport(driver.config)
+        transport = "disk" if driver.rollout_only else self.transport
         if transport != "disk":
             # Engines that loaded hf_init get the same weights again: a broadcast or a
             # bucket goes to every engine at once. The trainer sends, so it takes the GPUs.
