@@ -50,15 +50,19 @@ checks and the routing metrics need both (the default overlaps them and takes th
 log-probs from the engine)."""
 
 
-# The default family, and the one whose engine weights and routing differ most from it
-# (multi-latent attention and a sigmoid router with bias and groups). Every family's weights
-# and replayed routing are checked without Ray in test_moe_families.py and test_r3_megatron.py.
-@pytest.mark.parametrize("model", ["tiny-moe", "tiny-deepseek-v3"])
-def test_r3_and_kl_checker_in_ci_mode(tmp_path, model):
+# The default family, the one whose engine weights and routing differ most from it
+# (multi-latent attention and a sigmoid router with bias and groups), both in one process, and
+# Mixtral (its own checkpoint names) with every actor a Ray actor. Every family's weights and
+# replayed routing are checked without a run in test_moe_families.py and test_r3_megatron.py.
+@pytest.mark.parametrize(
+    ("model", "ray"), [("tiny-moe", "auto"), ("tiny-deepseek-v3", "auto"), ("tiny-mixtral", "true")]
+)
+def test_r3_and_kl_checker_in_ci_mode(tmp_path, model, ray):
     run = ember(
         "--plugins", "r3_routing,ci_kl_checker",
         "--set", "ci.test=true",
         "--set", f"train.model={model}",
+        "--set", f"ray.enabled={ray}",
         *ON_POLICY,
         "--set", "run.num_rollouts=2",
         "--set", "run.save_interval=0",
@@ -81,6 +85,7 @@ def test_r3_and_kl_checker_in_ci_mode(tmp_path, model):
             f"routing {r['rollout/routing_agreement']:.4f} (replayed 1.0000)"
         )
         assert line in out, (line, out[-3000:])
+    assert ("actors: ray (" if ray == "true" else "actors: in-process (") in out
 
 
 def test_the_readme_r3_and_ci_command_audits_the_default_loop(tmp_path):

@@ -75,12 +75,13 @@ class Run:
         return self.process.wait(timeout=timeout)
 
     def engines(self) -> list[psutil.Process]:
-        """The live engine actors' processes (Ray titles them ray::RolloutEngine)."""
+        """The live engine actors' processes (Ray titles them ray::RolloutEngine, or
+        ray::PartialRolloutEngine under partial rollouts)."""
         found = []
         for pid in processes.descendants([self.process.pid]):
             try:
                 proc = psutil.Process(pid)
-                if "ray::RolloutEngine" in " ".join(proc.cmdline()):
+                if re.search(r"ray::(Partial)?RolloutEngine\b", " ".join(proc.cmdline())):
                     found.append(proc)
             except psutil.Error:
                 continue
@@ -153,6 +154,31 @@ def test_a_killed_or_hung_engine_is_replaced_and_the_run_completes(tmp_path, ref
                 assert mine[key] == value, (mine["rollout_id"], key)
             else:
                 assert mine[key] == pytest.approx(value, abs=1e-5), (mine["rollout_id"], key)
+
+
+def test_an_engine_killed_under_partial_rollouts_is_replaced_once(tmp_path):
+    """With partial rollouts the driver pushes, probes and replaces while the manager's round
+    still runs: the replacement must serve to the end (the dead engine's late failure is the
+    dead engine's, not its slot's), the one failure counted once, every audit passing."""
+    run = Run(tmp_path / "run", "--set", "rollout.partial_rollouts=true",
+              "--set", "rollout.max_staleness=2")  # fmt: skip
+    run.wait_for(lambda: 3 in logged_rollouts(run.dir))
+    victim = run.engines()[-1]
+    victim.kill()
+    run.wait_for(lambda: "replaced (pid" in run.output)
+    replacement = int(re.search(r"rollout engine \d replaced \(pid (\d+)\)", run.output)[1])
+    run.wait_for(lambda: 10 in logged_rollouts(run.dir))  # rounds after the replacement
+    assert psutil.pid_exists(replacement), run.output[-3000:]
+    assert run.finish() == 0, run.output[-3000:]
+    output = run.output
+    rollouts = rollout_records(run.dir)
+    assert [r["rollout_id"] for r in rollouts] == list(range(12))
+    assert sum(r["rollout/engine_failures"] for r in rollouts) == 1.0
+    assert sum(r["rollout/engine_restarts"] for r in rollouts) == 1.0
+    assert len(re.findall(r"starting replacement", output)) == 1, output[-3000:]
+    assert "the 2 engines serve the same weights (sha256 " in output
+    for audit_id in (0, 4, 8):
+        assert re.search(rf"audit rollout {audit_id}\b[^\n]*: first_step_ppo_kl\S* passed", output)
 
 
 def test_a_slot_that_fails_past_its_restarts_stops_the_run_with_one_line(tmp_path):
