@@ -10,6 +10,8 @@ generating when it began. The run is a Ray run's (`ray.enabled=true`: the broadc
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,8 +56,17 @@ class Cluster:
     def get(self, refs: Any) -> Any:
         return [self._finish(r) for r in refs] if isinstance(refs, list) else self._finish(refs)
 
-    def wait(self, refs: list[Ref], *, num_returns: int = 1, fetch_local: bool = True):
-        self.events.append(("wait", sorted(r.rollout_id for r in refs)))
+    def wait(
+        self,
+        refs: list[Ref],
+        *,
+        num_returns: int = 1,
+        timeout: float | None = None,
+        fetch_local: bool = True,
+    ):
+        rollouts = sorted(r.rollout_id for r in refs if r.rollout_id is not None)
+        if rollouts:  # a wait for finished calls (the push's own) is no wait for rollouts
+            self.events.append(("wait", rollouts))
         for ref in refs[:num_returns]:
             self._finish(ref)
         return refs[:num_returns], refs[num_returns:]
@@ -195,3 +206,46 @@ def test_without_partial_rollouts_one_rollout_generates_beside_training_whatever
 def test_with_partial_rollouts_the_rollouts_ahead_stay_queued_across_pushes(tmp_path, monkeypatch):
     cluster = drive(tmp_path, monkeypatch, partial=True, k=4, iterations=6)
     assert cluster.training_beside == [[i + 1, i + 2, i + 3, i + 4] for i in range(6)]
+
+
+class HeldEngine:
+    """An engine whose `generate` is held (as after a push that stopped partway, until a
+    complete one that a stopping run never sends), so its `shutdown` queues behind it."""
+
+    release = threading.Event()
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def generate(self, groups: Any) -> list:
+        self.release.wait(60)
+        return []
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+
+def test_shutdown_kills_an_engine_that_does_not_stop_within_its_bound(
+    tmp_path, monkeypatch, caplog
+):
+    import ember.driver
+
+    monkeypatch.setattr(ember.driver, "ENGINE_SHUTDOWN_S", 0.5)
+    monkeypatch.setattr(HeldEngine, "release", threading.Event())
+    config, _ = load_config("default", overrides=[f"run.dir={tmp_path}"])
+    driver = Driver(config, tmp_path, plugins=EmberPlugins())
+    held = ember.calls.LocalActor(HeldEngine, (), {}, name="rollout engine 0")
+    free = ember.calls.LocalActor(HeldEngine, (), {}, name="rollout engine 1")
+    held.generate.remote([])
+    driver.actors = SimpleNamespace(engines=[held, free])
+    started = time.monotonic()
+    try:
+        driver.shutdown()
+        took = time.monotonic() - started
+    finally:
+        HeldEngine.release.set()
+    assert took < 10, took  # not the held generate's 60 s
+    assert free.instance.stopped and not held.instance.stopped
+    assert "a rollout engine did not stop within 0.5 s; killing it" in caplog.text
+    with pytest.raises(RuntimeError, match="was stopped and takes no more calls"):
+        held.shutdown.remote()

@@ -140,6 +140,8 @@ REQUIRED = {
     "/init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size"},
     "/update_weights_from_distributed": {"names", "dtypes", "shapes"},
 }
+HEALTH_PATHS = ("/health", "/health_generate")
+"""sglang 0.5.23's health routes: each a one-token generate (http_server.py)."""
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 """sglang 0.5.23 constants.py GPU_MEMORY_ALL_TYPES: what `tags` null or [] stands for."""
 TENSOR_LOAD_FORMATS = (None, "direct", "flattened_bucket")
@@ -525,10 +527,12 @@ class ServerState:
 
     def guard(self, path: str) -> web.Response | None:
         """Refuse generation and weight loads into released memory (the real scheduler reads
-        or writes unmapped GPU memory and dies)."""
-        if path == "/generate" and self.released:
+        or writes unmapped GPU memory and dies). GET /health is a generation too: sglang
+        0.5.23 answers it with a one-token generate of input [0] (http_server.py
+        `health_generate`, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION true by default)."""
+        if path in ("/generate", *HEALTH_PATHS) and self.released:
             return error_answer(
-                f"generate while {sorted(self.released)} memory is released; call "
+                f"{path.lstrip('/')} while {sorted(self.released)} memory is released; call "
                 "/resume_memory_occupation first"
             )
         if path.startswith("/update_weights") and "weights" in self.released:
@@ -625,6 +629,7 @@ class FakeSGLang:
         weight_version: str = "default",
         radix_cache: bool = True,
         fail_pause_on: tuple[int, ...] = (),
+        health_s: float = 0.0,
     ):
         self.bodies: list[dict] = []
         self.radix_cache = radix_cache
@@ -633,6 +638,9 @@ class FakeSGLang:
         """Whether the servers keep their radix cache (launched without --disable-radix-cache)."""
         self.respond = respond
         self.healthy = healthy
+        self.health_s = health_s
+        """How long GET /health takes: sglang 0.5.23 answers once the scheduler returns its
+        one-token generate, polled each second for up to SGLANG_HEALTH_CHECK_TIMEOUT (20 s)."""
         self.hold = hold
         self.in_flight = 0
         self.peak = 0
@@ -705,6 +713,7 @@ class FakeSGLang:
         return web.Response(status=200)
 
     async def _health(self, request):
+        await asyncio.sleep(self.health_s)
         return web.Response(status=200 if self.healthy else 503)
 
     async def _pause(self, request):

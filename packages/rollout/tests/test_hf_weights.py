@@ -302,8 +302,8 @@ def test_broadcast_updates_refuse_what_sglang_refuses(other_checkpoint, tmp_path
         assert torch.equal(embed, before)
         await engine.update_weights_from_distributed(*meta, group_name=group, weight_version="0")
         assert torch.equal(embed, named["model.embed_tokens.weight"])
-        # One tensor is not a whole model: the version stays.
-        with pytest.raises(EngineError, match="leaves out .*keeps serving weight version '-1'"):
+        # One tensor is not a whole model, and it was copied: no version names the mix.
+        with pytest.raises(EngineError, match="leaves out .*serves no weight version until"):
             await engine.end_weight_update()
         with pytest.raises(EngineError, match="no weight-update session is open"):
             await engine.end_weight_update()
@@ -313,6 +313,8 @@ def test_broadcast_updates_refuse_what_sglang_refuses(other_checkpoint, tmp_path
 
     with sender(tmp_path, [wrong[1], good[1]]) as join:
         asyncio.run(refusals(join))
-    assert engine.weight_version == "-1"
+    assert engine.weight_version is None
+    with pytest.raises(EngineError, match="serves no weight version until"):
+        sample(engine)
     with pytest.raises(ValueError, match="backend='nccl': the hf engine receives weights over"):
         asyncio.run(engine.init_weights_update_group(**{**join, "backend": "nccl"}))

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TINY, make_engine
 from test_hf_engine import PROMPTS, requests
 from torch import nn
@@ -61,6 +62,28 @@ def test_a_weight_load_repacks_before_the_next_forward():
     after, want = logits(packed, [PROMPTS[1]]), logits(other, [PROMPTS[1]])
     assert not torch.allclose(before, want, atol=1e-3)
     torch.testing.assert_close(after, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_whose_storage_is_replaced_repacks_before_the_next_forward():
+    """`param.data = t` (and a new Parameter in the layer) leaves the version counter as it
+    was; the packed copy must follow the new storage all the same."""
+    packed, other = tiny_model(), tiny_model(seed=11)
+    pack_linears(packed, batch_hint=4, min_elements=0)
+    before = logits(packed, [PROMPTS[1]])
+    wanted = dict(other.named_parameters())
+    for name, param in packed.named_parameters():
+        param.data = wanted[name].detach().clone()
+    after, want = logits(packed, [PROMPTS[1]]), logits(other, [PROMPTS[1]])
+    assert not torch.allclose(before, want, atol=1e-3)
+    torch.testing.assert_close(after, want, rtol=1e-5, atol=1e-5)
+    # A new Parameter of the same version counter (0) in the layer: followed too.
+    layer = next(m for m in packed.modules() if isinstance(m, PackedLinear))
+    x = torch.randn(3, layer.in_features)
+    for _ in range(2):  # the second replacement may reuse the first one's freed memory
+        new = torch.randn_like(layer.weight)
+        layer.weight = nn.Parameter(new, requires_grad=False)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), F.linear(x, new, layer.bias))
 
 
 def test_training_and_other_dtypes_run_unpacked():

@@ -300,6 +300,160 @@ def test_without_partial_rollouts_a_weight_load_waits_for_generate(models):
             assert lp == pytest.approx(allowed[token], abs=1e-5)
 
 
+# -- a push that stops partway -------------------------------------------------------------------
+
+EMBED = "model.embed_tokens.weight"
+UNVERSIONED = "serves no weight version until a complete update"
+
+
+def complete_push(target: HFEngine, new: dict[str, torch.Tensor], version: str) -> None:
+    """Every tensor of `new` in two buckets of one session, `version` with the last."""
+    named = list(new.items())
+    half = len(named) // 2
+
+    async def push() -> None:
+        await target.begin_weight_update()
+        await target.update_weights_in_session(named[:half])
+        await target.update_weights_in_session(named[half:], weight_version=version)
+        await target.end_weight_update()
+
+    asyncio.run(push())
+
+
+def test_a_refused_push_leaves_no_version_and_generation_waits_for_a_complete_one(models):
+    """Buckets are copied as they arrive: a session that closes incomplete (an engine of the
+    push died, the sender failed) leaves weights of two versions, which no version names. The
+    engine then serves none, and with partial rollouts generation waits behind the closed gate
+    until a complete push, and runs on that."""
+    _, new_ref = models
+    target = engine(partial_rollouts=True)
+    target.weight_version = "3"
+    embed = target.model.get_input_embeddings().weight
+
+    async def refused() -> None:
+        await target.begin_weight_update()
+        zeros = [(EMBED, torch.zeros_like(embed))]
+        await target.update_weights_from_tensors(zeros, partial=True)
+        with pytest.raises(EngineError, match=f"leaves out .*{UNVERSIONED}"):
+            await target.end_weight_update()
+
+    asyncio.run(refused())
+    assert not embed.any(), "the bucket was copied as it arrived"
+    assert target.weight_version is None, "weights of two versions carry no version"
+    reqs = requests(TEMPERATURE, max_new_tokens=6, ignore_eos=True, seed=5)
+    thread, result = in_thread(target.generate_sync, reqs)
+    thread.join(0.5)
+    assert thread.is_alive(), "generation ran on weights no version names"
+    complete_push(target, weights(new_ref.model), "4")
+    outputs, wanted = joined(thread, result), new_ref.generate_sync(reqs)
+    for got, want in zip(outputs, wanted, strict=True):
+        n = len(got.output_ids)
+        assert got.meta_info["weight_versions"] == [{"version": "4", "start": 0, "end": n}]
+        # Exact: the same model code, the same seeds, the new weights from the prefill on.
+        assert got.output_log_probs == want.output_log_probs
+
+
+def test_a_decoder_held_by_a_refused_push_continues_on_the_next_complete_one(models):
+    """Mid-generation: the refused session's half of the new weights never reaches a forward;
+    the decoder waits at its next step and continues on the next complete push, and the spans
+    name the old version and the complete one only."""
+    _, new_ref = models
+    target = engine(partial_rollouts=True)
+    target.weight_version = "0"
+    new = weights(new_ref.model)
+    held = HeldForward(target.model, PAUSE_AT, weights(target.model), new)
+    reqs = requests(max_new_tokens=12, ignore_eos=True)[:1]
+    try:
+        thread, result = in_thread(target.generate_sync, reqs)
+        assert held.inside.wait(WAIT_S)
+        opener = threading.Thread(target=lambda: asyncio.run(target.begin_weight_update()))
+        opener.start()
+        deadline = time.monotonic() + WAIT_S
+        while not target._gate.closed:  # closed first; it waits for the held forward to end
+            assert time.monotonic() < deadline, "the session never closed the gate"
+            time.sleep(0.01)
+        held.release()
+        opener.join(WAIT_S)
+        half = list(new.items())[: len(new) // 2]
+
+        async def refused() -> None:
+            await target.update_weights_in_session(half, weight_version="1")
+            with pytest.raises(EngineError, match=UNVERSIONED):
+                await target.end_weight_update()
+
+        asyncio.run(refused())
+        time.sleep(0.3)  # time for a decoder that does not wait to run on the mix
+        assert len(held.seen) == SWITCH, "a forward ran after the refused push"
+        complete_push(target, new, "2")
+        (out,) = joined(thread, result)
+    finally:
+        held.close()
+    assert "mixed" not in held.seen and held.seen[SWITCH:] and set(held.seen[SWITCH:]) == {"new"}
+    n = len(out.output_ids)
+    assert out.meta_info["weight_versions"] == [
+        {"version": "0", "start": 0, "end": SWITCH},
+        {"version": "2", "start": SWITCH, "end": n},
+    ]
+
+
+def test_without_partial_rollouts_weights_no_version_names_refuse_to_generate(models, tmp_path):
+    """The same rule for the in-process copy (`update_weights_in_session`) and without partial
+    rollouts, where nothing can wait behind a gate: `generate` refuses, naming why, until a
+    complete load (from disk here)."""
+    from ember_rollout.models import write_tiny_checkpoint
+
+    target = engine()
+    target.weight_version = "3"
+    embed = target.model.get_input_embeddings().weight
+
+    async def refused() -> None:
+        await target.begin_weight_update()
+        await target.update_weights_in_session([(EMBED, torch.zeros_like(embed))])
+        with pytest.raises(EngineError, match=UNVERSIONED):
+            await target.end_weight_update()
+
+    asyncio.run(refused())
+    assert target.weight_version is None
+    reqs = requests(max_new_tokens=4)
+    for generate in (target.generate_sync, target.generate_uncached):
+        with pytest.raises(EngineError, match=f"weight-update session .*{UNVERSIONED}"):
+            generate(reqs)
+    with pytest.raises(EngineError, match=UNVERSIONED):
+        asyncio.run(target.generate(reqs))
+    # An empty session changes nothing, and does not make the weights whole.
+    asyncio.run(target.begin_weight_update())
+    asyncio.run(target.end_weight_update())
+    with pytest.raises(EngineError, match=UNVERSIONED):
+        target.generate_sync(reqs)
+    checkpoint = write_tiny_checkpoint(tmp_path / "new", NEW)
+    asyncio.run(target.update_weights_from_disk(checkpoint, weight_version="5"))
+    assert target.weight_version == "5"
+    assert [o.meta_info["weight_version"] for o in target.generate_sync(reqs)] == ["5"] * 4
+
+
+def test_a_load_outside_a_session_that_stops_partway_leaves_no_version(models):
+    """A shape that does not fit is refused before anything is copied: the model and its
+    version stay. A copy that fails midway (a tensor whose data cannot be read, last) leaves
+    the tensors before it copied: no version names that."""
+    _, new_ref = models
+    target = engine()
+    target.weight_version = "3"
+    before = weights(target.model)
+    named = list(weights(new_ref.model).items())
+    last = named[-1][0]
+    misfit = [*named[:-1], (last, torch.zeros(3, 1))]
+    with pytest.raises(ValueError, match=rf"{last}.*shape"):
+        asyncio.run(target.update_weights_from_tensors(misfit, weight_version="4"))
+    assert target.weight_version == "3"
+    assert all(torch.equal(v, before[k]) for k, v in target.model.state_dict().items())
+    unreadable = [*named[:-1], (last, torch.empty(named[-1][1].shape, device="meta"))]
+    with pytest.raises(NotImplementedError, match="meta"):
+        asyncio.run(target.update_weights_from_tensors(unreadable, weight_version="4"))
+    assert target.weight_version is None
+    with pytest.raises(EngineError, match=f"failed after copying part of it.*{UNVERSIONED}"):
+        target.generate_sync(requests(max_new_tokens=2))
+
+
 # -- samples ------------------------------------------------------------------------------------
 
 

@@ -179,3 +179,42 @@ def test_the_embedded_engine_keeps_its_memory_and_generates_after_a_release(fp32
 
     before, after, out = asyncio.run(main())
     assert before == after and len(out.output_ids) == 2
+
+
+def test_health_is_a_generate_the_fake_refuses_and_the_probe_skips_while_memory_is_released():
+    fake = FakeSGLang()
+
+    async def body(engine):
+        url = engine.urls[0]
+        await engine.release_memory(["kv_cache"])
+        async with aiohttp.ClientSession() as http:  # sglang's GET /health is a generate
+            async with http.get(f"{url}/health") as answer:
+                refused = answer.status, await answer.text()
+        fake.calls.clear()
+        released = await asyncio.to_thread(engine.probe, 5.0), await engine.health()
+        asked_released = list(fake.calls)
+        await engine.resume_memory(["kv_cache"])
+        held = await asyncio.to_thread(engine.probe, 5.0), await engine.health()
+        return refused, released, asked_released, held
+
+    refused, released, asked_released, held = run(fake, body)
+    assert refused[0] == 400 and "memory is released" in refused[1]
+    assert released == (None, True) and asked_released == []  # the server is not asked
+    assert held == (None, True)
+    assert [path for _, path in fake.calls].count("/health") == 2
+
+
+def test_the_probe_asks_every_server_at_once_with_the_timeout_it_is_given():
+    fake = FakeSGLang()
+
+    async def body(engine):
+        fake.health_s = 0.6
+        start = asyncio.get_running_loop().time()
+        healthy = await asyncio.to_thread(engine.probe, 2.0)
+        took = asyncio.get_running_loop().time() - start
+        slow = await asyncio.to_thread(engine.probe, 0.2)
+        return healthy, took, slow
+
+    healthy, took, slow = run(fake, body, n_servers=3)
+    assert healthy is None and took < 1.5  # one after another: 1.8 s at least
+    assert slow is not None and "failed GET /health: timed out" in slow

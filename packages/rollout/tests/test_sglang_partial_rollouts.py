@@ -4,6 +4,7 @@ cache, continues, and the request it overlapped reports one span per version."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from sglang_fake import INFO, NOT_FLUSHED, FakeSGLang, request, run
@@ -173,3 +174,104 @@ def test_a_pause_that_fails_on_one_server_leaves_no_server_paused():
     assert fake.open_sessions == set()
     continued = [s for s, path, _ in fake.weight_calls if path == "/continue_generation"]
     assert sorted(continued) == [0, 1]
+
+
+# -- a push that stops partway --------------------------------------------------------------------
+#
+# sglang 0.5.23 loads each bucket as it arrives, and the sender names the version with the last
+# one: servers whose session ends without it hold weights of two versions under the old label.
+
+UNVERSIONED = "serves no weight version until a complete"
+
+
+def _stop_partway(engine) -> Any:
+    """Begin a session, load one bucket that names no version (not the last), end it."""
+
+    async def push() -> None:
+        await engine.begin_weight_update()
+        await engine.update_weights_from_distributed(*BUCKET, group_name="ember-weights-1")
+        await engine.end_weight_update()
+
+    return push()
+
+
+def test_a_push_that_stops_partway_keeps_generation_paused_until_a_complete_one():
+    fake = FakeSGLang(model_shapes=SHAPES, radix_cache=False)
+
+    async def body(engine):
+        await engine.init_weights_update_group(**JOIN)
+        with pytest.raises(EngineError, match=f"end_weight_update: .*{UNVERSIONED}"):
+            await _stop_partway(engine)
+        assert fake.states[0].paused == "in_place", "generation continued on the mix"
+        generating = asyncio.create_task(engine.generate([request(n=4)]))
+        await asyncio.sleep(0.3)
+        assert not generating.done(), "a request ran on weights no version names"
+        await engine.begin_weight_update()
+        await engine.update_weights_from_distributed(
+            *BUCKET, group_name="ember-weights-1", weight_version="2"
+        )
+        await engine.end_weight_update()
+        (output,) = await asyncio.wait_for(generating, 5)
+        return output
+
+    output = run(fake, body, partial_rollouts=True)
+    paths = [path for _, path, _ in fake.weight_calls]
+    session = ["/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update"]
+    assert paths == [
+        "/init_weights_update_group",
+        "/pause_generation",
+        *session,  # stopped partway: generation stays paused
+        *session,
+        "/continue_generation",
+    ]
+    assert output.weight_spans("sample 0") == [(0, "2")]
+    assert fake.states[0].paused is None
+
+
+def test_without_partial_rollouts_a_push_that_stops_partway_refuses_to_generate():
+    fake = FakeSGLang(model_shapes=SHAPES)
+
+    async def body(engine):
+        await engine.init_weights_update_group(**JOIN)
+        with pytest.raises(EngineError, match=UNVERSIONED):
+            await _stop_partway(engine)
+        sent = len(fake.bodies)
+        with pytest.raises(EngineError, match=f"generate: .*last bucket .*{UNVERSIONED}"):
+            await engine.generate([request()])
+        assert len(fake.bodies) == sent, "refused before anything was sent"
+        # A failed disk load leaves it so; a complete one ends it.
+        with pytest.raises(EngineError, match="no such checkpoint"):
+            await engine.update_weights_from_disk("/missing", weight_version="6")
+        with pytest.raises(EngineError, match=UNVERSIONED):
+            await engine.generate([request()])
+        await engine.update_weights_from_disk("/checkpoint", weight_version="7")
+        (output,) = await engine.generate([request()])
+        return output
+
+    assert run(fake, body).meta_info["weight_version"] == "7"
+
+
+def test_a_bucket_that_fails_leaves_no_version_even_when_it_names_one():
+    fake = FakeSGLang(model_shapes=SHAPES)
+
+    async def body(engine):
+        await engine.init_weights_update_group(**JOIN)
+        await engine.begin_weight_update()
+        with pytest.raises(EngineError, match="Attempted to load weight"):
+            await engine.update_weights_from_distributed(
+                BUCKET[0], BUCKET[1], [[3, 2]], group_name="ember-weights-1", weight_version="2"
+            )
+        with pytest.raises(EngineError, match=f"update_weights_from_distributed .*{UNVERSIONED}"):
+            await engine.end_weight_update()
+        with pytest.raises(EngineError, match=UNVERSIONED):
+            await engine.generate([request()])
+        # The whole update in one request, naming its version: complete.
+        await engine.begin_weight_update()
+        await engine.update_weights_from_distributed(
+            *BUCKET, group_name="ember-weights-1", weight_version="3"
+        )
+        await engine.end_weight_update()
+        (output,) = await engine.generate([request()])
+        return output
+
+    assert run(fake, body).meta_info["weight_version"] == "3"

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 from aiohttp import web
-from sglang_fake import ALREADY_OPEN, NOT_OPEN, OUTSIDE, FakeSGLang, engine_for, run
+from sglang_fake import ALREADY_OPEN, NOT_OPEN, OUTSIDE, FakeSGLang, engine_for, request, run
 
 from ember_rollout.engine import EngineError
 from ember_rollout.sglang_weights import serialize_flattened_bucket, serialize_named_tensors
@@ -75,6 +75,43 @@ def test_failed_tensor_update_still_ends_the_session_on_every_server(cpu_ipc):
     for server in (0, 1):
         assert [path for path, _ in calls_of(fake, server)] == [BEGIN, UPDATE, END] * 2
     assert fake.open_sessions == set()
+
+
+def test_tensor_and_ipc_updates_that_stop_partway_leave_no_version(cpu_ipc):
+    """The rule of broadcast buckets (test_sglang_partial_rollouts.py) for the other session
+    updates: a failed tensor update, or IPC buckets whose last names no version, leave weights
+    no version names; a tensor update naming a version ends that, one naming none cannot."""
+    fake = FakeSGLang(fail_tensor_updates_on=(1,))
+    tensors = weights()
+    flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in tensors])
+    layout = (
+        [n for n, _ in tensors],
+        [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+        [list(t.shape) for _, t in tensors],
+    )
+    unversioned = "serves no weight version until a complete push"
+
+    async def body(engine):
+        with pytest.raises(EngineError, match="bogus"):
+            await engine.update_weights_from_tensors(tensors, weight_version="4")
+        with pytest.raises(EngineError, match=f"generate: .*bogus.*{unversioned}"):
+            await engine.generate([request()])
+        fake.fail_tensor_updates_on = ()
+        await engine.update_weights_from_tensors(tensors)
+        with pytest.raises(EngineError, match=unversioned):
+            await engine.generate([request()])
+        await engine.update_weights_from_tensors(tensors, weight_version="5")
+        (five,) = await engine.generate([request()])
+        payloads = [serialize_flattened_bucket(flat, *layout) for _ in range(2)]
+        await engine.begin_weight_update()
+        await engine.update_weights_from_ipc(payloads)
+        with pytest.raises(EngineError, match=f"last named no weight version.*{unversioned}"):
+            await engine.end_weight_update()
+        with pytest.raises(EngineError, match=unversioned):
+            await engine.generate([request()])
+        return five
+
+    assert run(fake, body, n_servers=2).meta_info["weight_version"] == "5"
 
 
 def test_refused_begin_updates_nothing_and_ends_the_sessions_it_opened(cpu_ipc):
@@ -294,7 +331,9 @@ def test_distributed_updates_refuse_what_sglang_refuses():
             await engine.update_weights_from_distributed(
                 names, dtypes, [[3, 2], [2, 2]], group_name="g"
             )
-        await engine.end_weight_update()
+        # sglang: "The full weights of the ModelRunner are partially updated."
+        with pytest.raises(EngineError, match="an update of the session failed: .*no weight"):
+            await engine.end_weight_update()
         return answers
 
     answers = run(fake, body)

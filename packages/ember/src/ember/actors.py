@@ -644,9 +644,10 @@ class RolloutEngine:
         return self.engine.model_info
 
     @calls.concurrency_group(HEALTH_CALLS)
-    def health(self, timeout_s: float = 10.0) -> str | None:
+    def health(self, timeout_s: float) -> str | None:
         """Why this engine cannot serve, or None: answered on a thread of its own beside
-        `generate` (`Engine.probe`: for SGLang, its servers' processes and GET /health)."""
+        `generate` (`Engine.probe`: for SGLang, its servers' processes and GET /health, each
+        given `timeout_s`, `fault_tolerance.health_check_timeout_s`)."""
         engine = self.engine
         return None if engine is None else engine.probe(timeout_s)
 

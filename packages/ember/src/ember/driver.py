@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 HF_INIT = "hf_init"
 """Run subdirectory with the trainer's initial weights as an HF checkpoint (and the tokenizer)."""
+ENGINE_SHUTDOWN_S = 120.0
+"""How long `Driver.shutdown` waits for an engine to stop before killing it."""
 
 
 @dataclass(slots=True)
@@ -333,7 +335,20 @@ class Driver:
         self.loop.pending.clear()
         try:
             if self.actors is not None:
-                for ref in [e.shutdown.remote() for e in self.actors.engines]:
+                engines = self.actors.engines
+                refs = [e.shutdown.remote() for e in engines]
+                # An engine whose last push stopped partway holds its generation until a
+                # complete one, which a stopping run never sends: a `generate` it runs then
+                # waits, and its shutdown behind it. Wait a bound, then stop it for good.
+                _, stuck = calls.wait(refs, num_returns=len(refs), timeout=ENGINE_SHUTDOWN_S)
+                for engine, ref in zip(engines, refs, strict=True):
+                    if ref in stuck:
+                        logger.warning(
+                            "a rollout engine did not stop within %g s; killing it",
+                            ENGINE_SHUTDOWN_S,
+                        )
+                        calls.kill(engine)
+                        continue
                     try:
                         calls.get(ref)
                     except Exception as exc:

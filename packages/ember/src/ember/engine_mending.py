@@ -104,7 +104,7 @@ class EngineMender:
                 if slot not in failed:
                     why = probe(engine, ft.health_check_timeout_s)
                     if why is not None:
-                        calls.get(manager.fail_engine.remote(slot, why))
+                        calls.get(manager.fail_engine.remote(slot, engine, why))
                         failed[slot] = why
         for slot, why in sorted(failed.items()):
             self.replace(slot, why)

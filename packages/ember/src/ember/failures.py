@@ -73,11 +73,17 @@ class EnginesExhausted(Exception):
     replaced); the message is the run's one-line error."""
 
 
+PROBE_GRACE_S = 5.0
+"""How much longer than its health call's own timeout a probe waits for the engine actor's
+answer, so that an engine whose server timed out says so itself."""
+
+
 def probe(engine: Any, timeout_s: float) -> str | None:
-    """Why `engine` (an engine actor) is not healthy, or None when it is: it answered its
-    health call within `timeout_s` with nothing wrong."""
-    ref = engine.health.remote()
-    ready, _ = calls.wait([ref], timeout=timeout_s)
+    """Why `engine` (an engine actor) is not healthy, or None when it is: its health call,
+    given `timeout_s` (each SGLang server's GET /health gets as long), answered with nothing
+    wrong; an actor that does not answer within `timeout_s` + `PROBE_GRACE_S` is hung."""
+    ref = engine.health.remote(timeout_s)
+    ready, _ = calls.wait([ref], timeout=timeout_s + PROBE_GRACE_S)
     if not ready:
         return f"did not answer a health probe within {timeout_s:g} s (hung)"
     try:

@@ -108,22 +108,27 @@ class EnginePool:
         with self._lock:
             return dict(self.failed)
 
-    def fail(self, slot: int, reason: str) -> None:
-        """Take the engine of `slot` out of the pool and kill it (once)."""
+    def fail(self, slot: int, engine: Any, reason: str) -> None:
+        """Take `engine`, found failed in `slot`, out of the pool and kill it.
+
+        Only while `engine` serves `slot`: its failure counts once, and a report that comes
+        after a replacement took the slot (the driver's probe found the engine dead while a
+        round still waited on its call) leaves the replacement alone, which naming the slot
+        alone would kill.
+        """
         with self._lock:
-            if slot in self.failed:
-                return
+            if slot in self.failed or self.engines[slot] != engine:
+                return  # failed, and killed, already
             self.failed[slot] = reason
             self.failures += 1
-            engine = self.engines[slot]
         logger.warning("rollout engine %d failed: %s; its requests go to the others", slot, reason)
         kill(engine)
 
-    async def _live(self) -> list[int]:
-        """The slots whose engine serves, once there is one."""
+    async def _live(self) -> list[tuple[int, Any]]:
+        """The slots whose engine serves, each with its engine, once there is one."""
         while True:
             with self._lock:
-                live = [k for k in range(len(self.engines)) if k not in self.failed]
+                live = [(k, e) for k, e in enumerate(self.engines) if k not in self.failed]
             if live:
                 return live
             await asyncio.sleep(self.WAIT_FOR_ENGINE_S)
@@ -134,13 +139,13 @@ class EnginePool:
         todo = list(range(len(groups)))
         while todo:
             live = await self._live()
-            owners = assign_groups([sizes[i] for i in todo], [self.in_flight[k] for k in live])
+            owners = assign_groups([sizes[i] for i in todo], [self.in_flight[k] for k, _ in live])
             calls = []
-            for j, k in enumerate(live):
+            for j, (k, engine) in enumerate(live):
                 mine = [i for i, owner in zip(todo, owners, strict=True) if owner == j]
                 if mine:
-                    calls.append((k, mine, sum(sizes[i] for i in mine)))
-            for k, _, load in calls:
+                    calls.append((k, engine, mine, sum(sizes[i] for i in mine)))
+            for k, _, _, load in calls:
                 self.in_flight[k] += load
                 self.requests[k] += load
             try:
@@ -148,18 +153,19 @@ class EnginePool:
                 # and this event loop waits for all of them, in whatever order they finish.
                 results = await asyncio.gather(
                     *(
-                        asyncio.to_thread(self._generate, k, [groups[i] for i in mine])
-                        for k, mine, _ in calls
+                        asyncio.to_thread(self._generate, k, engine, [groups[i] for i in mine])
+                        for k, engine, mine, _ in calls
                     ),
                     return_exceptions=True,
                 )
             finally:
-                for k, _, load in calls:
+                for k, _, _, load in calls:
                     self.in_flight[k] -= load
             todo = []
-            for (k, mine, load), result in zip(calls, results, strict=True):
+            for (k, engine, mine, load), result in zip(calls, results, strict=True):
                 if isinstance(result, EngineFailure):
-                    self.fail(k, result.reason)
+                    # The engine the call went to: a replacement may hold the slot by now.
+                    self.fail(k, engine, result.reason)
                     with self._lock:
                         self.resent += load
                     todo += mine
@@ -171,10 +177,9 @@ class EnginePool:
             todo.sort()
         return out  # type: ignore[return-value]
 
-    def _generate(self, slot: int, groups: list[PromptGroup]) -> list[list[Sample]]:
-        """Engine `slot`'s samples of `groups`; raises `EngineFailure` when it fails meanwhile
-        (with fault tolerance on)."""
-        engine = self.engines[slot]
+    def _generate(self, slot: int, engine: Any, groups: list[PromptGroup]) -> list[list[Sample]]:
+        """The samples of `groups` from `engine`, in `slot`; raises `EngineFailure` when it
+        fails meanwhile (with fault tolerance on)."""
         ref = engine.generate.remote(groups)
         ft = self.fault_tolerance
         if ft is None or not ft.enabled or not calls.is_ray_actor(engine):
@@ -310,9 +315,10 @@ class RolloutManager:
         return self.pool.failed_slots()
 
     @calls.concurrency_group(CONTROL_CALLS)
-    def fail_engine(self, slot: int, reason: str) -> None:
-        """Take engine `slot` out of the pool (the driver's probe found it failed)."""
-        self.pool.fail(slot, reason)
+    def fail_engine(self, slot: int, engine: Any, reason: str) -> None:
+        """Take `engine` out of `slot` (the driver's probe found it failed), unless a
+        replacement holds the slot by now (`EnginePool.fail`)."""
+        self.pool.fail(slot, engine, reason)
 
     @calls.concurrency_group(CONTROL_CALLS)
     def install_engine(self, slot: int, engine: Any) -> None:

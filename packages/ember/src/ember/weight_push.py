@@ -21,6 +21,12 @@ PUSHED_WEIGHTS = "pushed_weights"
 """Run subdirectory of the HF checkpoints the engines load weights from (disk transport)."""
 SESSION_TRANSPORTS = ("broadcast", "ipc", "direct")
 """The transports that load weights inside a weight-update session on every engine."""
+ABORTED_PUSH_WAIT_S = 60.0
+"""How long a failed push waits for the engines to close their weight-update sessions. Over
+NCCL, when one member of the weight group dies mid-bucket the others stay blocked in that
+bucket's broadcast until their watchdog's timeout (the sender's abort reaches only its own
+communicator), their weight calls queued behind it; those engines are handed to engine
+mending as failed, to be replaced with the dead one."""
 
 
 class WeightPush:
@@ -99,9 +105,26 @@ class WeightPush:
             else:
                 self._ipc(version, engines)
         except BaseException:
-            end_sessions(opened, quiet=True)
+            stuck = end_sessions(opened, quiet=True, timeout_s=ABORTED_PUSH_WAIT_S)
+            self._fail_stuck(stuck)
             raise
         end_sessions(opened)
+
+    def _fail_stuck(self, engines: list[Any]) -> None:
+        """Tell the rollout manager that `engines` failed (they did not close their session
+        after a failed push), so that engine mending replaces them; without fault tolerance
+        the push's error ends the run anyway."""
+        if not engines or not self.driver.mender.tolerant():
+            return
+        slots = self._actors.engines
+        why = (
+            f"did not close its weight-update session within {ABORTED_PUSH_WAIT_S:g} s of a "
+            "failed push (blocked in the broadcast of a weight group that lost a member)"
+        )
+        manager = self._actors.manager
+        for engine in engines:
+            if engine in slots:
+                calls.get(manager.fail_engine.remote(slots.index(engine), engine, why))
 
     def _broadcast(self, version: str, engines: list[Any], *, one_off: bool) -> None:
         """Every rank walks the weights; the sending rank broadcasts them to `engines` (with
@@ -168,20 +191,35 @@ class WeightPush:
         )
 
 
-def end_sessions(engines: list[Any], *, quiet: bool = False) -> None:
+def end_sessions(
+    engines: list[Any], *, quiet: bool = False, timeout_s: float | None = None
+) -> list[Any]:
     """Close the weight-update session of every engine; raise the first failure once all
-    answered (log them instead when `quiet`: another error is on its way)."""
+    answered (log them instead when `quiet`: another error is on its way). With `timeout_s`,
+    wait that long for all of them at most; returns the engines that did not answer by then
+    (logged)."""
     refs = [e.end_weight_update.remote() for e in engines]
+    _, late = calls.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
     errors = []
     for ref in refs:
+        if ref in late:
+            continue
         try:
             calls.get(ref)
         except Exception as exc:
             if quiet:
                 logger.error("while closing an engine's weight-update session: %s", exc)
             errors.append(exc)
+    stuck = [e for e, ref in zip(engines, refs, strict=True) if ref in late]
+    if stuck:
+        logger.error(
+            "%d engine(s) did not close their weight-update session within %g s",
+            len(stuck),
+            timeout_s,
+        )
     if errors and not quiet:
         raise errors[0]
+    return stuck
 
 
 def init_complete(model_dir: Path) -> bool:

@@ -68,6 +68,10 @@ SESSION_CLOSED = "no weight-update session is open; call begin_weight_update() f
 OUTSIDE_SESSION = (
     "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
 )
+UNVERSIONED = (
+    "serves no weight version until a complete update arrives (a weight-update session that "
+    "loads every parameter, or a load from disk)"
+)
 
 
 @dataclass(slots=True)
@@ -138,6 +142,17 @@ class HFEngine(Engine):
     the position not yet forwarded (the last sampled token), with the new version's experts, as
     the new version predicts from there.
     Without `partial_rollouts`, a weight load waits for the running `generate` to finish.
+
+    Each bucket is copied into the model as it arrives: staging a whole update until its session
+    closes would hold a second copy of the model. An update that stops partway (a session that
+    closes before every parameter arrived, as when an engine of the push or its sender dies, or
+    a copy that fails midway) therefore leaves weights of two versions. The engine then serves
+    no version (`weight_version` None) and generates nothing until a complete update arrives (a
+    session that loads every parameter, or a disk load), which is what the driver sends next
+    when it mends a failed push. With `partial_rollouts` the gate stays closed meanwhile: a
+    `generate` in progress waits at its next step and continues on the complete weights, its
+    earlier tokens keeping their version. Without, `generate` refuses, naming why. The SGLang
+    engine follows the same rule (`sglang_weights.WeightUpdates`).
     """
 
     kind: ClassVar[str] = "hf"
@@ -172,6 +187,9 @@ class HFEngine(Engine):
         self._info: ModelInfo | None = None
         self._weight_groups: dict[str, Any] = {}
         self._weight_update: _WeightUpdate | None = None
+        self._unversioned: str | None = None
+        """What left the model holding weights that no version names (see the class
+        docstring), or None."""
         if model is not None:
             self._adopt(model)
 
@@ -255,25 +273,32 @@ class HFEngine(Engine):
     ) -> None:
         """Load weights given with their HF checkpoint names (see `load_hf_weights`).
 
-        The names are checked before anything is copied: one the model does not have is an
-        error, and so, unless `partial`, is a parameter of the model that the update leaves out
-        (a name mismatch between trainer and engine would otherwise keep stale weights).
+        The names and shapes are checked before anything is copied: a name the model does not
+        have, or a shape that does not fit, is an error, and so, unless `partial`, is a
+        parameter of the model that the update leaves out (a name mismatch between trainer and
+        engine would otherwise keep stale weights).
 
-        With partial rollouts, inside a weight-update session the tensors count towards the
-        session, like broadcast buckets (`weight_version`, if given, is served once it closes
-        complete); outside one the update is a session of its own, served at once.
+        Inside a weight-update session the tensors count towards the session, like broadcast
+        buckets (`weight_version`, if given, is served once it closes complete); outside one the
+        update is a session of its own, served at once. Outside one, a complete update (not
+        `partial`) also ends the state of weights that no version names (see the class
+        docstring); a `partial` one cannot, and leaves it as it is.
 
         Raises:
-            ValueError: Naming the unknown or the missing names (the first few, and how many).
+            ValueError: Naming the unknown or the missing names (the first few, and how many),
+                or a shape that does not fit.
         """
         await self.start()
         named = list(named_tensors)
-        update = self._weight_update if self.partial_rollouts else None
+        update = self._weight_update
         async with self._loading():
-            check_update_names(self.model, [name for name, _ in named], partial=partial)
+            self._check(named, partial=partial)
             await asyncio.to_thread(self._load, named)
             if update is None:
-                self.weight_version = weight_version
+                if not partial:
+                    self._unversioned = None
+                if self._unversioned is None:
+                    self.weight_version = weight_version
         if update is not None:
             update.names.extend(name for name, _ in named)
             if weight_version is not None:
@@ -283,7 +308,9 @@ class HFEngine(Engine):
     async def _loading(self) -> AsyncIterator[None]:
         """Hold back generation while weights are copied in: whole `generate` calls (the
         asyncio lock), or with partial rollouts the decoder's next step (the gate, which an
-        open session has closed already)."""
+        open session has closed already, and so has a load that stopped partway). The gate
+        opens after a load outside a session unless the weights are then ones no version
+        names."""
         if not self.partial_rollouts:
             async with self._lock:
                 yield
@@ -291,18 +318,54 @@ class HFEngine(Engine):
             assert self._gate.closed, "begin_weight_update closes the gate"
             yield
         else:
-            await asyncio.to_thread(self._gate.close)
+            if self._unversioned is None:
+                await asyncio.to_thread(self._gate.close)
+            assert self._gate.closed, "weights no version names keep the gate closed"
             try:
                 yield
             finally:
-                self._gate.open()
+                if self._unversioned is None:
+                    self._gate.open()
+
+    def _check(self, named: list[tuple[str, torch.Tensor]], *, partial: bool) -> None:
+        """Check every name and shape of `named` against the model before anything is copied.
+
+        Raises:
+            ValueError: Naming the unknown or missing names, or the shape that does not fit.
+        """
+        check_update_names(self.model, [name for name, _ in named], partial=partial)
+        state, naming = self.model.state_dict(keep_vars=True), naming_of(self.model)
+        for name, tensor in named:
+            _resolve(state, name, tensor, naming)
 
     def _load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy `named` into the model (checked already); behind the gate with partial
-        rollouts, which then learns that the weights changed."""
+        rollouts, which then learns that the weights changed. A copy that fails midway leaves
+        weights that no version names."""
         if self.partial_rollouts:
             self._gate.changed()
-        load_hf_weights(self.model, named)
+        try:
+            load_hf_weights(self.model, named)
+        except BaseException as exc:
+            self._lose_version(f"a weight load failed after copying part of it: {exc}")
+            raise
+
+    def _lose_version(self, why: str) -> None:
+        """Record that the model holds weights that no version names, and `why`."""
+        self._unversioned = why
+        self.weight_version = None
+
+    def _refuse_unversioned(self) -> None:
+        """Refuse to generate from weights that no version names.
+
+        Raises:
+            EngineError: Naming what left them.
+        """
+        if self._unversioned is not None:
+            raise EngineError(
+                f"generate: the model holds weights that no version names "
+                f"({self._unversioned}); the engine {UNVERSIONED}"
+            )
 
     async def update_weights_from_disk(
         self, path: str | Path, *, weight_version: str | None = None
@@ -313,7 +376,8 @@ class HFEngine(Engine):
     # A broadcast update follows sglang 0.5.23's protocol (see `Engine`), over gloo into CPU
     # buffers, with one difference: the version a bucket names is served only once the session
     # closes with every parameter of the model loaded, so an incomplete update is refused at
-    # `end_weight_update` and leaves the old version in place.
+    # `end_weight_update`; the buckets it copied stay, and the engine serves no version until a
+    # complete update (see the class docstring).
 
     async def init_weights_update_group(
         self,
@@ -354,19 +418,27 @@ class HFEngine(Engine):
 
     async def begin_weight_update(self) -> None:
         """Open a session; with partial rollouts, also close the decoder's gate, waiting for
-        the decode step in progress to end (see the class docstring)."""
+        the decode step in progress to end (see the class docstring; weights that no version
+        names have kept it closed already)."""
         if self._weight_update is not None:
             raise EngineError(SESSION_OPEN)
-        if self.partial_rollouts:
+        if self.partial_rollouts and self._unversioned is None:
             await asyncio.to_thread(self._gate.close)
         self._weight_update = _WeightUpdate()
 
     async def end_weight_update(self) -> None:
         """Close the session; if it loaded anything, every parameter of the model must have
-        been among it, and then the engine serves the version the last bucket named.
+        been among it, and then the engine serves the version the last bucket named (or, if
+        none named one, the version it served).
 
-        With partial rollouts the decoder's gate opens again either way; a decoder whose
-        weights changed behind it continues from the new ones.
+        A session that loaded some parameters but not all is refused, and the buckets it
+        copied stay: the engine serves no version (`weight_version` None) until a complete
+        update arrives, and generates nothing meanwhile (see the class docstring). A session
+        that loaded nothing changes nothing.
+
+        With partial rollouts the decoder's gate opens again unless the weights are then ones
+        no version names; a decoder whose weights changed behind it continues from the new
+        ones.
 
         Raises:
             EngineError: No session is open, or the update left parameters out (named).
@@ -380,13 +452,15 @@ class HFEngine(Engine):
             try:
                 check_update_names(self.model, update.names)
             except ValueError as exc:
+                self._lose_version("a weight-update session closed without every parameter")
                 raise EngineError(
-                    f"{exc}; the engine keeps serving weight version {self.weight_version!r}"
+                    f"{exc}; the tensors it loaded stay, so the engine {UNVERSIONED}"
                 ) from None
+            self._unversioned = None
             if update.version is not None:
                 self.weight_version = update.version
         finally:
-            if self.partial_rollouts:
+            if self.partial_rollouts and self._unversioned is None:
                 self._gate.open()
 
     async def update_weights_from_distributed(
@@ -463,10 +537,7 @@ class HFEngine(Engine):
         names = [name for name, _ in named]
         async with self._loading():
             try:
-                check_update_names(self.model, names, partial=True)
-                state, naming = self.model.state_dict(keep_vars=True), naming_of(self.model)
-                for name, tensor in named:
-                    _resolve(state, name, tensor, naming)
+                self._check(named, partial=True)
             except ValueError as exc:
                 raise EngineError(f"{what}: {exc}") from None
             await asyncio.to_thread(self._load, named)
@@ -482,7 +553,14 @@ class HFEngine(Engine):
             return await asyncio.to_thread(self.generate_sync, requests)
 
     def generate_sync(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
-        """Blocking `generate`: decodes chunks of `max_batch_size` requests, in order."""
+        """Blocking `generate`: decodes chunks of `max_batch_size` requests, in order.
+
+        Raises:
+            EngineError: Also, without partial rollouts, while the weights are ones no version
+                names (with them, the decoder waits at the closed gate instead).
+        """
+        if not self.partial_rollouts:
+            self._refuse_unversioned()
         if self.model is None:
             self.load()
         outputs: list[GenerateOutput] = []
@@ -722,8 +800,10 @@ class HFEngine(Engine):
         """Generate one request at a time, re-running the full sequence every step (no cache).
 
         The slow reference the batched path is checked against: same sampler, same
-        seeds, but no padding, no batching and no KV cache.
+        seeds, but no padding, no batching and no KV cache. It runs outside the weight gate, so
+        it refuses weights that no version names whatever `partial_rollouts` says.
         """
+        self._refuse_unversioned()
         if self.model is None:
             self.load()
         model, device = self.model, self._device

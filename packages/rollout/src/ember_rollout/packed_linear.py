@@ -7,10 +7,13 @@ weight of the model once more than it multiplies with it. oneDNN can pack a weig
 (`mkldnn._reorder_linear_weight`, as torch's inductor does for frozen CPU graphs) and multiply
 with the packed copy at any row count (`mkldnn._linear_pointwise`).
 
-A packed copy goes stale when the weight changes: each layer keeps the weight's version counter
-(torch bumps it on every in-place write, `copy_` of a weight load included) and packs again on
-its first forward after a change. The products are oneDNN's instead of MKL's, equal to rounding
-(about 1e-6 relative), not to the bit.
+A packed copy goes stale when the weight changes: in place (torch bumps the tensor's version
+counter on every in-place write, `copy_` of a weight load included) or by a new storage
+(`param.data = t`, or a new Parameter in the layer, which keep or restart the counter). Each
+layer keeps what it packed from, the storage (by weak reference: a live one cannot share its
+address with another), the place and layout in it and the version counter, and packs again on
+its first forward after any of them changed. The products are oneDNN's instead of MKL's, equal
+to rounding (about 1e-6 relative), not to the bit.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +52,8 @@ class PackedLinear(nn.Linear):
 
     batch_hint: int
     _packed: torch.Tensor | None
-    _packed_version: int
+    _packed_from: tuple[StorageWeakRef, tuple] | None
+    """The storage the packed copy was made from, and `_layout` of the weight then."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -59,13 +64,30 @@ class PackedLinear(nn.Linear):
             or input.dtype != torch.float32
         ):
             return F.linear(input, weight, self.bias)
-        if self._packed is None or self._packed_version != weight._version:
+        if self._packed is None or not self._packed_from_weight(weight):
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(
                     weight.detach(), self.batch_hint
                 )
-            self._packed_version = weight._version
+            self._packed_from = (StorageWeakRef(weight.untyped_storage()), _layout(weight))
         return torch.ops.mkldnn._linear_pointwise(input, self._packed, self.bias, "none", [], "")
+
+    def _packed_from_weight(self, weight: torch.Tensor) -> bool:
+        """Whether the packed copy was made from `weight` as it is now: the same storage (still
+        alive, so no other storage has its address), laid out alike, not written since."""
+        if self._packed_from is None:
+            return False
+        storage, layout = self._packed_from
+        return (
+            not storage.expired()
+            and storage.cdata == weight.untyped_storage()._cdata
+            and layout == _layout(weight)
+        )
+
+
+def _layout(weight: torch.Tensor) -> tuple:
+    """Where `weight` lies in its storage, its shape and strides, and its version counter."""
+    return (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight._version)
 
 
 def pack_linears(model: nn.Module, *, batch_hint: int, min_elements: int | None = None) -> int:
@@ -99,6 +121,6 @@ def pack_linears(model: nn.Module, *, batch_hint: int, min_elements: int | None 
             module.__class__ = PackedLinear
             module.batch_hint = batch_hint
             module._packed = None
-            module._packed_version = -1
+            module._packed_from = None
             swapped += 1
     return swapped

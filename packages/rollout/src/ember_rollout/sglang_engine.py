@@ -269,6 +269,8 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         await self.start()
+        if not self.partial_rollouts:  # under partial rollouts the servers stay paused instead
+            self._refuse_unversioned("generate")
         return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
 
     async def _generate_one(self, request: GenerateRequest) -> GenerateOutput:

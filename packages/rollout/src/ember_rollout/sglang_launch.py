@@ -130,6 +130,71 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+FP32_ATTENTION_BACKENDS = ("triton", "torch_native")
+"""sglang 0.5.23 attention backends that compute in float32. Its default choice ignores the
+dtype (arg_groups/model_override_base.py `get_default_attn_backend`: fa3 on Hopper, trtllm_mha
+on SM100, flashinfer elsewhere), and those kernels take fp16 and bf16 only: a float32 server
+would not start."""
+ATTENTION_BACKEND_FLAGS = (
+    "--attention-backend",
+    "--prefill-attention-backend",
+    "--decode-attention-backend",
+)
+TRITON_FP32_ENV = "TRITON_F32_DEFAULT"
+"""triton 3.8 language/core.py `dot` multiplies float32 in TF32 (10-bit mantissas) where the
+GPU has it unless this says otherwise, and sglang's triton attention kernels set no precision
+of their own: float32 servers get "ieee"."""
+
+
+def _flag_values(args: list[str], flag: str) -> list[str]:
+    """The values `args` give `flag` (`--flag value` or `--flag=value`)."""
+    found = []
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found.append(args[i + 1])
+        elif arg.startswith(flag + "="):
+            found.append(arg.split("=", 1)[1])
+    return found
+
+
+def fp32_attention_args(args: list[str]) -> list[str]:
+    """`args` of a float32 server on GPUs, with `--attention-backend triton` unless they name
+    an fp32 backend (`FP32_ATTENTION_BACKENDS`) themselves.
+
+    Raises:
+        ValueError: They name an attention backend that cannot run float32; one line.
+    """
+    for flag in ATTENTION_BACKEND_FLAGS:
+        for backend in _flag_values(args, flag):
+            if backend not in FP32_ATTENTION_BACKENDS:
+                raise ValueError(
+                    f"engine.sglang.dtype=float32 with {flag} {backend}: that attention backend "
+                    f"takes fp16 and bf16 only; use one of {', '.join(FP32_ATTENTION_BACKENDS)} "
+                    "(or leave it out: Ember launches float32 servers with triton)"
+                )
+    if _flag_values(args, "--attention-backend"):
+        return args
+    return [*args, "--attention-backend", FP32_ATTENTION_BACKENDS[0]]
+
+
+def gpu_server_env(config: SGLangEngineConfig) -> dict[str, str] | None:
+    """The environment of launched servers on GPUs: this process's, with `TRITON_FP32_ENV`
+    "ieee" for float32 servers; None (this process's as it is) for the others.
+
+    Raises:
+        ValueError: `TRITON_FP32_ENV` asks for another float32 precision; one line.
+    """
+    if config.dtype != "float32":
+        return None
+    value = os.environ.get(TRITON_FP32_ENV, "ieee")
+    if value != "ieee":
+        raise ValueError(
+            f"{TRITON_FP32_ENV}={value}: engine.sglang.dtype=float32 servers multiply in IEEE "
+            f"float32 ({TRITON_FP32_ENV}=ieee); unset it"
+        )
+    return {**os.environ, TRITON_FP32_ENV: "ieee"}
+
+
 NO_RADIX_CACHE = "--disable-radix-cache"
 """The server flag that turns off the prefix (radix) cache, which partial rollouts need."""
 
@@ -177,14 +242,94 @@ class LaunchedServer:
 
 ENDED_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit('the process that launched this server is gone')\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
-"""Run before a launched server's own command: Linux then sends the server SIGTERM when the
+"""Run before a launched server's own command: Linux then sends the server SIGKILL when the
 process that launched it dies, so a killed engine actor (a hung one too) leaves no server
-behind; sglang's workers end with their server. The setting survives the exec."""
+behind; sglang 0.5.23's workers (scheduler, detokenizer) SIGKILL themselves when the server
+dies (utils/common.py `kill_itself_when_parent_died`). SIGKILL, not SIGTERM: on SIGTERM the
+server drains its requests first, 5-20 s or more that its GPU memory stays taken while the
+engine's replacement starts on the same GPU and sizes its KV cache from what is free. The
+setting survives the exec."""
+
+SERVERS_DIR = Path(tempfile.gettempdir()) / f"ember-sglang-servers-{os.getuid()}"
+"""One file per server launched on this machine and not stopped yet, named by its process
+group (its pid): the pid of the engine process that launched it, when that process started,
+and when the server started (`_reap_orphans`)."""
+
+ORPHAN_WAIT_S = 60.0
+"""How long a launch waits for the processes of a dead engine's server to exit."""
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command (state, ppid, pgrp, ...), or None
+    when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _started(pid: int) -> str | None:
+    """When `pid` started (clock ticks since boot), or None when it does not run: with the
+    pid, what names one process even after pids are reused."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] == "Z" else fields[19]
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies have freed their memory)."""
+    for entry in os.scandir("/proc"):
+        fields = _stat(entry.name) if entry.name.isdigit() else None
+        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _reap_orphans() -> None:
+    """Wait until no server launched on this machine by an engine process that has died is
+    left, SIGKILLing each one's process group: a replacement engine starts on its
+    predecessor's GPUs, and sglang sizes the KV cache from the memory free when it starts.
+    Linux only (elsewhere nothing is recorded)."""
+    if sys.platform != "linux" or not SERVERS_DIR.is_dir():
+        return
+    orphans = []
+    for file in SERVERS_DIR.iterdir():
+        try:
+            pgid = int(file.name)
+            launcher, launcher_start, server_start = file.read_text().split()
+        except OSError:
+            continue
+        except ValueError:  # not a record
+            file.unlink(missing_ok=True)
+            continue
+        if _started(int(launcher)) == launcher_start:
+            continue  # a live engine's server
+        leader = _started(pgid)
+        if leader is not None and leader != server_start:
+            file.unlink(missing_ok=True)  # the pid names another process now
+            continue
+        # The group's id stays reserved while any process of it runs: it is still the server's.
+        orphans.append((pgid, file))
+    for pgid, _ in orphans:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    for pgid, file in orphans:
+        while _group_alive(pgid):
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"the SGLang server of an engine that died (process group {pgid}) did "
+                    f"not exit within {ORPHAN_WAIT_S:g} s of SIGKILL; its GPU memory is "
+                    "still taken"
+                )
+            time.sleep(0.1)
+        file.unlink(missing_ok=True)
+        logger.info("the SGLang server of a dead engine (process group %d) is gone", pgid)
 
 
 def _ended_with_parent(command: list[str]) -> list[str]:
@@ -210,6 +355,8 @@ class ServerLauncher:
     """Per launched server index, how often it was launched again for a taken port."""
     _launch_context: tuple[Path, dict[str, str] | None]
     """The log directory and environment of the servers (set by `_launch`)."""
+    _released: frozenset[str]
+    """Memory tags released on every server (`SGLangEngine.release_memory`)."""
     partial_rollouts: bool
     """Whether weights arrive while requests run (`WeightUpdates`): servers then run without
     the radix cache."""
@@ -258,6 +405,8 @@ class ServerLauncher:
             args.append(NO_RADIX_CACHE)
         if resolve_device(cfg.device) == "cpu":  # no GPUs to place servers on
             return command + sglang_cpu.server_args(args)
+        if cfg.dtype == "float32":
+            args = fp32_attention_args(args)
         # sglang 0.5.23 entrypoints/engine.py: TP rank r runs on GPU base_gpu_id + r (step 1)
         command += ["--base-gpu-id", str(cfg.base_gpu_id + index * cfg.tp_size)]
         return command + args
@@ -287,9 +436,10 @@ class ServerLauncher:
                 f"engine.kind=sglang launches SGLang servers, but sglang is not installed in "
                 f"{sys.executable}'s environment: {sglang_cpu.EXTRA_HINT}"
             )
+        _reap_orphans()  # a replacement's predecessor frees its memory first
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="ember-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = sglang_cpu.server_env() if on_cpu else None
+        env = sglang_cpu.server_env() if on_cpu else gpu_server_env(cfg)
         check_server_env(os.environ if env is None else env)
         self._launch_context = (log_dir, env)
         self._port_retries = {}
@@ -311,6 +461,10 @@ class ServerLauncher:
                 env=env,
                 start_new_session=True,
             )
+        if sys.platform == "linux":  # the process group is the server's pid (new session)
+            SERVERS_DIR.mkdir(parents=True, exist_ok=True)
+            me, pid = os.getpid(), process.pid
+            (SERVERS_DIR / str(pid)).write_text(f"{me} {_started(me)} {_started(pid)}")
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
         return LaunchedServer(process, f"http://{host}:{port}", log_path)
 
@@ -333,6 +487,7 @@ class ServerLauncher:
             server.url,
             port,
         )
+        (SERVERS_DIR / str(server.process.pid)).unlink(missing_ok=True)  # it exited
         relaunched = self._start_server(index, port)
         self._servers[index] = relaunched
         self.urls[self.urls.index(server.url)] = relaunched.url
@@ -421,36 +576,56 @@ class ServerLauncher:
     def probe(self, timeout_s: float) -> str | None:
         """Why a server cannot serve (a launched one exited, or one did not answer GET /health
         with 200 within `timeout_s`), or None. Synchronous, without the client's HTTP session,
-        so a health probe runs on any thread while requests are in flight."""
+        so a health probe runs on any thread while requests are in flight; the servers are
+        asked at once, so a probe takes `timeout_s` at most however many there are.
+
+        sglang 0.5.23's GET /health is a one-token generate (http_server.py `health_generate`,
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on by default) that waits up to
+        SGLANG_HEALTH_CHECK_TIMEOUT (20 s) for the scheduler. While memory is released (the
+        colocated hand-off) that generate would write into unmapped KV memory and kill the
+        scheduler: then only the launched processes are checked (an attached server, not at
+        all)."""
         import urllib.error
         import urllib.request
+        from concurrent.futures import ThreadPoolExecutor
 
         for server in self._servers:
             code = server.process.poll()
             if code is not None:
                 log = server.log_path
                 return f"SGLang server {server.url} exited with code {code} (log: {log})"
-        for url in self.urls:
+        if self._released or not self.urls:
+            return None
+
+        def ask(url: str) -> str | None:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
                     if response.status == 200:
-                        continue
+                        return None
                     said = f"HTTP {response.status}"
             except urllib.error.HTTPError as exc:
                 said = f"HTTP {exc.code}"
             except (OSError, ValueError) as exc:  # refused, reset, timed out
                 said = str(getattr(exc, "reason", exc))
             return f"SGLang server {url} failed GET /health: {said}"
-        return None
+
+        with ThreadPoolExecutor(len(self.urls), thread_name_prefix="sglang-probe") as pool:
+            answers = list(pool.map(ask, self.urls))
+        return next((a for a in answers if a is not None), None)
 
     async def health(self) -> bool:
+        """Whether every server answers GET /health (while memory is released, whether every
+        launched process runs: see `probe`)."""
         if self._http is None:
             return False
+        if self._released:
+            return all(server.process.poll() is None for server in self._servers)
         results = await asyncio.gather(*(self._healthy(url) for url in self.urls))
         return all(results)
 
     async def _stop_servers(self) -> None:
-        """SIGTERM every launched server's process group; SIGKILL what is left after 30 s."""
+        """SIGTERM every launched server's process group (the server drains); SIGKILL what is
+        left after 30 s."""
         servers, self._servers = self._servers, []
         for server in servers:
             if server.process.poll() is None:
@@ -463,5 +638,6 @@ class ServerLauncher:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(server.process.pid, signal.SIGKILL)
                 await asyncio.to_thread(server.process.wait)
+            (SERVERS_DIR / str(server.process.pid)).unlink(missing_ok=True)
         if servers:
             self.urls = [u.rstrip("/") for u in self.config.urls]

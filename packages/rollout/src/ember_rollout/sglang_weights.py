@@ -7,7 +7,7 @@ import base64
 import contextlib
 import io
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +30,11 @@ fetches from the sender's `multiprocessing.resource_sharer`, which answers only 
 holding the sender's authkey (multiprocessing/resource_sharer.py `get_connection`); sglang's
 tp_worker.py 199 fails that check and the server goes down.
 """
+
+UNVERSIONED = (
+    "serves no weight version until a complete push (a session whose last bucket names its "
+    "version) or a load from disk"
+)
 
 _STORAGE_DEVICE_ARG = 6
 """Index of `storage_device` in the arguments of torch's `rebuild_cuda_tensor`."""
@@ -204,6 +209,16 @@ class WeightUpdates:
     request may reuse a prefix cached under older weights, so the servers must run without the
     radix cache (`--disable-radix-cache`, added to launched servers; attached ones are checked
     at start).
+
+    A server loads each bucket as it arrives, and the sender names the version with the last
+    one, so a push that stops partway (an engine of the push or its sender died, a bucket
+    failed) leaves the servers holding weights of two versions under the old label. The rule
+    is the embedded engine's (`hf_engine.HFEngine`): the engine then serves no version and
+    generates nothing until a complete update arrives, a session whose last bucket names its
+    version or a load from disk (what the driver sends next when it mends a failed push).
+    `end_weight_update` raises on such a session; under `partial_rollouts` generation stays
+    paused in place (requests in flight continue on the complete weights, and new ones wait on
+    the servers, up to `request_timeout_s`), and without, `generate` refuses, naming why.
     """
 
     config: SGLangEngineConfig
@@ -216,6 +231,22 @@ class WeightUpdates:
     partial_rollouts: bool = False
     """Take new weights while requests run (`rollout.partial_rollouts`), pausing generation in
     place around each update; set it before `start`."""
+
+    _unversioned: str | None = None
+    """What left the servers holding weights that no version names (see the class docstring),
+    or None."""
+
+    def _refuse_unversioned(self, what: str) -> None:
+        """Refuse `what` (a generation) while the servers hold weights that no version names.
+
+        Raises:
+            EngineError: Naming what left them.
+        """
+        if self._unversioned is not None:
+            raise EngineError(
+                f"{what}: the servers hold weights that no version names ({self._unversioned}); "
+                f"the engine {UNVERSIONED}"
+            )
 
     async def _generation_control(self, path: str, body: dict[str, Any]) -> None:
         """POST /pause_generation or /continue_generation to every server at once.
@@ -243,10 +274,11 @@ class WeightUpdates:
             raise EngineError("; ".join(errors))
 
     async def _pause_generation(self) -> None:
-        """Pause generation in place on every server (partial rollouts only). If a server
-        refuses, every server is continued again (continuing one that is not paused changes
-        nothing) before the refusal is raised: none is left paused."""
-        if not self.partial_rollouts:
+        """Pause generation in place on every server (partial rollouts only; servers that hold
+        weights no version names are paused already). If a server refuses, every server is
+        continued again (continuing one that is not paused changes nothing) before the refusal
+        is raised: none is left paused."""
+        if not self.partial_rollouts or self._unversioned is not None:
             return
         try:
             await self._generation_control("/pause_generation", {"mode": "in_place"})
@@ -258,14 +290,15 @@ class WeightUpdates:
             raise
 
     async def _continue_generation(self) -> None:
-        """Continue generation on every server after `_pause_generation`."""
-        if self.partial_rollouts:
+        """Continue generation on every server after `_pause_generation`, unless they hold
+        weights that no version names."""
+        if self.partial_rollouts and self._unversioned is None:
             await self._generation_control("/continue_generation", {})
 
     @contextlib.asynccontextmanager
     async def _paused(self) -> AsyncIterator[None]:
         """Generation paused in place for the block (partial rollouts; else nothing), and
-        always continued after it."""
+        continued after it (unless the servers hold weights that no version names)."""
         await self._pause_generation()
         try:
             yield
@@ -320,11 +353,13 @@ class WeightUpdates:
             "weight_version": weight_version,
         }
         # Paused, sglang 0.5.23 (tokenizer_manager.py) loads at once instead of waiting for the
-        # running requests.
+        # running requests. A load that fails is rolled back to the weights held before
+        # (model_runner_components/weight_updater.py), so only a success changes what they are.
         async with self._paused():
             await self._post_all(
                 "/update_weights_from_disk", payload, what="update_weights_from_disk"
             )
+            self._unversioned = None
 
     async def update_weights_from_tensors(
         self,
@@ -358,14 +393,57 @@ class WeightUpdates:
             }
 
         async with self._weight_update_session():
-            await self._post_all(
-                "/update_weights_from_tensor", payload, what="update_weights_from_tensor", once=True
+            await self._session_update(
+                self._post_all(
+                    "/update_weights_from_tensor",
+                    payload,
+                    what="update_weights_from_tensor",
+                    once=True,
+                ),
+                weight_version,
+                whole=True,
             )
 
     # -- weights from the trainer: sessions, weight groups, buckets ------------------------------
 
     _session_urls: tuple[str, ...] = ()
     """The servers on which this engine's open weight-update session began."""
+    _session_buckets: int = 0
+    """Buckets the open session has sent (a whole update in one request that names no version
+    is not counted: it leaves what the servers hold as it was)."""
+    _session_version: str | None = None
+    """The version the session's last bucket named, once it loaded on every server."""
+    _session_failure: str | None = None
+    """The first failure of an update in the open session."""
+
+    async def _session_update(
+        self, send: Awaitable[Any], weight_version: str | None, *, whole: bool = False
+    ) -> None:
+        """Await `send`, one update of the open session, and record how the session stands
+        (`end_weight_update` judges it). With `whole`, the request holds a whole update."""
+        counted = not (whole and weight_version is None)
+        if counted:
+            self._session_buckets += 1
+            self._session_version = None
+        try:
+            await send
+        except BaseException as exc:  # a server may have loaded part of it
+            self._session_failure = self._session_failure or str(exc)
+            raise
+        if counted:
+            self._session_version = weight_version
+
+    def _session_stopped_partway(self) -> str | None:
+        """Why the open session left weights that no version names, or None: it completed, or
+        it loaded nothing."""
+        if self._session_failure is not None:
+            return f"an update of the session failed: {self._session_failure}"
+        if self._session_buckets and self._session_version is None:
+            return (
+                f"the session loaded {self._session_buckets} bucket(s), and the last named no "
+                "weight version (the sender names it with the last bucket of a push)"
+            )
+        return None
 
     @property
     def weight_group_size(self) -> int:
@@ -396,6 +474,7 @@ class WeightUpdates:
         except BaseException:
             await self._continue_generation()
             raise
+        self._session_buckets, self._session_version, self._session_failure = 0, None, None
 
     async def _begin_sessions(self) -> None:
         began = await self._post_each(
@@ -417,8 +496,14 @@ class WeightUpdates:
         """Close the session `begin_weight_update` opened, on every server it opened on, and
         continue generation under `partial_rollouts`.
 
+        A session that loaded buckets is complete when every one loaded and the last named a
+        version; one that stopped partway is closed all the same, and then the engine serves no
+        version until a complete update, generation staying paused (see the class docstring).
+        A complete one ends that state; one that loaded nothing changes nothing.
+
         Raises:
-            EngineError: No session is open, or a server refused (after all were asked).
+            EngineError: No session is open, the session stopped partway (named), or a server
+                refused (after all were asked).
         """
         opened, self._session_urls = self._session_urls, ()
         if not opened:
@@ -426,15 +511,30 @@ class WeightUpdates:
                 "end_weight_update: no weight-update session is open; call "
                 "begin_weight_update() first"
             )
+        partway = self._session_stopped_partway()
+        if partway is not None:
+            self._unversioned = partway
+        elif self._session_buckets:
+            self._unversioned = None
+        self._session_buckets, self._session_version, self._session_failure = 0, None, None
         try:
             ended = await self._post_each(
                 "/end_weight_update", {}, what="end_weight_update", urls=opened, once=True
             )
         finally:
             await self._continue_generation()
-        for error in ended:
-            if error is not None:
-                raise error
+        errors = [error for error in ended if error is not None]
+        if partway is not None:
+            for error in errors:
+                logger.error(
+                    "while closing a weight-update session that stopped partway: %s", error
+                )
+            raise EngineError(
+                f"end_weight_update: {partway}; the servers keep what it loaded, so the engine "
+                f"{UNVERSIONED}"
+            )
+        if errors:
+            raise errors[0]
 
     async def init_weights_update_group(
         self,
@@ -525,11 +625,14 @@ class WeightUpdates:
             "abort_all_requests": False,
             "weight_version": weight_version,
         }
-        await self._post_all(
-            "/update_weights_from_distributed",
-            payload,
-            what="update_weights_from_distributed",
-            once=True,
+        await self._session_update(
+            self._post_all(
+                "/update_weights_from_distributed",
+                payload,
+                what="update_weights_from_distributed",
+                once=True,
+            ),
+            weight_version,
         )
 
     async def update_weights_from_ipc(
@@ -570,6 +673,9 @@ class WeightUpdates:
                 "weight_version": weight_version,
             }
 
-        await self._post_all(
-            "/update_weights_from_tensor", payload, what="update_weights_from_tensor", once=True
+        await self._session_update(
+            self._post_all(
+                "/update_weights_from_tensor", payload, what="update_weights_from_tensor", once=True
+            ),
+            weight_version,
         )
