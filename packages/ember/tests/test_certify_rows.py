@@ -1,7 +1,9 @@
-"""`ember certify`'s rows, judged from measurements (no Ray), and its bad-input errors."""
+"""`ember certify`'s rows, judged from measurements (no Ray), its bad-input errors, and its
+generation of the same prompts twice (a real engine in this process)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -10,6 +12,7 @@ import ray
 import torch
 
 from ember import certify_plugin
+from ember.calls import LocalActor
 from ember.certify import (
     FAIL,
     NOT_APPLICABLE,
@@ -18,6 +21,7 @@ from ember.certify import (
     REPORTED,
     determinism_row,
     distribution_row,
+    generate_again,
     loaded_alike_row,
     log_prob_row,
     on_policy_row,
@@ -25,7 +29,6 @@ from ember.certify import (
     reference_row,
     routing_row,
     run_overrides,
-    shifted_experts,
     table,
     top_k_kl,
     version_row,
@@ -34,10 +37,31 @@ from ember.certify import (
 )
 from ember.cli import USAGE_ERROR, main
 from ember.config import load_config
-from ember_core.certify import PLANT_ENV, Fault, mismatch_ceiling, planted
+from ember_core.certify import (
+    PLANT_ENV,
+    Fault,
+    mismatch_ceiling,
+    planted,
+    reference_source,
+    shifted_experts,
+)
+from ember_core.config import SamplingConfig
 from ember_core.hookspecs import ExemptionScope, KLExemption
 from ember_core.types import Sample
 from ember_megatron_backend.forward import with_rest
+from ember_rollout.config import (
+    DataConfig,
+    EngineConfig,
+    GroupSamplingConfig,
+    HFEngineConfig,
+    RewardConfig,
+    RolloutSections,
+    TinyModelConfig,
+)
+from ember_rollout.data import PromptRecord
+from ember_rollout.hf_engine import HFEngine
+from ember_rollout.rewards import register_reward
+from ember_rollout.rollout import RolloutGenerator
 
 NAN = float("nan")
 
@@ -76,16 +100,20 @@ def test_mismatch_ceiling_is_by_dtype():
 
 def test_routing_row():
     natural = {"rollout/routing_agreement": 0.9}
-    dense = routing_row("4", natural, None, moe=False, replaying=False, when="start")
+    dense = routing_row("4", natural, moe=False, replaying=False, when="start")
     assert dense.verdict == NOT_APPLICABLE
-    off = routing_row("4", natural, None, moe=True, replaying=False, when="start")
+    off = routing_row("4", natural, moe=True, replaying=False, when="start")
     assert (off.verdict, off.measured) == (REPORTED, "without replay 0.9000")
-    assert routing_row("4", {}, None, moe=True, replaying=False, when="s").verdict == NOT_APPLICABLE
-    exact = {"rollout/replay_agreement": 1.0}
-    assert routing_row("4", natural, exact, moe=True, replaying=True, when="s").verdict == PASS
-    short = {"rollout/replay_agreement": 0.999}
-    assert routing_row("4", natural, short, moe=True, replaying=True, when="s").verdict == FAIL
-    assert routing_row("4", natural, {}, moe=True, replaying=True, when="s").verdict == FAIL
+    assert routing_row("4", {}, moe=True, replaying=False, when="s").verdict == NOT_APPLICABLE
+    exact = {**natural, "rollout/shifted_replay_agreement": 1.0}
+    assert routing_row("4", exact, moe=True, replaying=True, when="s").verdict == PASS
+    short = {**natural, "rollout/shifted_replay_agreement": 0.999}
+    assert routing_row("4", short, moe=True, replaying=True, when="s").verdict == FAIL
+    assert routing_row("4", natural, moe=True, replaying=True, when="s").verdict == FAIL
+    # The engine's own experts replayed: a forward that does not replay follows them too where
+    # its routing agrees (float32), so that agreement does not pass the row.
+    own = {**natural, "rollout/replay_agreement": 1.0}
+    assert routing_row("4", own, moe=True, replaying=True, when="s").verdict == FAIL
 
 
 def test_on_policy_row_needs_exact_zeros_at_the_first_step():
@@ -105,6 +133,52 @@ def test_reference_row_reads_the_replayed_reference_under_replay():
     assert reference_row(metrics, reference=True, replaying=False).verdict == FAIL
     assert reference_row({}, reference=True, replaying=False).verdict == FAIL
     assert reference_row({}, reference=False, replaying=False).verdict == NOT_APPLICABLE
+
+
+def test_reference_row_with_a_checkpoint_of_its_own_reads_the_rebuilt_reference():
+    """An SFT model as reference (train.ref_load other than the actor's start): the actor need
+    not equal it; the reference must equal a second model built from train.ref_load."""
+    metrics = {
+        "rollout/log_probs_ref_max_abs_diff": 0.7,  # the actor is not the SFT model
+        "rollout/ref_replayed_log_probs_max_abs_diff": 0.7,
+        "rollout/ref_rebuilt_log_probs_max_abs_diff": 0.0,
+    }
+    for replaying in (False, True):
+        row = reference_row(metrics, reference=True, replaying=replaying, source="/ckpt/sft")
+        assert (row.verdict, row.measured) == (PASS, "max 0.00e+00")
+        assert "train.ref_load" in row.check
+    wrong = {**metrics, "rollout/ref_rebuilt_log_probs_max_abs_diff": 0.01}
+    assert reference_row(wrong, reference=True, replaying=False, source="s").verdict == FAIL
+    missing = reference_row({}, reference=True, replaying=False, source="s")
+    assert missing.verdict == FAIL and "ref_rebuilt" in missing.detail
+    assert reference_row(metrics, reference=True, replaying=False).verdict == FAIL  # no source
+
+
+def test_reference_source_is_ref_load_unless_it_is_the_actors_start():
+    assert reference_source(None, "/m/base") is None
+    assert reference_source("/m/base", "/m/base") is None
+    assert reference_source("/m/base/", "/m/base") is None
+    assert reference_source("/m/sft", "/m/base") == "/m/sft"
+    assert reference_source("/m/sft", None) == "/m/sft"  # the actor starts from its seed
+
+
+def test_the_plugin_asks_for_a_reference_rebuilt_from_its_own_checkpoint_at_rollout_0():
+    class Facade:
+        def kl_check_exemptions(self):
+            return [KLExemption("r3_routing", "replays", ExemptionScope.ROUTING)]
+
+    own = {"train": {"ref_load": "/m/sft", "hf_load": "/m/base"}}
+    try:
+        certify_plugin.ember_configure(config=own, sections={}, plugins=Facade())
+        assert certify_plugin.ember_rebuilt_reference_forward(rollout_id=0)
+        assert not certify_plugin.ember_rebuilt_reference_forward(rollout_id=1)
+        assert not certify_plugin.ember_replayed_reference_forward(rollout_id=0)
+        same = {"train": {"ref_load": "/m/base", "hf_load": "/m/base"}}
+        certify_plugin.ember_configure(config=same, sections={}, plugins=Facade())
+        assert not certify_plugin.ember_rebuilt_reference_forward(rollout_id=0)
+        assert certify_plugin.ember_replayed_reference_forward(rollout_id=0)
+    finally:
+        certify_plugin.ember_configure(config=None, sections={}, plugins=None)
 
 
 def test_version_and_determinism_rows():
@@ -242,6 +316,30 @@ def test_top_k_kl_is_the_kl_of_the_coarsened_distributions():
     assert distribution_row("3", None, 1e-4, "", k=4, vocab=50, when="s").verdict == NOT_APPLICABLE
 
 
+def one_far_position(value: float, positions: int = 1000) -> torch.Tensor:
+    kl = torch.zeros(positions, dtype=torch.float64)
+    kl[positions // 2] = value
+    return kl
+
+
+@pytest.mark.parametrize(
+    ("kl", "verdict"),
+    [
+        (torch.zeros(1000, dtype=torch.float64), PASS),
+        (torch.full((1000,), 5e-5, dtype=torch.float64), PASS),
+        # Mean 2e-6, far under the bar; one position at 2e-3 over it: the maximum decides.
+        (one_far_position(2e-3), FAIL),
+        (torch.full((1000,), 2e-4, dtype=torch.float64), FAIL),
+        (one_far_position(float("nan")), FAIL),
+    ],
+    ids=["zero", "under", "one-position", "mean", "nan"],
+)
+def test_distribution_row_bars_the_mean_and_the_maximum(kl, verdict):
+    row = distribution_row("3", kl, 1e-4, "fp32", k=20, vocab=20, when="start")
+    assert row.verdict == verdict
+    assert row.measured.endswith("over the whole vocabulary")
+
+
 def test_loaded_alike_row_needs_equal_scores_from_push_and_checkpoint():
     pushed = [[[-1.0, -2.0], [-0.5]]]  # one engine, two servers
     assert loaded_alike_row("1", pushed, [[[-1.0, -2.0], [-0.5]]], "x").verdict == PASS
@@ -257,3 +355,66 @@ def test_a_colocated_gpu_run_is_refused_in_one_line(capsys, nothing_starts):
     assert main(argv) == USAGE_ERROR
     (line,) = capsys.readouterr().err.splitlines()
     assert "ray.colocate=true on GPUs" in line and "ray.colocate=false" in line
+
+
+@register_reward("certify_flat_when_labelled", group=True)
+def _flat_when_labelled(samples):
+    """Groups labelled "flat" get equal rewards (no signal for the dynamic filter)."""
+    if samples[0].label == "flat":
+        return [0.5] * len(samples)
+    return [float(i % 2) for i in range(len(samples))]
+
+
+class _Manager:
+    """The rollout manager's generate and prompt-stream calls over one rollout generator in this
+    process (a tiny fp32 model on the embedded engine), with the dynamic filter on."""
+
+    def __init__(self, data: str) -> None:
+        tiny = TinyModelConfig(num_layers=1, hidden_size=32)
+        engine_config = HFEngineConfig(dtype="float32", tiny=tiny)
+        engine = HFEngine(engine_config)
+        engine.load()
+        sections = RolloutSections(
+            engine=EngineConfig(kind="hf", hf=engine_config),
+            data=DataConfig(prompt_data=data, shuffle=False),
+            reward=RewardConfig(reward_fn="certify_flat_when_labelled"),
+            group_sampling=GroupSamplingConfig(dynamic_filter=True),
+        )
+        sampling = SamplingConfig(
+            rollout_batch_size=2, n_samples_per_prompt=2, max_response_len=4, seed=5
+        )
+        self.generator = RolloutGenerator.from_config(
+            engine=engine, sampling=sampling, sections=sections
+        )
+
+    def encoded(self, labels: list[str]) -> list[tuple[PromptRecord, list[int]]]:
+        records = [PromptRecord(prompt=f"again {i} =", label=x) for i, x in enumerate(labels)]
+        return [(r, self.generator.encoder.encode(r)) for r in records]
+
+    def generate(self, rollout_id, prompts=None):
+        return asyncio.run(self.generator.generate(rollout_id, prompts))
+
+    def state_dict(self):
+        return self.generator.state_dict()
+
+    def load_state_dict(self, state):
+        self.generator.load_state_dict(state)
+
+
+@pytest.mark.slow  # a real engine and tokenizer: about 8 s on two cores
+def test_generating_again_refills_dropped_groups_from_the_same_prompts(tmp_path):
+    """Row 8 under the dynamic filter: a group the filter drops on the second generation of the
+    same prompts is replaced by the same prompt from the stream as on the first."""
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"copy {i}{i} =", "label": "ok"} for i in range(8)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    manager = LocalActor(_Manager, (str(data),), {}, name="manager")
+    try:
+        prompts = manager.instance.encoded(["ok", "flat"])  # the second group is dropped
+        first, second = generate_again(manager, 1, prompts)
+    finally:
+        manager.close()
+    assert [s.prompt for s in first.samples[::2]] == ["again 0 =", "copy 00 ="]  # refilled
+    assert [s.prompt for s in second.samples] == [s.prompt for s in first.samples]
+    tokens = [[s.tokens for s in b.samples] for b in (first, second)]
+    assert determinism_row(*tokens, seeded=True).verdict == PASS

@@ -6,8 +6,8 @@ imported from GGUF, and a real MoE made from it by sparse upcycling.
 - the seed scenario (R3 with the CI checks of the first update) on the upcycled MoE with each
   engine: the actor replays exactly the experts the engine chose, `train/ppo_kl` is exactly 0
   at every audit, the per-token maximum |trainer - engine| log-prob is under 1e-4 (fp32 on
-  both sides); with the embedded engine, a reference from other weights then stops the run at
-  rollout 0.
+  both sides); with the embedded engine, a reference that is not the model its
+  `train.ref_load` holds then stops the run at rollout 0.
 
 The import and the upcycling happen once per module (about a minute each on two cores).
 """
@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from test_e2e import ember, records
 
+from ember_core.certify import PLANT_ENV, Fault
 from ember_rollout import sglang_cpu
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -122,8 +125,9 @@ def run_seed_scenario(
     moe: tuple[Path, Path], tmp_path: Path, *engine: str, wrong_reference: bool = True
 ) -> None:
     """The seed scenario on `moe`'s first model with the engine `engine` sets, then (with
-    `wrong_reference`) again with the second model as the reference, which the checker must stop
-    at rollout 0."""
+    `wrong_reference`) again with the second model as the reference (`train.ref_load`, which the
+    actor need not equal) and that reference's weights scaled by 1.01 (the certifier's planted
+    fault), which the checker must stop at rollout 0."""
     model, other = moe
     run_dir = tmp_path / "right"
     run = ember(*seed_scenario(model, *engine), run_dir=run_dir, timeout=1500, short=False)
@@ -152,14 +156,15 @@ def run_seed_scenario(
     assert (run_dir / "hf_init" / "chat_template.jinja").is_file()  # the model's tokenizer
     if not wrong_reference:
         return
-    wrong = ember(
-        *seed_scenario(model, *engine, "--set", f"train.ref_load={other}"),
-        run_dir=tmp_path / "wrong",
-        timeout=1500,
-        short=False,
-    )
+    with mock.patch.dict(os.environ, {PLANT_ENV: Fault.REFERENCE.value}):
+        wrong = ember(
+            *seed_scenario(model, *engine, "--set", f"train.ref_load={other}"),
+            run_dir=tmp_path / "wrong",
+            timeout=1500,
+            short=False,
+        )
     assert wrong.returncode != 0
-    assert "ref_replayed_log_probs failed at rollout 0" in wrong.stderr, wrong.stderr[-3000:]
+    assert "ref_rebuilt_log_probs failed at rollout 0" in wrong.stderr, wrong.stderr[-3000:]
     assert records(tmp_path / "wrong", "train") == []
 
 

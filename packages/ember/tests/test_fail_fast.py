@@ -79,9 +79,9 @@ def test_bad_prompt_lines_fail_before_ray(tmp_path, capsys, nothing_starts, line
         ("train.hf_load=/", "train.hf_load='/': not a transformers checkpoint"),
         (
             "reward.reward_fn=mathh",
-            # Other tests may register more reward functions in this process: the list starts
-            # with the built-in ones, in order.
-            "reward.reward_fn: unknown reward function 'mathh'; known: math, ",
+            # The registered names follow, sorted; other tests may register more of them in
+            # this process (test_rewards.py checks the list itself).
+            "reward.reward_fn: unknown reward function 'mathh'; known: ",
         ),
         ("reward.reward_fn=no_such_module:score", "cannot import module 'no_such_module'"),
     ],

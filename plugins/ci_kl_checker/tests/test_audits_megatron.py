@@ -22,6 +22,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
 from ember_ci_kl_checker import plugin as checker_plugin
+from ember_core.certify import PLANT_ENV, Fault
 from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
@@ -196,11 +197,17 @@ def test_the_default_loop_is_audited_exactly_and_stands_down_between_audits(run,
             Check.PPO_KL_MAX,
             Check.REPLAY_AGREEMENT,
             Check.RECORDED_ROUTING,  # against a floor of 0 here: the experts are random
+            Check.SHIFTED_REPLAY,
         }
 
 
-def test_a_wrong_reference_stops_the_run(dist_env, other_checkpoint):
-    train = backend(ref_load=other_checkpoint)
+@pytest.mark.parametrize("own_checkpoint", [False, True], ids=["actors-start", "ref-load"])
+def test_a_wrong_reference_stops_the_run(dist_env, other_checkpoint, monkeypatch, own_checkpoint):
+    """The reference is scaled by 1.01 (the certifier's planted fault): against the actor's
+    start it fails the replayed reference check, and where it comes from a checkpoint of its
+    own (`train.ref_load`, which the actor need not equal) the check against that checkpoint."""
+    monkeypatch.setenv(PLANT_ENV, Fault.REFERENCE.value)
+    train = backend(ref_load=other_checkpoint if own_checkpoint else None)
     with running(train, use_kl_loss=True, kl_loss_coef=0.01) as plugins:
         engine = MegatronWorker(backend(), AlgorithmConfig(), SamplingConfig(), plugins)
         algorithm = AlgorithmConfig(use_rollout_log_probs=True, use_kl_loss=True, kl_loss_coef=0.01)
@@ -209,9 +216,12 @@ def test_a_wrong_reference_stops_the_run(dist_env, other_checkpoint):
         with pytest.raises(KLCheckError) as info:
             worker.log_rollout_data(0, batch)
     error = info.value
-    # Under replay the reference that replays the rollout's routing is the one compared.
-    assert error.check == Check.ROLLOUT_REF_REPLAYED_LOG_PROBS
-    assert error.metrics["rollout/ref_replayed_log_probs_max_abs_diff"] > 1e-3
+    if own_checkpoint:
+        assert error.check == Check.ROLLOUT_REF_REBUILT_LOG_PROBS
+        assert error.metrics["rollout/ref_rebuilt_log_probs_max_abs_diff"] > 1e-3
+    else:  # under replay the reference that replays the rollout's routing is the one compared
+        assert error.check == Check.ROLLOUT_REF_REPLAYED_LOG_PROBS
+        assert error.metrics["rollout/ref_replayed_log_probs_max_abs_diff"] > 1e-3
     assert error.metrics["rollout/train_rollout_logprob_max_abs_diff"] == 0.0
 
 
@@ -277,6 +287,36 @@ def test_replay_switched_off_after_rollout_0_stops_the_run(run, monkeypatch):
     assert error.check == Check.REPLAY_AGREEMENT
     assert error.step == "rollout 1, step 0 (accumulated step 2)"
     assert error.metrics["train/replay_agreement"] < 0.5
+
+
+def test_replay_off_stops_the_audit_at_its_shifted_experts_probe(run, monkeypatch):
+    """Each audit under replay also scores the rollout with its experts moved to the next id
+    (experts no router picks by itself): with replay off (the certifier's planted fault, which
+    records the experts but replays none) that forward follows its own routing, and the audit
+    stops before any training step."""
+    worker, engine = run
+    samples = engine_log_probs(engine, make_samples(-1))
+    monkeypatch.setenv(PLANT_ENV, Fault.REPLAY_OFF.value)
+    batch = worker.prepare(0, samples)
+    with pytest.raises(KLCheckError) as info:
+        worker.log_rollout_data(0, batch)
+    error = info.value
+    assert error.check == Check.SHIFTED_REPLAY
+    assert error.metrics["rollout/shifted_replay_agreement"] < 0.1
+
+
+def test_an_audit_replays_the_shifted_experts_exactly(run, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    worker, engine = run
+    batch = worker.prepare(0, engine_log_probs(engine, make_samples(-1)))
+    assert worker.log_rollout_data(0, batch)["rollout/shifted_replay_agreement"] == 1.0
+    assert any(
+        "audit rollout 0 (log_rollout_data): shifted_replay_agreement passed" in r.getMessage()
+        for r in caplog.records
+    )
+    worker.train(0, batch)
+    stale = worker.prepare(1, engine_log_probs(engine, make_samples(-1, seed=1)))
+    assert stale.shifted_routing is None  # no audit, no probe
 
 
 def test_recorded_experts_that_are_not_the_trainers_stop_the_audit(dist_env):

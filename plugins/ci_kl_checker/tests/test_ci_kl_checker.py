@@ -38,6 +38,9 @@ ON_POLICY_ROLLOUT = {
     "rollout/versions_behind_max": 0.0,
     "rollout/audit": 1.0,
 }
+SHIFTED = "rollout/shifted_replay_agreement"
+PROBED = {**ON_POLICY_ROLLOUT, SHIFTED: 1.0}
+"""An audit under routing replay: its probe forward replayed the shifted experts exactly."""
 WITHOUT_ENGINE_LOG_PROBS = {k: v for k, v in ON_POLICY_ROLLOUT.items() if "rollout_log" not in k}
 """A rollout whose samples carry no engine log-probs (a generator that returns none)."""
 
@@ -565,7 +568,7 @@ def test_a_routing_only_exemption_asks_for_the_replayed_reference_at_rollout_0(
     configure(host, reference=reference)
     assert host.replayed_reference_forward(0) is asks
     assert host.replayed_reference_forward(1) is False
-    rollout = {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 0.3}
+    rollout = {**PROBED, "rollout/log_probs_ref_max_abs_diff": 0.3}
     if asks:
         with pytest.raises(KLCheckError, match=f"{REPLAYED} is not logged") as info:
             host.after_log_rollout_data(0, rollout)
@@ -770,7 +773,7 @@ def test_audits_under_replay_check_the_recorded_experts_against_the_trainers_rou
     replay, says whether they are the ones the trainer's routers pick."""
     host.add(Exempting("r3", "replays the rollout's routing", ExemptionScope.ROUTING), "r3")
     configure(host, audit_interval=2)
-    rollout = without(ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff")
+    rollout = without(PROBED, "rollout/log_probs_ref_max_abs_diff")
     rollout["rollout/ref_replayed_log_probs_max_abs_diff"] = 0.0
     with pytest.raises(KLCheckError, match=f"{ROUTING} is not logged") as info:
         host.after_log_rollout_data(0, without(rollout, ROUTING))
@@ -813,7 +816,7 @@ def test_a_loop_that_runs_ahead_has_an_off_policy_audit_after_each_audit(host, c
     configure(host, reference=False, one_step_off=True, audit_interval=4)
     between = without(ON_POLICY_ROLLOUT, "rollout/audit")
     replayed = {**ON_POLICY_STEP, "train/replay_agreement": 1.0}
-    host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)
+    host.after_log_rollout_data(0, PROBED)
     host.after_train_step(0, 0, 0, replayed)
     for rollout_id in (1, 2):
         host.after_log_rollout_data(rollout_id, {**between, BEHIND: 1.0})
@@ -830,7 +833,7 @@ def test_a_loop_that_runs_ahead_has_an_off_policy_audit_after_each_audit(host, c
     assert not [line for line in lines if "rollout 2" in line]  # one per audit
     assert any("first rollout with stale samples is an off-policy audit" in m for m in said(caplog))
     # An on-policy rollout after the audit does not count; the next stale one does.
-    host.after_log_rollout_data(4, ON_POLICY_ROLLOUT)
+    host.after_log_rollout_data(4, PROBED)
     host.after_log_rollout_data(5, {**between, BEHIND: 0.0})
     host.after_log_rollout_data(6, {**between, BEHIND: 1.0})
     assert [line for line in reports(caplog) if "off-policy audit rollout 6 " in line]
@@ -853,3 +856,76 @@ def test_a_loop_in_turn_has_no_off_policy_audit(host, caplog):
     with pytest.raises(KLCheckError, match="expected <= 0"):  # logged, so checked
         host.after_log_rollout_data(2, {**without(ON_POLICY_ROLLOUT, "rollout/audit"), BEHIND: 1})
     host.after_log_rollout_data(3, without(ON_POLICY_ROLLOUT, "rollout/audit", BEHIND))
+
+
+def configure_reference_from(host: EmberPlugins, ref_load: str, hf_load: str | None) -> None:
+    """Configure a CI run whose reference is `train.ref_load` and the actor's start
+    `train.hf_load` (a mapping of the run file: the checker reads either)."""
+    config = {
+        "plugins": host.enabled,
+        "ci": {"test": True},
+        "algorithm": {"use_kl_loss": True},
+        "train": {"ref_load": ref_load, "hf_load": hf_load},
+    }
+    host.configure(config, {"ci_kl_checker": KLCheckerConfig()})
+
+
+def test_a_reference_with_a_checkpoint_of_its_own_is_checked_against_that_checkpoint(host, caplog):
+    """An SFT model as reference (RL continued from a checkpoint): the actor cannot equal it at
+    rollout 0; the reference must be the model train.ref_load holds."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    configure_reference_from(host, "/ckpt/sft", hf_load="/ckpt/rl-step-300")
+    apart = {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 0.7}
+    assert host.rebuilt_reference_forward(0) is True
+    assert host.replayed_reference_forward(0) is False  # nothing compares with the actor
+    with pytest.raises(KLCheckError, match=f"{REBUILT} is not logged") as info:
+        host.after_log_rollout_data(0, apart)
+    assert info.value.check == Check.ROLLOUT_REF_REBUILT_LOG_PROBS
+    with pytest.raises(KLCheckError) as info:  # a reference that is not train.ref_load's model
+        host.after_log_rollout_data(0, {**apart, REBUILT: 0.01})
+    assert (info.value.check, info.value.detail) == (
+        Check.ROLLOUT_REF_REBUILT_LOG_PROBS,
+        f"|{REBUILT}| = 1.000e-02, expected < 1e-08",
+    )
+    host.after_log_rollout_data(0, {**apart, REBUILT: 0.0})
+    host.after_train_step(0, 0, 0, {**ON_POLICY_STEP, "train/kl_loss": 0.02})  # KL to the SFT
+    assert any(
+        "do not apply: train.ref_load='/ckpt/sft' is the reference's own checkpoint" in line
+        for line in said(caplog)
+    )
+    assert host.rebuilt_reference_forward(50) is False  # the audits after: nothing to rebuild
+
+
+@pytest.mark.parametrize("ref_load", ["/ckpt/base", "/ckpt/base/"])
+def test_a_reference_loaded_from_the_actors_start_is_still_the_actor_at_rollout_0(host, ref_load):
+    configure_reference_from(host, ref_load, hf_load="/ckpt/base")
+    assert host.rebuilt_reference_forward(0) is False
+    with pytest.raises(KLCheckError) as info:
+        host.after_log_rollout_data(
+            0, {**ON_POLICY_ROLLOUT, "rollout/log_probs_ref_max_abs_diff": 0.7}
+        )
+    assert info.value.check == Check.ROLLOUT_REF_LOG_PROBS
+
+
+def test_every_audit_under_replay_needs_the_shifted_experts_replayed_exactly(host, caplog):
+    """Replaying the engine's own experts agrees without replay too wherever the trainer routes
+    as the engine did (float32, in turn): each audit's probe replays experts no router picks."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    host.add(Exempting("r3", "replays the rollout's routing", ExemptionScope.ROUTING), "r3")
+    configure(host, reference=False, audit_interval=2)
+    with pytest.raises(
+        KLCheckError, match=f"{SHIFTED} is not logged; it must be: a plugin"
+    ) as info:
+        host.after_log_rollout_data(0, ON_POLICY_ROLLOUT)  # the engine's own experts agree
+    assert info.value.check == Check.SHIFTED_REPLAY
+    for bad in (0.0, 0.999, math.nan):  # a forward that does not replay: about 0
+        with pytest.raises(KLCheckError) as info:
+            host.after_log_rollout_data(2, {**PROBED, SHIFTED: bad})
+        assert info.value.check == Check.SHIFTED_REPLAY
+        assert info.value.detail == f"{SHIFTED} = {bad!r}, expected exactly 1.0"
+    host.after_log_rollout_data(2, PROBED)
+    assert (
+        "ci_kl_checker: audit rollout 2 (log_rollout_data): shifted_replay_agreement passed: "
+        f"{SHIFTED} = 1.0, expected exactly 1.0"
+    ) in reports(caplog)
+    host.after_log_rollout_data(3, without(ON_POLICY_ROLLOUT, "rollout/audit"))  # no audit

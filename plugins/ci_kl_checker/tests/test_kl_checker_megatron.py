@@ -1,6 +1,7 @@
 """The checker on a real MegatronWorker (megatron-core on CPU): each injected fault stops the run
-in CI mode with the check's message. The faults: a reference from another checkpoint, an
-actor/reference difference that cancels in the means, old log-probs that are not the actor's
+in CI mode with the check's message. The faults: a reference that is not the weights it should
+start from (the actor's, or its own `train.ref_load`), an actor/reference difference that
+cancels in the means, old log-probs that are not the actor's
 (a non-zero first-step ppo_kl), and engine log-probs farther from the trainer's than the ceiling.
 
 The passing cases (a reference copied from the actor, with and without routing replay) run in
@@ -17,6 +18,7 @@ import torch
 
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
 from ember_ci_kl_checker import plugin as checker_plugin
+from ember_core.certify import PLANT_ENV, Fault
 from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
@@ -110,8 +112,15 @@ def worker_with(
     return MegatronWorker(train, config.algorithm, SamplingConfig(), checker)
 
 
-def test_a_reference_from_another_checkpoint_fails_both_checks(checker, other_checkpoint):
-    worker = worker_with(checker, backend(ref_load=other_checkpoint), disable=False)
+def wrong_reference(monkeypatch) -> None:
+    """The reference the worker builds next has its weights scaled by 1.01 (the certifier's
+    planted fault: the run's reference only, not one a check builds again from its source)."""
+    monkeypatch.setenv(PLANT_ENV, Fault.REFERENCE.value)
+
+
+def test_a_wrong_reference_fails_both_checks(checker, monkeypatch):
+    wrong_reference(monkeypatch)
+    worker = worker_with(checker, backend(), disable=False)
     batch = worker.prepare(0, make_samples())
     with pytest.raises(KLCheckError) as rollout:
         worker.log_rollout_data(0, batch)
@@ -129,18 +138,42 @@ def test_a_reference_from_another_checkpoint_fails_both_checks(checker, other_ch
     error = step.value
     assert error.check == Check.KL_LOSS
     assert error.step == "rollout 0, step 0 (accumulated step 0)"
-    assert error.metrics["train/ppo_kl"] == 0.0 and error.metrics["train/kl_loss"] > 1e-3
+    assert error.metrics["train/ppo_kl"] == 0.0 and error.metrics["train/kl_loss"] > 1e-5
     assert {"train/loss", "train/pg_loss", "train/grad_norm", "train/lr"} <= set(error.metrics)
 
 
-def test_disable_turns_the_checks_off_with_one_warning(checker, other_checkpoint, caplog):
+def test_a_reference_from_a_checkpoint_of_its_own_is_checked_against_that_checkpoint(
+    checker, other_checkpoint, monkeypatch
+):
+    """An SFT model as reference: the actor differs from it at rollout 0, which passes; the
+    reference must be the model train.ref_load holds, built a second time to compare."""
+    worker = worker_with(checker, backend(ref_load=other_checkpoint), disable=False)
+    batch = worker.prepare(0, make_samples())
+    rollout = worker.log_rollout_data(0, batch)
+    assert rollout["rollout/log_probs_ref_max_abs_diff"] > 1e-3
+    assert rollout["rollout/ref_rebuilt_log_probs_max_abs_diff"] == 0.0
+    (step,) = worker.train(0, batch)
+    assert step["train/ppo_kl"] == 0.0 and step["train/kl_loss"] > 1e-3
+
+    checker_plugin._checker = None
+    wrong_reference(monkeypatch)
+    worker = worker_with(checker, backend(ref_load=other_checkpoint), disable=False)
+    batch = worker.prepare(0, make_samples())
+    with pytest.raises(KLCheckError) as info:
+        worker.log_rollout_data(0, batch)
+    assert info.value.check == Check.ROLLOUT_REF_REBUILT_LOG_PROBS
+    assert info.value.metrics["rollout/ref_rebuilt_log_probs_max_abs_diff"] > 1e-3
+
+
+def test_disable_turns_the_checks_off_with_one_warning(checker, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    worker = worker_with(checker, backend(ref_load=other_checkpoint), disable=True)
+    wrong_reference(monkeypatch)
+    worker = worker_with(checker, backend(), disable=True)
     batch = worker.prepare(0, make_samples())
     rollout = worker.log_rollout_data(0, batch)
     (step,) = worker.train(0, batch)
     assert rollout["rollout/log_probs_ref_max_abs_diff"] > 1e-3
-    assert step["train/kl_loss"] > 1e-3
+    assert step["train/kl_loss"] > 1e-8
     records = [r for r in caplog.records if r.name == LOGGER]
     assert [(r.levelno, r.getMessage()) for r in records] == [
         (

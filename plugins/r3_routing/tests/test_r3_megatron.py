@@ -20,6 +20,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
 from ember_ci_kl_checker import plugin as checker_plugin
+from ember_core.certify import PLANT_ENV, Fault
 from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig
 from ember_core.hookspecs import ExemptionScope, KLExemption, Phase, Role, hookimpl
 from ember_core.plugins import EmberPlugins
@@ -304,11 +305,15 @@ ceiling and no recorded-routing floor."""
 
 @pytest.fixture(scope="module")
 def trained_checkpoint(dist_env, tmp_path_factory):
-    """An HF checkpoint of the actor after one rollout of training: a wrong reference."""
+    """An HF checkpoint of the actor after one rollout of training: a reference of its own (RL
+    continued from a checkpoint), which the actor need not equal."""
     with running([], backend()) as plugins:
         worker = MegatronWorker(backend(), AlgorithmConfig(), SamplingConfig(), plugins)
         worker.train(0, worker.prepare(0, make_samples(seed=3)))
         return str(worker.export_hf(tmp_path_factory.mktemp("trained")))
+
+
+REBUILT = "rollout/ref_rebuilt_log_probs_max_abs_diff"
 
 
 class ForwardCount:
@@ -354,8 +359,15 @@ def test_under_r3_the_reference_replaying_the_rollout_routing_matches_the_actor(
         assert any(not torch.equal(used, routing_map(nat)) for _, used, nat in check)
 
 
-def test_under_r3_a_trained_reference_stops_the_run_at_rollout_0(dist_env, trained_checkpoint):
-    train = backend(ref_load=trained_checkpoint)
+@pytest.mark.parametrize("own_checkpoint", [False, True], ids=["actors-start", "ref-load"])
+def test_under_r3_a_wrong_reference_stops_the_run_at_rollout_0(
+    dist_env, trained_checkpoint, monkeypatch, own_checkpoint
+):
+    """The reference scaled by 1.01 (the certifier's planted fault): against the actor, with the
+    rollout's routing replayed; with a trained checkpoint as its own `train.ref_load`, against
+    a second reference built from it (each routing by itself)."""
+    monkeypatch.setenv(PLANT_ENV, Fault.REFERENCE.value)
+    train = backend(ref_load=trained_checkpoint if own_checkpoint else None)
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
     with running(BOTH, train, algorithm=algorithm, ci_kl_checker=LOOSE) as plugins:
         worker = MegatronWorker(train, algorithm, SamplingConfig(), plugins)
@@ -363,10 +375,15 @@ def test_under_r3_a_trained_reference_stops_the_run_at_rollout_0(dist_env, train
         with pytest.raises(KLCheckError) as info:
             worker.log_rollout_data(0, batch)
     error = info.value
-    assert error.check == Check.ROLLOUT_REF_REPLAYED_LOG_PROBS
+    check, metric = (
+        (Check.ROLLOUT_REF_REBUILT_LOG_PROBS, REBUILT)
+        if own_checkpoint
+        else (Check.ROLLOUT_REF_REPLAYED_LOG_PROBS, REPLAYED)
+    )
+    assert error.check == check
     assert error.step == "rollout 0 (log_rollout_data)"
-    assert error.metrics[REPLAYED] > 1e-3
-    assert f"|{REPLAYED}| = " in str(error) and "expected < 1e-08" in str(error)
+    assert error.metrics[metric] > 1e-3
+    assert f"|{metric}| = " in str(error) and "expected < 1e-08" in str(error)
 
 
 class AnyDifference:
@@ -388,10 +405,11 @@ class AnyDifference:
     ids=["ci", "not_ci", "disabled", "exemption_not_about_routing"],
 )
 def test_the_replayed_reference_forward_runs_only_at_rollout_0_of_a_routing_exempt_ci_run(
-    dist_env, trained_checkpoint, ci, disable, extra, extra_forward
+    dist_env, monkeypatch, ci, disable, extra, extra_forward
 ):
     # A wrong reference: wherever the replayed check does not run, nothing stops the run.
-    train = backend(ref_load=trained_checkpoint)
+    monkeypatch.setenv(PLANT_ENV, Fault.REFERENCE.value)
+    train = backend()
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.01)
     checker = KLCheckerConfig(
         disable=disable,

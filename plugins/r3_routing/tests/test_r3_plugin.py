@@ -179,6 +179,7 @@ def test_kl_checker_stands_down_for_r3_with_one_line(shape, reset_plugin, caplog
             "rollout/train_rollout_logprob_abs_diff": 0.0,
             "rollout/train_rollout_logprob_max_abs_diff": 0.0,
             "rollout/routing_agreement": 1.0,  # the trainer's own routers picked the engine's
+            "rollout/shifted_replay_agreement": 1.0,  # the audit's probe followed the shift
         }
         replayed = "rollout/ref_replayed_log_probs_max_abs_diff"
         with pytest.raises(AssertionError, match=f"{replayed} is not logged"):

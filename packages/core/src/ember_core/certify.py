@@ -11,9 +11,12 @@ certificate that passes with a fault planted proves its check blind.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import os
+from collections.abc import Sequence
+from typing import Any
 
 TOLERANCE = 1e-8
 """An exact quantity (a KL of identical log-probs, a difference of identical weights) passes
@@ -41,7 +44,8 @@ class Fault(enum.StrEnum):
     REPLAY_OFF = "replay-off"
     """Routing replay records the engine's experts but does not replay them: "routing" fails."""
     REFERENCE = "reference"
-    """The reference model's weights are scaled by 1.01: "reference" fails."""
+    """The reference model the run holds has its weights scaled by 1.01 (not the second one
+    built from `train.ref_load` to check it against): "reference" fails."""
     STALE_VERSION = "stale-version"
     """The engine takes the pushed weights but keeps its old weight version: "weight version"
     after the update fails."""
@@ -75,6 +79,37 @@ def at_least(value: float, floor: float) -> bool:
 def finite(*values: float) -> bool:
     """Every value is a finite number (None and other non-numbers are not)."""
     return all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+
+
+def shifted_experts(samples: Sequence[Any], num_experts: int) -> list[Any]:
+    """Copies of `samples` (`ember_core.types.Sample`) whose recorded experts are each moved to
+    the next expert id: a routing no router chooses by itself, so a forward follows it only by
+    replaying it. Where the trainer's own routing agrees with the engine's anyway (float32),
+    replaying the recorded experts could not tell replay from none."""
+    shifted = []
+    for sample in samples:
+        experts = sample.rollout_routed_experts
+        if experts is not None:
+            experts = (experts + 1) % num_experts
+        shifted.append(dataclasses.replace(sample, rollout_routed_experts=experts))
+    return shifted
+
+
+def reference_source(
+    ref_load: str | os.PathLike[str] | None, hf_load: str | os.PathLike[str] | None
+) -> str | None:
+    """Where a run's reference model comes from when that is not the actor's start:
+    `train.ref_load` (`ref_load`) where it names other weights than the actor's checkpoint
+    (`train.hf_load`, `hf_load`), as when RL continues from a checkpoint or an SFT model is the
+    reference. None: the reference is the actor's initial weights, and at rollout 0 the two
+    agree exactly. Otherwise they need not, and the check is the reference against a second
+    model built from `ref_load`."""
+    if ref_load is None:
+        return None
+    source = os.path.normpath(os.fspath(ref_load))
+    if hf_load is not None and source == os.path.normpath(os.fspath(hf_load)):
+        return None
+    return source
 
 
 def mismatch_ceiling(engine_dtype: str | None, trainer_dtype: str | None) -> tuple[float, str]:

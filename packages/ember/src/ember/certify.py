@@ -33,6 +33,7 @@ from ember_core.certify import (
     exactly_one,
     exactly_zero,
     mismatch_ceiling,
+    reference_source,
 )
 
 logger = logging.getLogger(__name__)
@@ -231,15 +232,18 @@ def distribution_row(
 def routing_row(
     row: str,
     metrics: Mapping[str, Any],
-    replay: Mapping[str, Any] | None,
     *,
     moe: bool,
     replaying: bool,
     when: str,
 ) -> Row:
-    """The trainer's own routing against the engine's recorded experts (`metrics`, reported)
-    and, under routing replay, the experts a scoring forward used against the ones it was
-    given to replay (`replay`'s rollout/replay_agreement: exactly 1)."""
+    """The trainer's own routing against the engine's recorded experts
+    (rollout/routing_agreement, reported) and, under routing replay, the experts the audit's
+    probe forward used against the ones it was given to replay: the engine's, each moved to
+    the next expert id (rollout/shifted_replay_agreement: exactly 1). Experts no router picks
+    by itself are followed only by a forward that replays; the engine's own experts would be
+    followed by one that does not too wherever the trainer's routing agrees with the engine's
+    (float32)."""
     check = f"routing ({when})"
     bar = "with replay exactly 1 (without: reported)"
     if not moe:
@@ -251,27 +255,13 @@ def routing_row(
             return Row(row, check, "", bar, NOT_APPLICABLE, detail)
         return Row(row, check, f"without replay {natural:.4f}", bar, REPORTED)
     without = "not logged" if natural is None else f"{natural:.4f}"
-    replayed = None if replay is None else _number(replay, "rollout/replay_agreement")
+    replayed = _number(metrics, "rollout/shifted_replay_agreement")
     if replayed is None:
         measured = f"without replay {without}; with replay not logged"
-        detail = "r3_routing is on, but no forward replayed the recorded experts"
+        detail = "r3_routing is on, but no forward replayed the shifted experts"
         return Row(row, check, measured, bar, FAIL, detail)
-    measured = f"without replay {without}; with replay {replayed:.4f}"
+    measured = f"without replay {without}; with replay {replayed:.4f} (shifted experts)"
     return Row(row, check, measured, bar, PASS if exactly_one(replayed) else FAIL)
-
-
-def shifted_experts(samples: Sequence[Any], num_experts: int) -> list[Any]:
-    """Copies of `samples` whose recorded experts are each moved to the next expert id: a
-    routing no router chooses by itself, so a forward follows it only by replaying it (where
-    the trainer's own routing agrees with the engine's anyway, as in float32, replaying the
-    recorded experts could not tell)."""
-    shifted = []
-    for sample in samples:
-        experts = sample.rollout_routed_experts
-        if experts is not None:
-            experts = (experts + 1) % num_experts
-        shifted.append(dataclasses.replace(sample, rollout_routed_experts=experts))
-    return shifted
 
 
 def on_policy_row(steps: Sequence[Mapping[str, Any]]) -> Row:
@@ -287,23 +277,34 @@ def on_policy_row(steps: Sequence[Mapping[str, Any]]) -> Row:
     return Row("5", check, measured, bar, PASS if ok else FAIL)
 
 
-def reference_row(metrics: Mapping[str, Any], *, reference: bool, replaying: bool) -> Row:
-    """The reference against the actor at the start (the reference replaying the rollout's
-    routing under routing replay): exactly equal log-probs."""
-    check = "reference equals actor (start)"
-    bar = f"max |actor - reference| < {TOLERANCE:g}"
+def reference_row(
+    metrics: Mapping[str, Any], *, reference: bool, replaying: bool, source: str | None = None
+) -> Row:
+    """The reference at the start. Where it is the actor's initial weights: against the actor
+    (the reference replaying the rollout's routing under routing replay), exactly equal
+    log-probs. Where it comes from a checkpoint of its own (`source`, `train.ref_load` naming
+    other weights than the actor's: RL continued from a checkpoint, an SFT model as reference)
+    the actor need not agree with it: against a second model built from that checkpoint,
+    exactly equal log-probs (each scoring with its own routing)."""
+    if source is not None:
+        check = "reference is train.ref_load (start)"
+        bar = f"max |reference - rebuilt from train.ref_load| < {TOLERANCE:g}"
+        key = "rollout/ref_rebuilt_log_probs_max_abs_diff"
+    else:
+        check = "reference equals actor (start)"
+        bar = f"max |actor - reference| < {TOLERANCE:g}"
+        key = (
+            "rollout/ref_replayed_log_probs_max_abs_diff"
+            if replaying
+            else "rollout/log_probs_ref_max_abs_diff"
+        )
     if not reference:
         detail = "the config builds no reference model (no KL loss or penalty, no train.ref_load)"
         return Row("6", check, "", bar, NOT_APPLICABLE, detail)
-    key = (
-        "rollout/ref_replayed_log_probs_max_abs_diff"
-        if replaying
-        else "rollout/log_probs_ref_max_abs_diff"
-    )
     value = _number(metrics, key)
     if value is None:
         return Row("6", check, "not logged", bar, FAIL, f"{key} missing")
-    replayed = ", routing replayed" if replaying else ""
+    replayed = ", routing replayed" if replaying and source is None else ""
     verdict = PASS if exactly_zero(value) else FAIL
     return Row("6", check, f"max {value:.2e}{replayed}", bar, verdict)
 
@@ -322,7 +323,9 @@ def determinism_row(
     first: Sequence[Sequence[int]], second: Sequence[Sequence[int]], *, seeded: bool
 ) -> Row:
     """The same requests (same prompts, same seeds) twice: the same tokens, where the engine
-    takes a seed per request (`seeded`); reported where it does not."""
+    takes a seed per request (`seeded`); reported where it does not. Both generations start
+    from the same position of the prompt stream (`generate_again`), so groups the dynamic
+    filter drops are replaced by the same prompts each time."""
     check = "determinism (same request twice)"
     same = sum(a == b for a, b in zip(first, second, strict=True))
     measured = f"{same}/{len(first)} samples equal"
@@ -332,6 +335,21 @@ def determinism_row(
         return Row("8", check, measured, bar, REPORTED, detail)
     verdict = PASS if same == len(first) and len(first) == len(second) else FAIL
     return Row("8", check, measured, bar, verdict)
+
+
+def generate_again(manager: Any, rollout_id: int, prompts: list[Any], times: int = 2) -> list[Any]:
+    """`prompts` generated as rollout `rollout_id` by the run's rollout manager `times` times,
+    each from the same position of the prompt stream (its state taken before the first and
+    put back before each): under the dynamic filter a group the new weights leave without
+    signal is dropped and replaced by the stream's next prompts, which one generation would
+    otherwise move on for the next. The filter stays as configured: row 8 certifies the
+    generation the run does."""
+    stream = calls.get(manager.state_dict.remote())
+    batches = []
+    for _ in range(times):
+        calls.get(manager.load_state_dict.remote(stream))
+        batches.append(calls.get(manager.generate.remote(rollout_id, prompts)))
+    return batches
 
 
 def passed(rows: Sequence[Row]) -> bool:
@@ -367,7 +385,8 @@ def write_certificate(run_dir: Path, rows: Sequence[Row], setup: Mapping[str, An
 
 
 def describe_setup(config: Any) -> dict[str, Any]:
-    """What the certificate is of: model, family, layout, engine, dtypes, loop, sampling."""
+    """What the certificate is of: model, family, layout, engine, dtypes, sampling (no loop:
+    the rows are measured in turn whatever `rollout.async` says, `ember.certify_matrix`)."""
     model = config.train.model_config()
     parallel = config.train.parallel
     engine = config.engine
@@ -385,7 +404,6 @@ def describe_setup(config: Any) -> dict[str, Any]:
         "engines": config.ray.num_engines,
         "engine_dtype": engine_dtype(config),
         "trainer_dtype": config.train.dtype,
-        "loop": "overlapped" if config.rollout.max_staleness else "in turn",
         "temperature": config.rollout.temperature,
         "plugins": [p for p in config.plugins if p != PLUGIN],
     }
@@ -434,6 +452,8 @@ class Certifier:
         self.reference = bool(
             algorithm.use_kl_loss or algorithm.kl_coef > 0 or config.train.ref_load
         )
+        self.source = reference_source(config.train.ref_load, config.train.hf_load)
+        """The reference's own checkpoint, where it is not the actor's start (row 6)."""
         self.readable = config.engine.kind == "hf"
         """The engine's tensors can be read (the embedded engine; not an SGLang server)."""
         self.ceiling, self.why = mismatch_ceiling(engine_dtype(config), config.train.dtype)
@@ -453,23 +473,20 @@ class Certifier:
             driver.pusher.send(INITIAL_WEIGHT_VERSION)
             initial = (driver.init_dir, INITIAL_WEIGHT_VERSION)
             rows = [self.loaded_alike("1", "initial load", batch.samples, *initial)]
-        probe = None
-        if replaying and moe:
-            # Experts the engine did not choose, replayed: only a forward that replays uses them.
-            probe = driver.score(0, shifted_experts(batch.samples, self.model.num_experts))
-        scored = driver.score(0, batch.samples)
+        scored = driver.score(0, batch.samples)  # an audit: with the shifted-experts probe
         rows.append(self.distribution("3", "start", batch.samples))  # before the update
         steps = driver.train(0)
         rows.append(log_prob_row("2", scored, self.ceiling, self.why, "start"))
-        rows.append(routing_row("4", scored, probe, moe=moe, replaying=replaying, when="start"))
+        rows.append(routing_row("4", scored, moe=moe, replaying=replaying, when="start"))
         rows.append(on_policy_row(steps))
-        rows.append(reference_row(scored, reference=self.reference, replaying=replaying))
+        rows.append(
+            reference_row(scored, reference=self.reference, replaying=replaying, source=self.source)
+        )
         arrived, went_through = self.push(batch.samples)
         rows.append(arrived)
         if not went_through:  # refused: the engine serves the old weights, nothing to measure
             return rows
-        prompts = prompts_of(batch.samples)
-        again = [calls.get(self.actors.manager.generate.remote(1, prompts)) for _ in range(2)]
+        again = generate_again(self.actors.manager, 1, prompts_of(batch.samples))
         rows.append(version_row([s.weight_version for s in again[0].samples], "0"))
         rows += self.after_update(again[0].samples, scored_ok=rows[-1].verdict == PASS)
         tokens = [[s.tokens for s in b.samples] for b in again]
@@ -503,11 +520,10 @@ class Certifier:
             detail = "not scored: the samples do not carry the pushed version (row 7.5)"
             return [Row("7.2", f"sampled-token log-probs ({when})", "", "", FAIL, detail)]
         rescored = self.driver.score(1, samples)
-        replaying = dict(moe=self.moe, replaying=self.replaying, when=when)
         return [
             log_prob_row("7.2", rescored, self.ceiling, self.why, when),
             self.distribution("7.3", when, samples),
-            routing_row("7.4", rescored, rescored, **replaying),
+            routing_row("7.4", rescored, moe=self.moe, replaying=self.replaying, when=when),
         ]
 
     def digests(self, row: str, when: str) -> Row:

@@ -1,5 +1,12 @@
 """`ember certify --matrix`: the certificate of every built-in model preset, in every layout
-that fits two CPU ranks, in both loops, on every installed engine, as one generated table.
+that fits two CPU ranks, on every installed engine, as one generated table.
+
+There is no loop dimension: a certificate measures rollout 0 and the rollout after one update,
+generated in turn whatever `rollout.async` says (the certifier drives the actors itself, not
+the run's loop), so an overlapped setup's certificate would be the in-turn one under another
+name. What the overlapped loop adds (samples from older weights, their behaviour ratio, partial
+rollouts' version spans) is checked at run time by the `ci_kl_checker` plugin's off-policy
+audits.
 
 Each combination is one `ember certify` process over the default run config with the preset
 swapped in, small rollouts, a KL loss (so that a reference model exists), temperature 0.7 (so
@@ -39,9 +46,9 @@ LAYOUTS = {
     "pp2": ["ray.data_parallel=2", "train.parallel.pipeline_parallel=2"],
 }
 """Training layouts on at most two ranks (gloo on CPU): none, or one kind of parallelism of 2."""
-LOOPS = {"in-turn": ["rollout.async=false"], "overlapped": ["rollout.async=true"]}
 ENGINES = {"hf": ["engine.kind=hf"], "sglang": ["engine.kind=sglang"]}
 BASE = [
+    "rollout.async=false",
     "rollout.rollout_batch_size=4",
     "rollout.n_samples_per_prompt=4",
     "algorithm.use_kl_loss=true",
@@ -49,11 +56,10 @@ BASE = [
 ]
 """What every combination sets on top of the default run config."""
 DEFAULT_OUT = Path("docs/certification.md")
-SGLANG_AT = ("1", "overlapped")
-"""The one layout and loop SGLang is certified in unless `--engines` names it: the engine never
-sees the trainer's layout (every layout's push gathers the same tensors, certified on the
-embedded engine), and the loop only decides when generation runs. A real server takes 1.5-2.5
-minutes to start on two cores."""
+SGLANG_LAYOUT = "1"
+"""The one layout SGLang is certified in unless `--engines` names it: the engine never sees the
+trainer's layout (every layout's push gathers the same tensors, certified on the embedded
+engine). A real server takes 1.5-2.5 minutes to start on two cores."""
 SGLANG_CPU_UNSERVED = {
     "deepseek_v3": "sglang 0.5.23's CPU rotary embedding asserts a rope_scaling the preset has "
     "none of (layers/rotary_embedding/factory.py 478)",
@@ -69,8 +75,8 @@ REAL_MODELS = {
     "smollm2-moe": ("examples/smollm2-moe-arith.yaml", "mixtral"),
 }
 """The real pretrained checkpoints (the `smollm2` dependency group: SmolLM2-135M-Instruct and
-its sparse upcycling to a Mixtral), each with its example config, in its own layout and loop,
-on the embedded engine unless `--engines` names SGLang;
+its sparse upcycling to a Mixtral), each with its example config, in its own layout, on the
+embedded engine unless `--engines` names SGLang;
 the checkpoints are written where the examples read them (models/) when missing."""
 REAL_BASE = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4"]
 """What a real-model combination sets on top of its example (two prompt groups: the example's
@@ -83,15 +89,14 @@ class Combination:
     family: str
     moe: bool
     layout: str
-    loop: str
     engine: str
     config: str | None = None
     """A real model's example config (`REAL_MODELS`); None: a preset over the default."""
 
     def overrides(self) -> list[str]:
         if self.config is not None:
-            return [*REAL_BASE, *LOOPS[self.loop], *ENGINES[self.engine]]
-        sets = [f"train.model={self.preset}", *BASE, *LAYOUTS[self.layout], *LOOPS[self.loop]]
+            return [*REAL_BASE, *ENGINES[self.engine]]
+        sets = [f"train.model={self.preset}", *BASE, *LAYOUTS[self.layout]]
         return sets + ENGINES[self.engine]
 
     def plugins(self) -> list[str]:
@@ -130,11 +135,10 @@ def combinations(
     *,
     families: Sequence[str] | None = None,
     layouts: Sequence[str] | None = None,
-    loops: Sequence[str] | None = None,
     engines: Sequence[str] | None = None,
 ) -> list[Combination]:
-    """Every preset (of `families`) x every layout it fits (of `layouts`) x `loops` x
-    `engines` (default: all of each, and the installed engines)."""
+    """Every preset (of `families`) x every layout it fits (of `layouts`) x `engines`
+    (default: all of each, and the installed engines)."""
     from ember_megatron_backend.model import PRESETS
 
     chosen = []
@@ -144,24 +148,21 @@ def combinations(
         for layout in layouts or list(LAYOUTS):
             if not fits(shape, layout):
                 continue
-            for loop in loops or list(LOOPS):
-                for engine in engines or installed_engines():
-                    if engine == "sglang" and (layout, loop) != SGLANG_AT and not engines:
-                        continue
-                    if engine == "sglang" and shape.family in unserved_by_sglang():
-                        continue
-                    moe = bool(shape.num_experts)
-                    chosen.append(Combination(preset, shape.family, moe, layout, loop, engine))
+            for engine in engines or installed_engines():
+                if engine == "sglang" and layout != SGLANG_LAYOUT and not engines:
+                    continue
+                if engine == "sglang" and shape.family in unserved_by_sglang():
+                    continue
+                moe = bool(shape.num_experts)
+                chosen.append(Combination(preset, shape.family, moe, layout, engine))
     if not real_models_installed():
         return chosen
     for name, (config, family) in REAL_MODELS.items():
         if (families and family not in families) or (layouts and "1" not in layouts):
             continue
         for engine in engines or ["hf"]:
-            if loops and "in-turn" not in loops:
-                continue
             moe = family == "mixtral"
-            chosen.append(Combination(name, family, moe, "1", "in-turn", engine, config))
+            chosen.append(Combination(name, family, moe, "1", engine, config))
     return chosen
 
 
@@ -231,7 +232,7 @@ def run_matrix(combos: Sequence[Combination], out: Path) -> list[Outcome]:
     with tempfile.TemporaryDirectory(prefix="ember-certify-matrix-") as scratch:
         bar = tqdm(combos, desc="certify --matrix", unit="setup", dynamic_ncols=True)
         for i, combination in enumerate(bar):
-            bar.set_postfix_str(f"{combination.preset} {combination.layout} {combination.loop}")
+            bar.set_postfix_str(f"{combination.preset} {combination.layout} {combination.engine}")
             outcome = certify_one(combination, Path(scratch) / f"run-{i}")
             bar.write(f"{'PASS' if outcome.passed else 'FAIL'}  {describe(combination)}")
             outcomes.append(outcome)
@@ -252,7 +253,7 @@ def _left_out(outcomes: Sequence[Outcome]) -> list[str]:
 
 def describe(combination: Combination) -> str:
     c = combination
-    return f"{c.preset} ({c.family}), layout {c.layout}, {c.loop}, engine {c.engine}"
+    return f"{c.preset} ({c.family}), layout {c.layout}, engine {c.engine}"
 
 
 def markdown(outcomes: Sequence[Outcome]) -> str:
@@ -266,9 +267,8 @@ def markdown(outcomes: Sequence[Outcome]) -> str:
         "`ember certify` over every built-in model preset, in each layout that fits two CPU "
         "ranks (none, TP 2 for dense models: megatron-core needs sequence parallelism for MoE "
         "under TP, which Ember enables with Transformer Engine on GPUs; EP 2 for MoE models; "
-        "PP 2), in both loops (in turn, overlapped), "
-        "on the embedded engine, and on SGLang where it is installed in layout 1 and the "
-        "overlapped loop (the engine never sees the trainer's layout). Each setup is the "
+        "PP 2), on the embedded engine, and on SGLang where it is installed in layout 1 (the "
+        "engine never sees the trainer's layout). Each setup is the "
         "default run config with the preset, "
         f"`{' '.join('--set ' + s for s in BASE)}`, and `--plugins r3_routing` for MoE presets. "
         "Where the `smollm2` group is installed, the real checkpoints too (SmolLM2-135M-Instruct "
@@ -277,19 +277,33 @@ def markdown(outcomes: Sequence[Outcome]) -> str:
         "The row numbers are the certificate's (docs/certify.md); n/a: the row does not apply "
         "(a dense model has no router) or is not measured for that engine or layout.",
         "",
+        "What some rows measure: rows 4 and 7.4 replay the engine's experts each moved to the "
+        "next expert id (the audit's probe forward), which only a forward that replays "
+        "follows; row 6 compares the reference with the actor where it starts as the actor, "
+        "and with a second model built from `train.ref_load` where that names other weights; "
+        "row 8 generates the same prompts twice from the same position of the prompt stream "
+        "(its state is taken and put back), so under `group_sampling.dynamic_filter`, which "
+        "stays on, a dropped group is replaced by the same prompts both times.",
+        "",
+        "There is no loop column: every row is measured on rollout 0 and on the rollout after "
+        "one update, generated in turn whatever the run's loop, so a certificate holds for both "
+        "loops alike. What the overlapped loop adds (samples from older weights, their "
+        "behaviour ratio, partial rollouts' version spans) is checked at run time by the "
+        "`ci_kl_checker` plugin's off-policy audits.",
+        "",
         f"{passed} of {len(outcomes)} setups pass; {seconds / 60:.1f} minutes in all on "
         f"{machine()}, {datetime.date.today().isoformat()}.",
         *_left_out(outcomes),
         "",
-        "| preset | family | layout | loop | engine | " + " | ".join(ROWS) + " | result |",
-        "|" + "---|" * (6 + len(ROWS)),
+        "| preset | family | layout | engine | " + " | ".join(ROWS) + " | result |",
+        "|" + "---|" * (5 + len(ROWS)),
     ]
     for o in outcomes:
         c = o.combination
         cells = [o.verdicts.get(row, "-") for row in ROWS]
         result = PASS if o.passed else (f"{FAIL}: {o.error}" if o.error else FAIL)
         lines.append(
-            f"| {c.preset} | {c.family} | {c.layout} | {c.loop} | {c.engine} | "
+            f"| {c.preset} | {c.family} | {c.layout} | {c.engine} | "
             + " | ".join(cells)
             + f" | {result} |"
         )

@@ -68,7 +68,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "--resume continues a run from its checkpoints; half a run (run.rollout_only, "
             "run.train_from_rollouts) writes none: start it again instead"
         )
-    check_inputs(config)  # bad prompt files, reward names, paths: fail before Ray starts
+    check_inputs(config, plugins)  # bad prompt files, reward names, paths, dumps: before Ray
     logging.getLogger("ember").info("%s", describe_loop(config))
     mark("driver", "config loaded and checked")
     from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
@@ -91,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_certify(args: argparse.Namespace) -> int:
     if args.matrix:
         return certify_matrix(args)
-    matrix_only = [f"--{k}" for k in ("families", "layouts", "loops", "engines", "out")]
+    matrix_only = [f"--{k}" for k in ("families", "layouts", "engines", "out")]
     given = [flag for flag in matrix_only if getattr(args, flag[2:]) is not None]
     if given:
         raise ValueError(f"{', '.join(given)}: options of --matrix")
@@ -141,7 +141,6 @@ def certify_matrix(args: argparse.Namespace) -> int:
     choices = {
         "families": sorted({shape.family for shape in _presets().values()}),
         "layouts": list(matrix.LAYOUTS),
-        "loops": list(matrix.LOOPS),
         "engines": list(matrix.ENGINES),
     }
     chosen = {}
@@ -283,13 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     cert.add_argument(
         "--matrix",
         action="store_true",
-        help="certify every built-in preset x layout x loop x installed engine and write the "
-        "table (docs/certification.md)",
+        help="certify every built-in preset x layout x installed engine and write the table "
+        "(docs/certification.md)",
     )
     for key, what in (
         ("families", "model families (default: all)"),
         ("layouts", "layouts: 1, tp2, ep2, pp2 (default: all that fit)"),
-        ("loops", "loops: in-turn, overlapped (default: both)"),
         ("engines", "engines: hf, sglang (default: the installed ones)"),
     ):
         cert.add_argument(

@@ -107,6 +107,11 @@ class RolloutBatch:
     """[B, 4] float64 per sample: (token, layer) routings where the actor's own top-k set equals
     the rollout's, and routings compared; the same for the experts a replaying forward used
     (``RoutingRecorder.record``); None without routed experts or without a scoring forward."""
+    shifted_routing: Tensor | None = None
+    """[B, 4] as `routing`, from one check-only actor forward at an audit under routing replay
+    whose samples' experts were each moved to the next expert id
+    (`ember_core.certify.shifted_experts`): experts no router picks by itself, which only a
+    forward that replays follows. None outside audits or without routing to score."""
     has_experts: bool = False
     """Some sample of some rank carries the engine's routed experts: the training forwards
     record the routing too (`train/routing_agreement`, `train/replay_agreement`)."""

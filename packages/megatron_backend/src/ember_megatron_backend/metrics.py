@@ -42,6 +42,7 @@ ROLLOUT_KEYS = (
     "rollout/train_rollout_logprob_abs_diff",
     "rollout/routing_agreement",
     "rollout/replay_agreement",
+    "rollout/shifted_replay_agreement",
 )
 """Every rollout metric that is a mean over samples, in the fixed order ranks reduce them in."""
 
@@ -228,6 +229,11 @@ def rollout_metrics(batch: RolloutBatch, group: Any = None) -> dict[str, float]:
         replayed, replay_compared = batch.routing[:, 2], batch.routing[:, 3]
         has = replay_compared > 0
         means.add("rollout/replay_agreement", replayed[has] / replay_compared[has])
+    if batch.shifted_routing is not None:
+        # Replay of experts no router picks by itself (an audit's probe): 1.0 only by replay.
+        replayed, replay_compared = batch.shifted_routing[:, 2], batch.shifted_routing[:, 3]
+        has = replay_compared > 0
+        means.add("rollout/shifted_replay_agreement", replayed[has] / replay_compared[has])
     metrics = means.reduce(group)
     if batch.audit:
         metrics[AUDIT] = 1.0

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ember_core.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
-from ember_core.certify import Fault, planted
+from ember_core.certify import Fault, planted, shifted_experts
 from ember_core.config import AlgorithmConfig, SamplingConfig
 from ember_core.hookspecs import Phase, Role
 from ember_core.plugins import EmberPlugins
@@ -148,6 +148,12 @@ class MegatronWorker:
         self.ref = None
         if self.with_ref:
             self.ref = self._build_reference(initial_actor=self.actor.module)
+            # `ember certify --plant reference` tests its check: the run's reference only, not
+            # the second one a check builds from its source to compare it with.
+            if planted(Fault.REFERENCE):
+                with torch.no_grad():
+                    for param in self.ref.parameters():
+                        param.mul_(1.01)
 
         self.critic = self.critic_optimizer = None
         if self.with_critic:
@@ -175,10 +181,6 @@ class MegatronWorker:
             checkpoint.load_model_weights(
                 ref, config.ref_load, role=Role.ACTOR.value, expect=self._layout()
             )
-        if planted(Fault.REFERENCE):  # `ember certify --plant reference` tests its check
-            with torch.no_grad():
-                for param in ref.parameters():
-                    param.mul_(1.01)
         ref.requires_grad_(False)
         ref.eval()
         return ref
@@ -264,7 +266,8 @@ class MegatronWorker:
             raise RuntimeError(
                 f"audit of rollout {rollout_id}: samples were generated from weights older than "
                 f"the trainer's (version {self.rollout_id}); the driver must let no rollout "
-                "generate ahead into an audit iteration"
+                "generate ahead into an audit iteration, nor train an audited rollout dumped "
+                "from other weights (ember.config.check_dump_audit refuses one)"
             )
         score_actor = not self.algorithm.use_rollout_log_probs or audit
         steps = plan_steps(
@@ -321,9 +324,26 @@ class MegatronWorker:
         replayed_ref = scored["replayed_ref"].log_probs if "replayed_ref" in scored else None
         rebuilt_ref = scored["rebuilt_ref"].log_probs if "rebuilt_ref" in scored else None
         values = scored["critic"].values if "critic" in scored else None
-        if routing is not None and self.pipelined:
-            # Each stage counted its own layers' routings.
-            comm.all_reduce(routing, group=ps.get_pipeline_model_parallel_group())
+        shifted_routing = None
+        if routing is not None and audit:
+            # One check-only forward replaying experts no router picks by itself: where the
+            # trainer's own routing agrees with the engine's anyway (float32), replaying the
+            # engine's experts cannot tell replay from none.
+            shifted_routing = torch.zeros_like(routing)
+            probe = ScoringPass("shifted", self.actor, Role.ACTOR, Phase.LOG_PROB, shifted_routing)
+            score_passes(
+                shifted_experts(samples, self.model_config.num_experts),
+                plan,
+                flat,
+                [probe],
+                plugins=self.plugins,
+                recorder=self.routing,
+                temperature=self.sampling.temperature,
+            )
+        for counts in (routing, shifted_routing):
+            if counts is not None and self.pipelined:
+                # Each stage counted its own layers' routings.
+                comm.all_reduce(counts, group=ps.get_pipeline_model_parallel_group())
 
         masks = [torch.tensor(s.effective_loss_mask(), dtype=torch.float32) for s in samples]
         rollout_lp = None
@@ -370,6 +390,7 @@ class MegatronWorker:
             rollout_log_probs=rollout_lp,
             layouts=layouts,
             routing=routing,
+            shifted_routing=shifted_routing,
             has_experts=has_experts,
             audit=audit,
             stale=stale,

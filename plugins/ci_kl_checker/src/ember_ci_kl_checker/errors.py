@@ -24,6 +24,12 @@ class Check(enum.StrEnum):
     """rollout/ref_replayed_log_probs_max_abs_diff (max over tokens of |actor - reference|
     log-prob, the reference replaying the rollout's routing in a check-only forward) < tolerance
     at rollout 0, when every exemption excuses routing only."""
+    ROLLOUT_REF_REBUILT_LOG_PROBS = "first_rollout_ref_rebuilt_log_probs"
+    """rollout/ref_rebuilt_log_probs_max_abs_diff (max over tokens of |reference - reference
+    rebuilt from train.ref_load| log-prob) < tolerance at rollout 0, when `train.ref_load` names
+    other weights than the actor's start (`train.hf_load`): the reference is the model its
+    checkpoint holds. The actor/reference checks do not apply then (an SFT reference, RL
+    continued from a checkpoint)."""
     RESUMED_REF_LOG_PROBS = "resumed_ref_log_probs"
     """rollout/ref_rebuilt_log_probs_max_abs_diff (max over tokens of |reference - reference
     rebuilt from its source| log-prob) < tolerance at the first audit after a resume: the
@@ -38,6 +44,12 @@ class Check(enum.StrEnum):
     REPLAY_AGREEMENT = "replay_agreement"
     """train/replay_agreement == 1.0 at every step, when a plugin replays the rollout's
     routing: the experts each training forward used are the rollout's."""
+    SHIFTED_REPLAY = "shifted_replay_agreement"
+    """rollout/shifted_replay_agreement == 1.0 at every audit, when a plugin replays the
+    rollout's routing: the audit's probe forward, given the engine's experts each moved to the
+    next expert id (experts no router picks by itself), used exactly those. Replay agreement on
+    the engine's own experts holds without replay too wherever the trainer's routing agrees
+    with the engine's (float32, in-turn runs)."""
     RECORDED_ROUTING = "recorded_routing_agreement"
     """rollout/routing_agreement (the trainer's own top-k expert sets, before replay, against the
     experts the engine recorded) >= recorded_routing_agreement_min at every audit, when a plugin

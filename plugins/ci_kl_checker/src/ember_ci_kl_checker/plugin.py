@@ -16,6 +16,7 @@ from ember_core.certify import (
     exactly_one,
     exactly_zero,
     mismatch_ceiling,
+    reference_source,
 )
 from ember_core.hookspecs import ConfigSection, ExemptionScope, KLExemption, hookimpl
 
@@ -43,6 +44,9 @@ MISMATCH_MAX = "rollout/train_rollout_logprob_max_abs_diff"
 REPLAY_AGREEMENT = "train/replay_agreement"
 """Fraction of (token, MoE layer) routings of a step's training forwards that used the
 rollout's experts."""
+SHIFTED_REPLAY_AGREEMENT = "rollout/shifted_replay_agreement"
+"""Fraction of (token, MoE layer) routings of an audit's probe forward, given the rollout's
+experts each moved to the next expert id, that used those experts."""
 ROUTING_AGREEMENT = "rollout/routing_agreement"
 """Fraction of (token, MoE layer) routings of the scoring forward whose own top-k expert set,
 before replay, equals the engine's recorded one."""
@@ -119,6 +123,9 @@ class KLChecker:
             `kl_check_exemptions`); asked once, at the first check that can be exempted, so
             every plugin is configured by then.
         reference: Why the config uses a reference model (`reference_reasons`); empty: none.
+        source: The reference's own checkpoint where it is not the actor's start
+            (`ember_core.certify.reference_source`): actor and reference then need not agree
+            at rollout 0, and the reference is checked against a second one built from it.
         ceiling: The ceiling of the mean mismatch metrics
             (`train_rollout_logprob_abs_diff_threshold`).
         max_ceiling: The ceiling of the per-token maximum (`MISMATCH_MAX`).
@@ -139,6 +146,7 @@ class KLChecker:
         active: bool,
         exemptions: Callable[[], Sequence[KLExemption]],
         reference: Sequence[str] = (),
+        source: str | None = None,
         ceiling: float = KLCheckerConfig().train_rollout_logprob_abs_diff_threshold,
         max_ceiling: float = SLIME_CEILING,
         audit_interval: int = KLCheckerConfig().audit_interval,
@@ -155,6 +163,7 @@ class KLChecker:
         self.engine_old_log_probs = engine_old_log_probs
         self.one_step_off = one_step_off
         self.reference = list(reference)
+        self.source = source
         self.ceiling = ceiling
         self.max_ceiling = max_ceiling
         self.audit_interval = audit_interval
@@ -251,14 +260,24 @@ class KLChecker:
     def wants_rebuilt_reference(self, rollout_id: int) -> bool:
         """Whether to ask for the check-only forward of a reference rebuilt from its source: at
         the first audit after a resume, where the reference came from the checkpoint (rollout
-        0 compared the reference with the actor, which training has since moved)."""
-        return self.active and bool(self.reference) and self._resumed_audit(rollout_id)
+        0 compared the reference with the actor, which training has since moved), and at
+        rollout 0 where the reference has a checkpoint of its own (`source`)."""
+        if not (self.active and self.reference):
+            return False
+        resumed = self._resumed_audit(rollout_id)
+        return resumed or (rollout_id == 0 and self.source is not None)
 
     def wants_replayed_reference(self, rollout_id: int) -> bool:
         """Whether to ask for the check-only reference forward that replays the rollout's
         routing: at rollout 0 (an audit) of a CI run with a reference, when plugins exempted
         the actor/reference checks for routing alone."""
-        return self.active and rollout_id == 0 and bool(self.reference) and self._routing_only()
+        return (
+            self.active
+            and rollout_id == 0
+            and bool(self.reference)
+            and self.source is None
+            and self._routing_only()
+        )
 
     def after_log_rollout_data(self, rollout_id: int, metrics: Mapping[str, Any]) -> None:
         """At an audit, require its marker; at rollout 0, check that actor and reference agree
@@ -291,8 +310,10 @@ class KLChecker:
                 self._reference_reason(),
                 audit,
             )
-        if rollout_id == 0 and (
-            self.wants_replayed_reference(rollout_id) or REF_REPLAYED_MAX_ABS_DIFF in metrics
+        if (
+            rollout_id == 0
+            and self.source is None
+            and (self.wants_replayed_reference(rollout_id) or REF_REPLAYED_MAX_ABS_DIFF in metrics)
         ):
             self._expect_zero(
                 Check.ROLLOUT_REF_REPLAYED_LOG_PROBS,
@@ -303,7 +324,17 @@ class KLChecker:
                 "checker asked for the reference forward that replays the rollout's routing",
                 audit,
             )
-        if self.wants_rebuilt_reference(rollout_id) or REF_REBUILT_MAX_ABS_DIFF in metrics:
+        if rollout_id == 0 and self.source is not None and self.reference:
+            self._expect_zero(
+                Check.ROLLOUT_REF_REBUILT_LOG_PROBS,
+                REF_REBUILT_MAX_ABS_DIFF,
+                metrics,
+                where,
+                f"{self._reference_reason()}, a checkpoint of its own, so the checker asked "
+                "for a second reference built from it to compare the run's with",
+                audit,
+            )
+        elif self.wants_rebuilt_reference(rollout_id) or REF_REBUILT_MAX_ABS_DIFF in metrics:
             self._expect_zero(
                 Check.RESUMED_REF_LOG_PROBS,
                 REF_REBUILT_MAX_ABS_DIFF,
@@ -323,6 +354,16 @@ class KLChecker:
                 where,
                 "a plugin replays the rollout's routing, so the audit's scoring compares the "
                 "trainer's own routing with the experts the engine recorded",
+            )
+        if (audit and scored and self._replaying()) or SHIFTED_REPLAY_AGREEMENT in metrics:
+            self._expect_one(
+                Check.SHIFTED_REPLAY,
+                SHIFTED_REPLAY_AGREEMENT,
+                metrics,
+                where,
+                "a plugin replays the rollout's routing, so the audit's probe forward replays "
+                "the recorded experts each moved to the next expert id, which only replay follows",
+                audit,
             )
         if self.staleness_bound >= 1 or VERSIONS_BEHIND in metrics:
             self._check_versions(rollout_id, metrics, where, audit)
@@ -369,7 +410,10 @@ class KLChecker:
 
     def _applies(self, name: str, metrics: Mapping[str, Any]) -> bool:
         """Whether an actor/reference check runs: a reference by config (or its metric logged
-        anyway), and no plugin's exemption."""
+        anyway) that starts as the actor (no checkpoint of its own), and no plugin's
+        exemption."""
+        if self.source is not None:
+            return False
         return (bool(self.reference) or name in metrics) and not self._exempted()
 
     def _reference_reason(self) -> str:
@@ -394,7 +438,7 @@ class KLChecker:
             self._announced = True
             reasons = "; ".join(f"{e.plugin}: {e.reason}" for e in exemptions)
             still = [str(Check.PPO_KL), str(Check.PPO_KL_MAX)]
-            if self.reference and self._routing_only():
+            if self.reference and self.source is None and self._routing_only():
                 still.append(f"{Check.ROLLOUT_REF_REPLAYED_LOG_PROBS} at rollout 0")
             logger.info(
                 "ci_kl_checker: the initial actor/reference KL checks (%s, %s) stand down, "
@@ -454,6 +498,22 @@ class KLChecker:
             raise KLCheckError(check, where, metrics, text)
         if report:
             self._passed(check, where, text, kind)
+
+    def _expect_one(
+        self,
+        check: Check,
+        name: str,
+        metrics: Mapping[str, Any],
+        where: str,
+        required: str,
+        report: bool = False,
+    ) -> None:
+        number = self._number(check, name, metrics, where, required)
+        text = f"{name} = {number!r}, expected exactly 1.0"
+        if not exactly_one(number):
+            raise KLCheckError(check, where, metrics, text)
+        if report:
+            self._passed(check, where, text)
 
     def _expect_floor(
         self,
@@ -552,6 +612,10 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
         )
     ci_test = ci_test_enabled(config)
     reference = reference_reasons(config)
+    train = _get(config, "train")
+    source = (
+        reference_source(_get(train, "ref_load"), _get(train, "hf_load")) if reference else None
+    )
     engine_old = _flag(config, "algorithm", "use_rollout_log_probs")
     rollout = _get(config, "rollout")
     # A RunConfig holds `async_` (a keyword otherwise); a mapping of the file holds `async`.
@@ -576,6 +640,14 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
                 "audit the first rollout with stale samples is an off-policy audit, which "
                 f"reports them and its {Check.REPLAY_AGREEMENT} where routing is replayed"
             )
+        if reference and source is not None:
+            lines.append(
+                f"ci_kl_checker: {Check.KL_LOSS}, {Check.ROLLOUT_REF_LOG_PROBS} and "
+                f"{Check.ROLLOUT_REF_REPLAYED_LOG_PROBS} do not apply: train.ref_load={source!r} "
+                "is the reference's own checkpoint, not the actor's start, so actor and "
+                f"reference need not agree at rollout 0; {Check.ROLLOUT_REF_REBUILT_LOG_PROBS} "
+                "compares the reference with a second one built from it instead"
+            )
         if not reference:
             lines.append(
                 f"ci_kl_checker: {Check.KL_LOSS} and {Check.ROLLOUT_REF_LOG_PROBS} do not apply: "
@@ -593,6 +665,7 @@ def ember_configure(config: Any, sections: dict[str, Any], plugins: EmberPlugins
         active=active,
         exemptions=plugins.kl_check_exemptions,
         reference=reference,
+        source=source if reference else None,
         ceiling=section.train_rollout_logprob_abs_diff_threshold,
         max_ceiling=ceiling,
         audit_interval=section.audit_interval,
