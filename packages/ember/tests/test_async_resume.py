@@ -74,8 +74,9 @@ def complete(run_dir: Path) -> list[str]:
 
 
 def dumped(run_dir: Path, rollout_id: int) -> list[dict]:
+    """The dumped samples of a rollout (the lines after the dump's header)."""
     path = run_dir / "rollouts" / f"{rollout_id:06d}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().splitlines()[1:]]
 
 
 def test_async_sigkill_in_generation_and_checkpoint_write_then_resume(launcher, tmp_path):

@@ -335,7 +335,8 @@ def test_r3_with_two_rollouts_ahead_replays_every_rollouts_own_experts(tmp_path)
     assert [r["rollout/staleness_2"] for r in rollouts] == [0.0, 0.0, 1.0, 1.0]
     for rollout_id, expected in enumerate(["-1", "-1", "-1", "0"]):
         dump = tmp_path / "rollouts" / f"{rollout_id:06d}.jsonl"
-        versions = {json.loads(line)["weight_version"] for line in dump.read_text().splitlines()}
+        samples = dump.read_text().splitlines()[1:]  # after the dump's header
+        versions = {json.loads(line)["weight_version"] for line in samples}
         assert versions == {expected}
     steps = records(tmp_path, "train")
     assert len(steps) == 8 and all(s["train/replay_agreement"] == 1.0 for s in steps)
@@ -368,7 +369,7 @@ def test_r3_with_partial_rollouts_keeps_the_bound_and_replays_exactly(tmp_path):
     for rollout_id, r in enumerate(rollouts):
         dump = tmp_path / "rollouts" / f"{rollout_id:06d}.jsonl"
         spans = 0
-        for line in dump.read_text().splitlines():
+        for line in dump.read_text().splitlines()[1:]:  # after the dump's header
             sample = json.loads(line)
             versions = sample["weight_versions"] or [[0, sample["weight_version"]]]
             assert versions[0] == [0, sample["weight_version"]]
@@ -408,7 +409,7 @@ def test_datasets_prompts_train_as_the_same_prompts_in_jsonl_do(tmp_path):
             run_dir=tmp_path / kind,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]
-        lines = (tmp_path / kind / "rollouts" / "000000.jsonl").read_text().splitlines()
+        lines = (tmp_path / kind / "rollouts" / "000000.jsonl").read_text().splitlines()[1:]
         dumps[kind] = [(s["prompt"], s["label"], s["reward"]) for s in map(json.loads, lines)]
     assert dumps["jsonl"] == dumps["datasets"]
     assert {prompt for prompt, _, _ in dumps["jsonl"]} <= {r["prompt"] for r in rows}
@@ -423,10 +424,13 @@ def _figures(record: dict) -> dict:
     }
 
 
-def test_a_run_debugs_in_halves_rollout_only_then_training_from_its_dump(tmp_path):
+def test_a_run_debugs_in_halves_rollout_only_then_training_from_its_dump(tmp_path, capsys):
     """A run that dumps its rollouts; training from that dump with no engine repeats its
-    training exactly; generating with no trainer from its initial weights repeats its first
+    training exactly, and with another temperature or model is refused in one line before
+    anything starts; generating with no trainer from its initial weights repeats its first
     rollout exactly."""
+    from ember.cli import main
+
     whole = ember(
         "--set", "run.num_rollouts=2",
         "--set", "run.save_interval=0",
@@ -434,6 +438,17 @@ def test_a_run_debugs_in_halves_rollout_only_then_training_from_its_dump(tmp_pat
         run_dir=tmp_path / "whole",
     )  # fmt: skip
     assert whole.returncode == 0, whole.stderr[-3000:]
+    dumped = tmp_path / "whole" / "rollouts"
+    for change, said in (
+        ("rollout.temperature=0.5", "rollout.temperature=1.0, and this run has rollout.tem"),
+        ("train.model=tiny-mixtral", 'train.model="tiny-moe", and this run has train.model="ti'),
+    ):
+        argv = ["train", "--train-from-rollouts", str(dumped), "--set", "run.num_rollouts=2"]
+        argv += ["--set", change]
+        assert main([*argv, *SHORT, "--set", f"run.dir={tmp_path / 'refused'}"]) != 0
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "refused").exists()
     trained = ember(
         "--train-from-rollouts", str(tmp_path / "whole" / "rollouts"),
         "--set", "run.num_rollouts=2",
@@ -456,8 +471,9 @@ def test_a_run_debugs_in_halves_rollout_only_then_training_from_its_dump(tmp_pat
     (rollout,) = records(tmp_path / "generated", "rollout")
     first = records(tmp_path / "whole", "rollout")[0]
     assert rollout["rollout/rewards"] == first["rollout/rewards"]
-    dump = (tmp_path / "generated" / "rollouts" / "000000.jsonl").read_text()
-    assert dump == (tmp_path / "whole" / "rollouts" / "000000.jsonl").read_text()
+    # The same samples; the headers name each run's model (train.hf_load here).
+    dump = (tmp_path / "generated" / "rollouts" / "000000.jsonl").read_text().splitlines()
+    assert dump[1:] == (dumped / "000000.jsonl").read_text().splitlines()[1:]
 
 
 def test_half_runs_refuse_what_they_cannot_do_in_one_line(tmp_path, capsys):

@@ -349,3 +349,25 @@ def test_cli_writes_and_says_where(dense, tmp_path, capsys):
     assert "3 experts (top-1)" in printed[0]
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temp dir left
+
+
+def test_each_layer_draws_its_own_router_and_noise(dense, tmp_path):
+    """Layers have their own generators: one seed repeated in every layer would give every
+    layer the same router and the same noise pattern on its experts."""
+    path, _ = dense
+    noise = 0.05
+    out = upcycle(path, tmp_path / "moe", experts=4, top_k=2, noise=noise, seed=5)
+    dense_weights = load_file(path / "model.safetensors")
+    weights = load_file(out.path / "model.safetensors")
+    routers = [weights[f"model.layers.{i}.block_sparse_moe.gate.weight"] for i in range(LAYERS)]
+    draws = []  # per layer, the unit-variance draw behind each expert's noise
+    for i in range(LAYERS):
+        base = dense_weights[f"model.layers.{i}.mlp.up_proj.weight"]
+        w = weights[f"model.layers.{i}.block_sparse_moe.experts.0.w3.weight"]
+        draws.append(((w - base) / (noise * base.std())).flatten())
+    for i in range(1, LAYERS):
+        # Independent standard normal draws: correlation ~ N(0, 1/n), n = 4 x 64 and 96 x 64.
+        router_corr = torch.corrcoef(torch.stack([routers[0].flatten(), routers[i].flatten()]))
+        assert abs(float(router_corr[0, 1])) < 0.3, (i, float(router_corr[0, 1]))
+        noise_corr = torch.corrcoef(torch.stack([draws[0], draws[i]]))
+        assert abs(float(noise_corr[0, 1])) < 0.3, (i, float(noise_corr[0, 1]))

@@ -76,7 +76,12 @@ def test_bad_parquet_files_and_directories_get_one_line(tmp_path):
         read_prompt_data(broken)
     with pytest.raises(ValueError, match="no such file"):
         read_prompt_data(tmp_path / "absent.parquet")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("no prompts here")
     with pytest.raises(ValueError, match="not one written by datasets' save_to_disk"):
+        read_prompt_data(tmp_path / "other")
+    # A directory of parquet files is read as shards: the broken one is named.
+    with pytest.raises(ValueError, match=r"broken.parquet': not a readable parquet file"):
         read_prompt_data(tmp_path)
     splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[::2])})
     splits.save_to_disk(str(tmp_path / "dict"))
@@ -85,3 +90,28 @@ def test_bad_parquet_files_and_directories_get_one_line(tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "e.parquet")
     with pytest.raises(ValueError, match="no prompts in it"):
         read_prompt_data(tmp_path / "e.parquet", label_key=None)
+
+
+def test_a_directory_of_parquet_shards_or_a_glob_reads_the_shards_in_name_order(tmp_path):
+    """The layout datasets are published in (train-0000i-of-0000n.parquet): the shards in
+    order of their names, as one file holding their rows in that order would read."""
+    shards = tmp_path / "data"
+    shards.mkdir()
+    # Written out of order: the names, not the writing, decide.
+    pq.write_table(pa.Table.from_pylist(ROWS[2:]), shards / "train-00001-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(ROWS[:1]), shards / "train-00000-of-00002.parquet")
+    (tmp_path / "whole").mkdir()
+    expected = _fields(read_prompt_data(write("parquet", tmp_path / "whole", ROWS[::2]), **KEYS))
+    for source in (shards, shards / "train-*.parquet", f"{shards}/*-of-00002.parquet"):
+        records = read_prompt_data(source, **KEYS)
+        assert _fields(records) == expected, source
+        assert records[0].source == f"{shards / 'train-00000-of-00002.parquet'} row 1"
+        assert records[1].source == f"{shards / 'train-00001-of-00002.parquet'} row 1"
+    config = DataConfig(prompt_data=str(shards / "train-*.parquet"), **KEYS)
+    assert [r.label for r in load_prompts(config)] == ["4", "123"]
+    with pytest.raises(ValueError, match=r"data.prompt_data='.*test-\*.parquet': no file matches"):
+        read_prompt_data(shards / "test-*.parquet", **KEYS)
+    # Every shard needs the keys: the one without is named.
+    pq.write_table(pa.Table.from_pylist([{"question": "q"}]), shards / "train-00002.parquet")
+    with pytest.raises(ValueError, match=r"train-00002.parquet': no 'answer' column"):
+        read_prompt_data(shards, **KEYS)

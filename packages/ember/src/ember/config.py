@@ -78,14 +78,17 @@ class RunSection:
     """Responses per eval prompt; above 1, `eval/<set>/pass@<n>` is logged too (the fraction
     of prompts with a response of full reward, 1.0)."""
     eval_sets: dict[str, str] = field(default_factory=dict)
-    """Eval sets by name: a path like `data.prompt_data`'s (JSONL, parquet or a datasets
-    directory, read with the data section's keys), or `toy` (the toy
+    """Eval sets by name: a path like `data.prompt_data`'s (JSONL, parquet, parquet shards or a
+    glob, or a datasets directory, read with the data section's keys), or `toy` (the toy
     task's prompts drawn with data.toy.seed + 1). Empty: one set named `toy` when the run trains
     on the toy task (a run on `data.prompt_data` must name its sets)."""
     dump_rollouts: bool = False
     """Write every rollout's samples to rollouts/<id>.jsonl in the run directory (tokens,
-    rewards, loss masks, the engine's log-probs, weight versions and, where recorded, routed
-    experts: what `train_from_rollouts` trains on; sample metadata is left out)."""
+    rewards, loss masks, the engine's log-probs, weight versions and metadata: what
+    `train_from_rollouts` trains on), under a header line with the run's provenance (sampling
+    settings, group size, model and tokenizer: `dump_provenance`), and the routed experts,
+    where recorded, in a binary side file <id>.experts.safetensors. Each file is written under
+    a temporary name and renamed."""
     rollout_only: bool = False
     """Generate, score and dump rollouts (as `dump_rollouts` does) without training: no trainer
     process, no weight push, no checkpoint. Every rollout comes from the weights of
@@ -96,7 +99,12 @@ class RunSection:
     """Train on the rollouts an earlier run dumped (its rollouts/ directory, rollout i read
     from <i>.jsonl) instead of generating them: no engine process, no weight push, no
     evaluation, no checkpoint. The same config and seed train as the run that dumped them did
-    (`ember train --train-from-rollouts DIR`)."""
+    (`ember train --train-from-rollouts DIR`). Every dump is read before any process starts,
+    and refused in one line: one whose provenance differs from this run's (another
+    temperature, top-p, top-k, group size, model or tokenizer), one without it (written before
+    dumps recorded it), and, where a plugin checks the run (the CI checker), a rollout its
+    checks cannot pass: audited with samples from weights older than the trainer's, or staler
+    than `rollout.max_staleness` (a rollout-only run's dump comes from the initial weights)."""
     tensorboard: bool = True
     """Write TensorBoard events to <dir>/tensorboard."""
     wandb_project: str | None = None
@@ -264,7 +272,9 @@ class FaultToleranceSection:
     health_check_interval_s: float = 10.0
     """How long the manager waits on a generating engine before probing it."""
     health_check_timeout_s: float = 30.0
-    """An engine that does not answer a probe within this is hung."""
+    """An engine that does not answer a probe within this is hung; each SGLang server's GET
+    /health gets as long (sglang 0.5.23 answers it with a one-token generate that may take up
+    to its SGLANG_HEALTH_CHECK_TIMEOUT, 20 s by default, on a busy server)."""
     first_start_timeout_s: float = 600.0
     """The grace a replacement has to load the model (or launch its SGLang servers) and answer
     before it counts as failed too."""
@@ -579,12 +589,22 @@ def check_partial_rollouts(config: RunConfig) -> None:
         )
 
 
-def check_debug_halves(config: RunConfig) -> None:
+def check_debug_halves(config: RunConfig, plugins: EmberPlugins | None = None) -> None:
     """`run.rollout_only` needs the weights its engines serve (`train.hf_load`);
-    `run.train_from_rollouts` needs a dump of every rollout the run trains.
+    `run.train_from_rollouts` needs a dump of every rollout the run trains, each read whole
+    here (`ember.dumps.read_dump`), with the provenance of this run (`dump_provenance`), and,
+    where `plugins` check the run, rollouts their checks can pass (`check_dump_audit`).
+
+    An audit (`EmberPlugins.audit_rollout`; the CI checker's) compares the engine's log-probs
+    with the trainer's on the same weights, and the CI checker holds every rollout's weight
+    versions within `rollout.max_staleness` of the trainer's. A dump's rollout i came from the
+    weights trained on rollout i - 1 (or, overlapped, up to the bound before) when a training
+    run with this config dumped it, which this run's trainer holds again; a rollout-only run's
+    came from its initial weights, so under the checker only rollout 0 can be audited and
+    rollout i trains only while i <= rollout.max_staleness.
 
     Raises:
-        ValueError: One line naming the key and what is missing.
+        ValueError: One line naming the key, the file (and line or field) and what is wrong.
     """
     run = config.run
     if run.rollout_only and config.train.hf_load is None:
@@ -594,21 +614,110 @@ def check_debug_halves(config: RunConfig) -> None:
         )
     if run.train_from_rollouts is None:
         return
+    from ember.dumps import read_dump
+
     source = Path(run.train_from_rollouts)
     if not source.is_dir():
         raise ValueError(f"run.train_from_rollouts={str(source)!r}: no such directory")
+    provenance = dump_provenance(config)
+    checked = checked_run(config, plugins)
     for rollout_id in range(run.num_rollouts):
-        if not dump_path(source, rollout_id).is_file():
+        path = dump_path(source, rollout_id)
+        if not path.is_file():
             raise ValueError(
-                f"run.train_from_rollouts={str(source)!r}: no {dump_path(source, rollout_id).name}"
-                f" for rollout {rollout_id} of run.num_rollouts={run.num_rollouts} (dumped by a "
-                "run with run.dump_rollouts=true or run.rollout_only=true)"
+                f"run.train_from_rollouts={str(source)!r}: no {path.name} for rollout "
+                f"{rollout_id} of run.num_rollouts={run.num_rollouts} (dumped by a run with "
+                "run.dump_rollouts=true or run.rollout_only=true)"
             )
+        try:
+            samples = read_dump(path, provenance)
+        except ValueError as exc:
+            raise ValueError(f"run.train_from_rollouts: {exc}") from None
+        if checked and plugins is not None:
+            check_dump_audit(config, path, rollout_id, samples, plugins.audit_rollout(rollout_id))
+
+
+def checked_run(config: RunConfig, plugins: EmberPlugins | None) -> bool:
+    """Whether `plugins` audit any rollout of this run: then a plugin checks every rollout
+    (the CI checker does, its recorded versions against `rollout.max_staleness` among them)."""
+    return plugins is not None and any(map(plugins.audit_rollout, range(config.run.num_rollouts)))
+
+
+def check_dump_audit(
+    config: RunConfig, path: Path, rollout_id: int, samples: Sequence[Any], audited: bool
+) -> None:
+    """In a run whose plugins check it (`checked_run`), refuse dumped rollout `rollout_id`
+    where the checks cannot pass: audited (`audited`) with samples from weights older than the
+    trainer's then (version rollout_id - 1), or staler than `rollout.max_staleness` allows.
+
+    Raises:
+        ValueError: One line naming the dump, the rollout, the versions and what to do.
+    """
+    trainer, bound = rollout_id - 1, config.rollout.max_staleness
+    versions = [v for v in map(_integer_version, samples) if v is not None]
+    limit = 0 if audited else bound
+    older = [v for v in versions if trainer - v > limit]
+    if not older:
+        return
+    if audited:
+        why = (
+            f"rollout {rollout_id} is audited (a plugin asks for an audit iteration there, as "
+            "the CI checker does every ci_kl_checker.audit_interval rollouts), and an audit "
+            "compares the engine's log-probs with the trainer's on the same weights"
+        )
+    else:
+        why = (
+            f"that is more than rollout.max_staleness={bound} behind, and a plugin checks "
+            "every rollout's versions against that bound (the CI checker, which audits this run)"
+        )
+    raise ValueError(
+        f"run.train_from_rollouts: {path}: {len(older)} of the {len(samples)} samples of "
+        f"rollout {rollout_id} come from weight version {min(older)}, older than the trainer's "
+        f"{trainer}; {why}, which a dump from other weights cannot satisfy (a rollout-only "
+        f"run's come from the initial ones); train fewer of its rollouts (run.num_rollouts="
+        f"{rollout_id}), audit fewer (ci_kl_checker.audit_interval), or train on it without "
+        "the checker"
+    )
+
+
+def _integer_version(sample: Any) -> int | None:
+    """A sample's weight version as an integer; None where it is not one (the worker counts
+    such a sample as current)."""
+    try:
+        return int(sample.weight_version)
+    except (TypeError, ValueError):
+        return None
 
 
 def dump_path(directory: Path, rollout_id: int) -> Path:
     """The file of rollout `rollout_id` in a directory of dumped rollouts."""
     return directory / f"{rollout_id:06d}.jsonl"
+
+
+def dump_provenance(config: RunConfig) -> dict[str, Any]:
+    """The provenance a dumped rollout records of the run that generated it, which a run that
+    trains on it (`run.train_from_rollouts`) must share field by field: what the engine's
+    log-probs and the groups depend on (`rollout.temperature`, `top_p`, `top_k`,
+    `n_samples_per_prompt`), the model the engines served, named as the config names it (the
+    preset `train.model` with its `train.model_overrides`, `train.seed` where it draws the
+    weights, or the `train.hf_load` directory), and the tokenizer (`run_tokenizer_path`, or
+    `toy`). Directories count by their absolute path, not their contents."""
+    train, rollout = config.train, config.rollout
+
+    def resolved(path: str | None) -> str | None:
+        return None if path is None else str(Path(path).resolve())
+
+    return {
+        "rollout.temperature": rollout.temperature,
+        "rollout.top_p": rollout.top_p,
+        "rollout.top_k": rollout.top_k,
+        "rollout.n_samples_per_prompt": rollout.n_samples_per_prompt,
+        "train.model": train.model,
+        "train.model_overrides": dict(train.model_overrides),
+        "train.hf_load": resolved(train.hf_load),
+        "train.seed": train.seed if train.hf_load is None else None,
+        "tokenizer": resolved(run_tokenizer_path(config)) or "toy",
+    }
 
 
 def weight_transport(config: RunConfig) -> str:
@@ -698,7 +807,7 @@ def weight_group_backend(config: RunConfig, *, trainer_on_gpu: bool) -> str:
     return "gloo"
 
 
-def check_inputs(config: RunConfig) -> None:
+def check_inputs(config: RunConfig, plugins: EmberPlugins | None = None) -> None:
     """Check the inputs a run reads before any process starts, so bad input fails in seconds.
 
     Checks that SGLang is installed where the run launches SGLang servers with this
@@ -707,8 +816,10 @@ def check_inputs(config: RunConfig) -> None:
     checkpoint directories exist (`hf_load` ones holding a transformers checkpoint), and that
     `train.parallel.tensor_parallel` divides the model's head counts (`hf_load`'s shape too),
     that SGLang can serve a model with tied embeddings (`check_sglang_ties`), and that servers
-    launched from this environment return tempered log-probs (`check_server_env`).
-    The config itself and the plugin sections are already validated by `load_config`.
+    launched from this environment return tempered log-probs (`check_server_env`), and reads
+    every dumped rollout a run trains on (`check_debug_halves`, which asks `plugins` which
+    rollouts they audit). The config itself and the plugin sections are already validated by
+    `load_config`.
 
     Raises:
         ValueError: One line naming the key or the file (and line) and what was expected.
@@ -731,7 +842,7 @@ def check_inputs(config: RunConfig) -> None:
         from ember_rollout.sglang_launch import check_server_env
 
         check_server_env(os.environ)  # the launched servers inherit this environment
-    check_debug_halves(config)
+    check_debug_halves(config, plugins)
     records = load_prompts(config.data)
     if config.run.eval_interval:
         load_eval_sets(config.run.eval_sets, config.data, prompts=config.run.eval_prompts)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ember import calls
-from ember.config import dump_path
+from ember.config import check_dump_audit, checked_run, dump_path, dump_provenance
 from ember.dumps import read_dump, write_dump
 from ember.versions import beyond_bound, sample_version, staleness_metrics
 from ember_core.types import Sample
@@ -198,7 +198,8 @@ class TrainLoop(Loop):
         }
         driver.mender.new_restarts = 0
         if self.config.run.dump_rollouts:
-            write_dump(dump_path(driver.run_dir / "rollouts", rollout_id), batch.samples)
+            path = dump_path(driver.run_dir / "rollouts", rollout_id)
+            write_dump(path, batch.samples, dump_provenance(self.config))
         return rollout_metrics, step_metrics, timings
 
 
@@ -234,13 +235,21 @@ class OverlappedLoop(TrainLoop):
 
 
 class TrainFromDumpLoop(TrainLoop):
-    """Train on dumped rollouts (`run.train_from_rollouts`), with no engine and no push."""
+    """Train on dumped rollouts (`run.train_from_rollouts`), with no engine and no push.
+    `ember.config.check_inputs` read every dump before any process started, and refused one
+    of other settings (`dump_provenance`) or one whose checks a checking plugin's run cannot
+    pass (`check_dump_audit`); each is read and checked again when its rollout is reached."""
 
     description = "training on dumped rollouts (run.train_from_rollouts, no engine)"
 
     def collect(self, rollout_id: int) -> RolloutBatch:
         source = Path(self.config.run.train_from_rollouts)
-        batch = RolloutBatch(read_dump(dump_path(source, rollout_id)))
+        path = dump_path(source, rollout_id)
+        batch = RolloutBatch(read_dump(path, dump_provenance(self.config)))
+        plugins = self.driver.plugins
+        if checked_run(self.config, plugins):
+            audited = plugins.audit_rollout(rollout_id)
+            check_dump_audit(self.config, path, rollout_id, batch.samples, audited)
         why = self.untrainable(batch, rollout_id)
         if why:  # nothing can generate it again: trained as dumped, and said so
             logger.warning(
@@ -264,7 +273,8 @@ class RolloutOnlyLoop(Loop):
         started = time.perf_counter()
         batch = self.driver.mender.get(self.actors.manager.generate.remote(rollout_id))
         timings = {"perf/rollout_time": time.perf_counter() - started}
-        write_dump(dump_path(self.driver.run_dir / "rollouts", rollout_id), batch.samples)
+        path = dump_path(self.driver.run_dir / "rollouts", rollout_id)
+        write_dump(path, batch.samples, dump_provenance(self.config))
         timings["perf/iteration_time"] = time.perf_counter() - started
         return {**batch.metrics, **timings}, [], timings
 

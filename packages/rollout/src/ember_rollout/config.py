@@ -318,9 +318,10 @@ class DataConfig:
 
     prompt_data: str | None = None
     """The prompts, by the path's kind: a JSONL file (one prompt per line), a `.parquet` file,
-    or a directory written by HF datasets' `save_to_disk` (one row per prompt; the last two need
-    the rollout package's `data` extra, which the dev group installs). None generates the toy
-    task."""
+    a directory of `.parquet` shards (`train-00000-of-00002.parquet` ...) or a glob of files
+    (`data/train-*.parquet`), each read in the order of the file names, or a directory written
+    by HF datasets' `save_to_disk` (one row per prompt; all but JSONL need the rollout
+    package's `data` extra, which the dev group installs). None generates the toy task."""
     input_key: str = "prompt"
     """Key of the prompt: a string, or a list of chat messages ({role, content})."""
     label_key: str | None = "label"

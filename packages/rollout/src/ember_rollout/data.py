@@ -4,6 +4,7 @@ epoch-shuffled, encoded to token ids."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import random
 from collections.abc import Iterable, Mapping
@@ -104,20 +105,54 @@ def read_prompt_data(
     key: str = "data.prompt_data",
 ) -> list[PromptRecord]:
     """Read prompts from `path`, by its kind: a directory written by HF datasets'
-    `save_to_disk`, a `.parquet` file, else a JSONL file. Every row needs the same keys
-    (columns) whatever the kind, and errors name the file (as `key`) and the row.
+    `save_to_disk`, a directory of `.parquet` shards (the published layout,
+    `train-00000-of-00002.parquet` ...), a glob of files (`data/train-*.parquet`), a `.parquet`
+    file, else a JSONL file. Shards and a glob's files are read in the order of their names,
+    each by its kind. Every row needs the same keys (columns) whatever the kind, and errors
+    name the file (as `key`) and the row.
 
     Raises:
-        ValueError: The path is missing or unreadable, holds no prompts, or a row lacks a key
-            or has a value of the wrong type; one line naming them.
+        ValueError: The path is missing or unreadable, matches no file, holds no prompts, or a
+            row lacks a key or has a value of the wrong type; one line naming them.
     """
     path = Path(path)
     keys = {"input_key": input_key, "label_key": label_key, "metadata_key": metadata_key}
+    files = _shards(path, key)
+    if files is not None:
+        rows = (row for file in files for row in _file_rows(file, key, keys))
+        return _records(rows, path, key, **keys)
     if path.is_dir():
         return _records(_dataset_rows(path, key, keys), path, key, **keys)
     if path.suffix == ".parquet":
         return _records(_parquet_rows(path, key, keys), path, key, **keys)
     return read_jsonl(path, key=key, **keys)
+
+
+DATASET_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
+"""Files of a directory written by datasets' `save_to_disk` (a dataset or a dict of splits)."""
+
+
+def _shards(path: Path, key: str) -> list[Path] | None:
+    """The files `path` names several of, in name order: the `.parquet` files of a directory
+    that datasets did not write, or the matches of a glob; None for a single source."""
+    if path.is_dir():
+        if any((path / marker).is_file() for marker in DATASET_MARKERS):
+            return None
+        shards = sorted(p for p in path.glob("*.parquet") if p.is_file())
+        return shards or None
+    if path.exists() or not any(c in str(path) for c in "*?["):
+        return None
+    matches = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+    if not matches:
+        raise ValueError(f"{key}={str(path)!r}: no file matches")
+    return matches
+
+
+def _file_rows(path: Path, key: str, keys: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+    """(where, row) of every row of one file of several: parquet or JSONL, by its suffix."""
+    if path.suffix == ".parquet":
+        return _parquet_rows(path, key, keys)
+    return _jsonl_rows(path, key)
 
 
 def _columns_present(columns: list[str], keys: dict[str, Any], path: Path, key: str) -> None:
@@ -188,14 +223,21 @@ def read_jsonl(
             object, or a key is missing; the message names the file and line.
     """
     path = Path(path)
+    keys = {"input_key": input_key, "label_key": label_key, "metadata_key": metadata_key}
+    records = [_record(row, where, **keys) for where, row in _jsonl_rows(path, key)]
+    if not records:
+        raise ValueError(f"{key}={str(path)!r}: no prompts in the file")
+    return records
+
+
+def _jsonl_rows(path: Path, key: str) -> Iterable[tuple[str, Any]]:
+    """(where, row) of every non-blank line of a JSONL file, each a JSON object."""
     if not path.is_file():
         raise ValueError(f"{key}={str(path)!r}: no such file")
-    keys = {"input_key": input_key, "label_key": label_key, "metadata_key": metadata_key}
     try:
         handle = path.open("rb")
     except OSError as exc:
         raise ValueError(f"{key}={str(path)!r}: cannot read ({exc.strerror})") from None
-    records = []
     with handle:
         for lineno, raw in enumerate(handle, start=1):
             where = f"{path}:{lineno}"
@@ -215,10 +257,7 @@ def read_jsonl(
                 ) from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            records.append(_record(row, where, **keys))
-    if not records:
-        raise ValueError(f"{key}={str(path)!r}: no prompts in the file")
-    return records
+            yield where, row
 
 
 def load_prompts(config: DataConfig) -> list[PromptRecord]:
