@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+from engine_standins import AsRayActor, ManagerStandIn
+
 import ember.weight_push as weight_push
 from ember import calls
 from ember.calls import LocalActor
@@ -59,30 +61,6 @@ class SendingRank:
             calls.get(done)
 
 
-class Manager:
-    def __init__(self) -> None:
-        self.failed: dict[int, str] = {}
-
-    def engine_failures(self) -> dict[int, str]:
-        return dict(self.failed)
-
-    def fail_engine(self, slot: int, engine: Any, why: str) -> None:
-        self.failed[slot] = why
-
-
-class AsRayActor:
-    """An in-process actor under a handle that reads as a Ray actor's (`calls.is_ray_actor`),
-    so that the driver treats engine failures as it does when the engines are processes."""
-
-    _actor_id = None
-
-    def __init__(self, actor: LocalActor) -> None:
-        self.actor = actor
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.actor, name)
-
-
 def test_a_member_dying_mid_bucket_ends_the_push_within_its_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(weight_push, "ABORTED_PUSH_WAIT_S", 1.0, raising=False)
     RELEASE.clear()
@@ -90,7 +68,7 @@ def test_a_member_dying_mid_bucket_ends_the_push_within_its_bound(tmp_path, monk
         LocalActor(Engine, (fate,), {}, name=f"rollout engine {i}")
         for i, fate in enumerate(("lives", "dies", "blocked"))
     ]
-    manager = LocalActor(Manager, (), {}, name="the rollout manager")
+    manager = LocalActor(ManagerStandIn, (), {}, name="the rollout manager")
     config, _ = load_config("default", overrides=["weights.transport=broadcast"])
     driver = Driver(config, tmp_path / "run")
     driver.actors = Actors(

@@ -20,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "rollout" / "tests"))
 
+from engine_standins import AsRayActor, ManagerStandIn  # noqa: E402
 from sglang_fake import FakeSGLang  # noqa: E402
 
 from ember import calls  # noqa: E402
@@ -112,33 +113,6 @@ class TrainerStandIn:
 
     def export_hf(self, path: str) -> None:
         shutil.copytree(self.model, path)
-
-
-class ManagerStandIn:
-    """The rollout manager's part in engine mending: the failures it saw (none) and those the
-    driver's probes report."""
-
-    def __init__(self) -> None:
-        self.failed: dict[int, str] = {}
-
-    def engine_failures(self) -> dict[int, str]:
-        return dict(self.failed)
-
-    def fail_engine(self, slot: int, engine: Any, why: str) -> None:
-        self.failed[slot] = why
-
-
-class AsRayActor:
-    """An in-process actor under a handle that reads as a Ray actor's (`calls.is_ray_actor`),
-    so that engine mending acts as it does when the engines are processes of their own."""
-
-    _actor_id = None
-
-    def __init__(self, actor: LocalActor) -> None:
-        self.actor = actor
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.actor, name)
 
 
 @pytest.mark.slow

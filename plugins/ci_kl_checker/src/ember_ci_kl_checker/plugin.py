@@ -492,12 +492,7 @@ class KLChecker:
             "a plugin replays the rollout's routing (a routing exemption), so every training "
             "forward compares the experts it used with the rollout's"
         )
-        number = self._number(check, REPLAY_AGREEMENT, metrics, where, required)
-        text = f"{REPLAY_AGREEMENT} = {number!r}, expected exactly 1.0"
-        if not exactly_one(number):
-            raise KLCheckError(check, where, metrics, text)
-        if report:
-            self._passed(check, where, text, kind)
+        self._expect_one(check, REPLAY_AGREEMENT, metrics, where, required, report, kind)
 
     def _expect_one(
         self,
@@ -507,13 +502,14 @@ class KLChecker:
         where: str,
         required: str,
         report: bool = False,
+        kind: str = "audit",
     ) -> None:
         number = self._number(check, name, metrics, where, required)
         text = f"{name} = {number!r}, expected exactly 1.0"
         if not exactly_one(number):
             raise KLCheckError(check, where, metrics, text)
         if report:
-            self._passed(check, where, text)
+            self._passed(check, where, text, kind)
 
     def _expect_floor(
         self,
