@@ -91,7 +91,8 @@ def test_ember_train_learns_to_call_the_calculator(tmp_path, plugins, calculator
 
     # The calculator's output carries loss mask 0 in every sample, as the tokens say.
     tokenizer = load_tokenizer(TOKENIZER)
-    last = (tmp_path / "rollouts" / f"{len(rollouts) - 1:06d}.jsonl").read_text().splitlines()
+    dump = tmp_path / "rollouts" / f"{len(rollouts) - 1:06d}.jsonl"
+    last = dump.read_text().splitlines()[1:]  # after the dump's header
     samples = [json.loads(line) for line in last]
     called = 0
     for s in samples:
