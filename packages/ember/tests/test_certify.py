@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from ember_runs import ember_command
 
 from ember.certify import CERTIFICATE, FAIL, NOT_APPLICABLE, PASS, REPORTED
 from ember.cli import RUN_ERROR
@@ -38,11 +39,9 @@ ALSO_FAIL = {
 
 
 def certify(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    run = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "certify", *args, *SMALL,
-         "--set", f"run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    run = ember_command(
+        ["certify", *args, *SMALL, "--set", f"run.dir={tmp_path / 'run'}"], timeout=600
+    )  # in this process (`ember_runs`): the default setup fits one
     path = tmp_path / "run" / CERTIFICATE
     return run, json.loads(path.read_text()) if path.is_file() else {}
 

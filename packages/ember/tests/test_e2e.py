@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ember_runs import ember_command
 
 from ember.checkpoints import complete_checkpoints
 
@@ -27,16 +27,14 @@ SHORT = [
 
 
 def ember(
-    *args: str, run_dir: Path, timeout: float = 300, short: bool = True
+    *args: str, run_dir: Path, timeout: float = 300, short: bool = True, here: bool | None = None
 ) -> subprocess.CompletedProcess:
-    """`ember train` with `args`, writing to `run_dir`; `short`: the small rollouts of SHORT."""
+    """`ember train` with `args`, writing to `run_dir`; `short`: the small rollouts of SHORT.
+    A run that fits one process runs in this one (`ember_runs`), any other in its own; `here`
+    False: in its own whatever it fits."""
     small = SHORT if short else QUIET
-    return subprocess.run(
-        [sys.executable, "-m", "ember.cli", "train", *args, *small, "--set", f"run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    argv = ["train", *args, *small, "--set", f"run.dir={run_dir}"]
+    return ember_command(argv, timeout=timeout, here=here)
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -140,11 +138,7 @@ def test_a_resumed_ci_run_checks_the_checkpoints_reference_at_its_first_audit(tm
                   run_dir=tmp_path)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     assert not any(REBUILT in r for r in records(tmp_path, "rollout"))
-    resumed = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "train", "--resume", str(tmp_path),
-         "--set", "run.num_rollouts=3"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    resumed = ember_command(["train", "--resume", str(tmp_path), "--set", "run.num_rollouts=3"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     last = records(tmp_path, "rollout")[-1]
     assert last["rollout/audit"] == 1.0 and last[REBUILT] == 0.0

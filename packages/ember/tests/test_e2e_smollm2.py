@@ -130,7 +130,11 @@ def run_seed_scenario(
     fault), which the checker must stop at rollout 0."""
     model, other = moe
     run_dir = tmp_path / "right"
-    run = ember(*seed_scenario(model, *engine), run_dir=run_dir, timeout=1500, short=False)
+    # Each run in a process of its own: the upcycled MoE's trainer, reference and engine peak
+    # near 22 GB, which this process should not hold on to between runs.
+    run = ember(
+        *seed_scenario(model, *engine), run_dir=run_dir, timeout=1500, short=False, here=False
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rollouts = records(run_dir, "rollout")
     assert [r.get("rollout/audit") for r in rollouts] == [1.0, 1.0]
@@ -162,6 +166,7 @@ def run_seed_scenario(
             run_dir=tmp_path / "wrong",
             timeout=1500,
             short=False,
+            here=False,
         )
     assert wrong.returncode != 0
     assert "ref_rebuilt_log_probs failed at rollout 0" in wrong.stderr, wrong.stderr[-3000:]

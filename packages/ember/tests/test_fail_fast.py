@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import ray
+from ember_runs import ember_command
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from ember.cli import RUN_ERROR, USAGE_ERROR, actor_error, main
@@ -241,18 +242,19 @@ def test_error_inside_an_actor_is_one_line(tmp_path, runtime):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     (model / "model.safetensors").write_bytes(b"")  # read only once the shape is accepted
-    run = subprocess.run(
+    run = ember_command(
         [
-            sys.executable, "-m", "ember.cli", "train",
-            "--set", f"train.hf_load={model}",
-            "--set", "train.model=null",  # the shape comes from the checkpoint's config.json
-            "--set", f"run.dir={tmp_path / 'run'}",
-            "--set", f"ray.enabled={'true' if runtime == 'ray' else 'auto'}",
+            "train",
+            "--set",
+            f"train.hf_load={model}",
+            "--set",
+            "train.model=null",  # the shape comes from the checkpoint's config.json
+            "--set",
+            f"run.dir={tmp_path / 'run'}",
+            "--set",
+            f"ray.enabled={'true' if runtime == 'ray' else 'auto'}",
         ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
+    )  # in this process in-process (`ember_runs`), as a command of its own under Ray
     assert run.returncode == USAGE_ERROR, run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]

@@ -10,11 +10,10 @@ wall time).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ember_runs import ember_command
 
 pytestmark = pytest.mark.slow
 
@@ -23,15 +22,16 @@ TIMING_KEYS = {"time"}
 
 
 def train(run_dir: Path, *args: str) -> str:
-    """`ember train` with `args` for ROLLOUTS rollouts; returns its output."""
-    run = subprocess.run(
+    """`ember train` with `args` for ROLLOUTS rollouts; returns its output. The in-process run
+    is called in this process (`ember_runs`), the Ray one starts as a command of its own."""
+    run = ember_command(
         [
-            sys.executable, "-m", "ember.cli", "train", *args,
+            "train", *args,
             "--set", f"run.num_rollouts={ROLLOUTS}",
             "--set", "run.plot=false", "--set", "run.tensorboard=false",
             "--set", "run.save_interval=0", "--set", f"run.dir={run_dir}",
         ],
-        capture_output=True, text=True, timeout=600,
+        timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stderr + run.stdout
