@@ -136,6 +136,15 @@ class Server:
             "completion_tokens": n,
             "cached_tokens": 0,
         }
+        if body.get("return_logprob") and body.get("logprob_start_len") == 0:
+            # One entry per input token, the first without a log-prob, as sglang answers;
+            # the figures are a function of the weights served (not a model's), so that the
+            # same weights pushed and loaded score alike and other weights do not.
+            level = -1.0 - abs(sum(weight_sums(self.weights).values())) % 1.0
+            ids = body["input_ids"]
+            meta["input_token_logprobs"] = [[None, ids[0], None]] + [
+                [level, t, None] for t in ids[1:]
+            ]
         return web.json_response({"text": "", "output_ids": tokens, "meta_info": meta})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:

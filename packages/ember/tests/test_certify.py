@@ -103,3 +103,51 @@ def test_a_reduced_matrix_writes_its_table(tmp_path):
     ]
     assert all(r.endswith("| PASS |") for r in rows)
     assert "2 of 2 setups pass" in text
+
+
+def test_on_sglang_the_rows_after_the_update_come_before_the_reload_from_disk(tmp_path):
+    """Where the engine's tensors cannot be read (an SGLang server; here the fake one, attached
+    by URL), row 7.1 compares the pushed update with the same weights reloaded from disk. The
+    rows after the update (7.2-7.5, 8) are measured first, on what the push itself left in the
+    server: in the server's record, both generations from the pushed weights (every request
+    carrying version 0) come before the reload, and 7.1 scores every sequence of rollout 0."""
+    from fake_server_process import fake_server
+
+    from ember.config import load_config
+    from ember_rollout.config import TinyModelConfig
+    from ember_rollout.models import write_tiny_checkpoint
+    from ember_rollout.tokenizer import save_toy_tokenizer
+
+    # The trainer starts from the checkpoint the server serves (a small dense model).
+    own = write_tiny_checkpoint(tmp_path / "model", TinyModelConfig(vocab_size=17, num_layers=2))
+    save_toy_tokenizer(own)
+    record = tmp_path / "server.jsonl"
+    with fake_server(own, record) as url:
+        run, document = certify(
+            tmp_path,
+            "--set", "train.model=null",
+            "--set", f"train.hf_load={own}",
+            "--set", "engine.kind=sglang",
+            "--set", f"engine.sglang.urls=[{url}]",
+            "--set", "engine.sglang.model_path=/nonexistent/model",
+        )  # fmt: skip
+    assert document, run.stdout[-3000:] + run.stderr[-3000:]
+    verdicts = {r["row"]: r for r in document["rows"]}
+    assert verdicts["7.5"]["verdict"] == PASS, run.stdout[-3000:] + run.stderr[-3000:]
+    assert verdicts["7.1"]["verdict"] == PASS, run.stdout
+    log = [json.loads(line) for line in record.read_text().splitlines()]
+    pushed = max(
+        i for i, r in enumerate(log)
+        if r["route"] == "/update_weights_from_distributed" and r.get("weight_version") == "0"
+    )  # fmt: skip
+    reload = next(
+        i for i, r in enumerate(log)
+        if r["route"] == "/update_weights_from_disk" and r.get("weight_version") == "0"
+    )  # fmt: skip
+    between = [r for r in log[pushed + 1 : reload] if r["route"] == "/generate"]
+    config, _ = load_config(None, overrides=SMALL[1::2])
+    samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    # Two generations of every sample, then rollout 0's sequences scored with the pushed
+    # weights: all before the reload, all from version 0.
+    assert len(between) == 3 * samples and {r["weight_version"] for r in between} == {"0"}
+    assert verdicts["7.1"]["measured"].endswith(f" of {samples} sequences (sampled)")

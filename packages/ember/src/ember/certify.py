@@ -47,8 +47,6 @@ PASS, FAIL, REPORTED, NOT_APPLICABLE = "PASS", "FAIL", "reported", "n/a"
 TOP_K = 20
 """Ids per position in the full-distribution row: the engine's most likely (SGLang's
 `top_logprobs_num` takes the same), the rest of the vocabulary as one outcome."""
-WEIGHT_SEQUENCES = 8
-"""Sequences of rollout 0 an engine scores twice where its tensors cannot be read (row 1)."""
 DISTRIBUTION_SAMPLES = 16
 """Samples of a rollout the full-distribution row compares (one forward each on both sides)."""
 
@@ -148,10 +146,11 @@ def loaded_alike_row(
     pushed: Sequence[Sequence[Sequence[float]] | None],
     loaded: Sequence[Sequence[Sequence[float]] | None],
     when: str,
+    sequences: int | None = None,
 ) -> Row:
     """Where an engine's tensors cannot be read: per engine and server, the log-probs it
-    gives the same sequences with the pushed weights (`pushed`) and with the same weights
-    loaded from a checkpoint (`loaded`) must be equal."""
+    gives the same sequences (`sequences` of them, where known) with the pushed weights
+    (`pushed`) and with the same weights loaded from a checkpoint (`loaded`) must be equal."""
     check = f"weights arrive ({when})"
     bar = f"push and checkpoint load score alike (max |diff| < {TOLERANCE:g})"
     if any(p is None for p in pushed):
@@ -170,6 +169,8 @@ def loaded_alike_row(
         return Row(row, check, "no token scored", bar, FAIL)
     largest = max(gaps)
     measured = f"max |diff| {largest:.2e} over {len(gaps)} tokens"
+    if sequences is not None:
+        measured += f" of {sequences} sequences (sampled)"
     return Row(row, check, measured, bar, PASS if exactly_zero(largest) else FAIL)
 
 
@@ -482,20 +483,23 @@ class Certifier:
         rows.append(
             reference_row(scored, reference=self.reference, replaying=replaying, source=self.source)
         )
-        arrived, went_through = self.push(batch.samples)
-        rows.append(arrived)
+        arrived, went_through = self.push()
         if not went_through:  # refused: the engine serves the old weights, nothing to measure
-            return rows
+            return [*rows, arrived]
         again = generate_again(self.actors.manager, 1, prompts_of(batch.samples))
         rows.append(version_row([s.weight_version for s in again[0].samples], "0"))
         rows += self.after_update(again[0].samples, scored_ok=rows[-1].verdict == PASS)
         tokens = [[s.tokens for s in b.samples] for b in again]
         rows.append(determinism_row(*tokens, seeded=self.readable))
+        # Where the engine's tensors cannot be read, row 7.1 reloads the update from disk:
+        # last, so that rows 7.2-7.5 and 8 measure what the push itself left in the engine.
+        rows.append(arrived if arrived is not None else self.reloaded_alike(batch.samples))
         return rows
 
-    def push(self, samples: list[Any]) -> tuple[Row, bool]:
-        """Push the updated weights as version 0: row 7.1 (whether they arrived), and whether
-        the push went through at all."""
+    def push(self) -> tuple[Row | None, bool]:
+        """Push the updated weights as version 0. Returns row 7.1 where it is known now (a
+        FAIL when the push was refused; the digests on the embedded engine; None where it
+        needs the reload from disk, `reloaded_alike`) and whether the push went through."""
         when = "after the update"
         try:
             self.driver.push_weights(0)
@@ -503,12 +507,16 @@ class Certifier:
             cause = getattr(exc, "cause", None) or exc  # a Ray actor's error wraps the engine's
             detail = f"the push failed: {type(cause).__name__}: {cause}"
             return Row("7.1", f"weights arrive ({when})", "", "", FAIL, detail), False
-        if self.readable:
-            return self.digests("7.1", when), True
+        return (self.digests("7.1", when) if self.readable else None), True
+
+    def reloaded_alike(self, samples: list[Any]) -> Row:
+        """Row 7.1 where the engine's tensors cannot be read: the trainer's update exported,
+        the engine's scores of rollout 0's sequences with the pushed weights against the same
+        weights loaded from that export."""
         export = self.driver.run_dir / "certify-weights"
         try:
             calls.get([t.export_hf.remote(str(export)) for t in self.actors.train])
-            return self.loaded_alike("7.1", when, samples, export, "0"), True
+            return self.loaded_alike("7.1", "after the update", samples, export, "0")
         finally:
             shutil.rmtree(export, ignore_errors=True)
 
@@ -538,14 +546,16 @@ class Certifier:
     def loaded_alike(
         self, row: str, when: str, samples: list[Any], path: Path, version: str
     ) -> Row:
-        """Row 1 where the engine's tensors cannot be read: the engine scores the same
-        sequences with the weights pushed and with the same weights loaded from disk."""
+        """Row 1 where the engine's tensors cannot be read: the engine scores every sequence
+        of `samples` with the weights pushed and with the same weights loaded from disk. A
+        sample of what the weights do, not a reading of every tensor: an expert no sequence
+        is routed to goes unchecked."""
         engines = self.actors.engines
-        sequences = [s.tokens for s in samples[:WEIGHT_SEQUENCES]]
+        sequences = [s.tokens for s in samples]
         pushed = calls.get([e.prompt_log_probs.remote(sequences) for e in engines])
         calls.get([e.update_weights_from_disk.remote(str(path), version) for e in engines])
         loaded = calls.get([e.prompt_log_probs.remote(sequences) for e in engines])
-        return loaded_alike_row(row, pushed, loaded, when)
+        return loaded_alike_row(row, pushed, loaded, when, len(sequences))
 
     def distribution(self, row: str, when: str, samples: list[Any]) -> Row:
         """Row 3: the engine's top-k against the trainer's log-probs of the same ids."""
