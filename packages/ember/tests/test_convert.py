@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
+from ember_runs import ember_here
 from safetensors.torch import load_file
 
 from ember_rollout.config import TinyModelConfig
@@ -14,12 +14,8 @@ from ember_rollout.tokenizer import load_tokenizer, save_toy_tokenizer
 
 
 def convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ember.cli", "convert", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """`ember convert ARGS`, called in this process (`ember_runs.ember_here`)."""
+    return ember_here(["convert", *args])
 
 
 @pytest.mark.slow
