@@ -18,16 +18,13 @@ import os
 import subprocess
 import sys
 import traceback
-from pathlib import Path
-
-import yaml
 
 
 def fits_one_process(argv: list[str]) -> bool:
     """Whether `ember ARGV` (a `train` or a single-setup `certify`) runs every role in its own
     process, as the command would decide it; a config the command would refuse counts as one
     process (the refusal is the same either way)."""
-    from ember.cli import build_parser
+    from ember.cli import build_parser, train_config_source
     from ember.config import load_config
     from ember.layout import in_process
 
@@ -35,15 +32,10 @@ def fits_one_process(argv: list[str]) -> bool:
     if args.command not in ("train", "certify") or getattr(args, "matrix", False):
         return False
     try:
-        if getattr(args, "resume", None):
-            source = yaml.safe_load((Path(args.resume) / "config.yaml").read_text())
+        if args.command == "train":
+            source, overrides = train_config_source(args)
         else:
-            source = args.config or getattr(args, "config_option", None)
-        overrides = list(args.set)
-        if getattr(args, "rollout_only", False):
-            overrides.append("run.rollout_only=true")
-        if getattr(args, "train_from_rollouts", None) is not None:
-            overrides.append(f"run.train_from_rollouts={args.train_from_rollouts}")
+            source, overrides = args.config, args.set
         config, _ = load_config(source, overrides=overrides, plugins=args.plugins)
         return in_process(config)[0]
     except (ValueError, OSError):

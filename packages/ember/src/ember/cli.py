@@ -29,10 +29,13 @@ def _split_plugins(value: str) -> list[str]:
     return [p.strip() for p in value.split(",") if p.strip()]
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from ember.config import check_inputs, describe_loop, load_config
+def train_config_source(args: argparse.Namespace) -> tuple[str | dict | None, list[str]]:
+    """The config `ember train ARGS` runs (a file or example name, a resumed run's resolved
+    mapping, or None for the default) and its overrides (`--set`, then the half-run flags).
 
-    run_dir = None
+    Raises:
+        ValueError: Two configs; `--resume` with a half run, a config, or no resolved config.
+    """
     if args.config and args.config_option:
         raise ValueError(
             f"two configs, {args.config!r} and --config {args.config_option!r}; give one"
@@ -46,11 +49,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             "--train-from-rollouts) writes none: start it again instead"
         )
     if args.resume:
-        run_dir = Path(args.resume)
-        resolved = run_dir / "config.yaml"
+        resolved = Path(args.resume) / "config.yaml"
         if not resolved.is_file():
             raise ValueError(
-                f"--resume {run_dir}: no config.yaml there (not an Ember run directory)"
+                f"--resume {args.resume}: no config.yaml there (not an Ember run directory)"
             )
         if args.config:
             raise ValueError(
@@ -62,6 +64,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append("run.rollout_only=true")
     if args.train_from_rollouts is not None:
         overrides.append(f"run.train_from_rollouts={args.train_from_rollouts}")
+    return config_source, overrides
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ember.config import check_inputs, describe_loop, load_config
+
+    run_dir = Path(args.resume) if args.resume else None
+    config_source, overrides = train_config_source(args)
     config, plugins = load_config(config_source, overrides=overrides, plugins=args.plugins)
     if args.resume and (config.run.rollout_only or config.run.train_from_rollouts is not None):
         raise ValueError(
