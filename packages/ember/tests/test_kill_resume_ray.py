@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ember_runs import ember_command
 
 from ember import processes
 from ember.checkpoints import complete_checkpoints
@@ -85,7 +86,11 @@ def alive(pids: set[int]) -> set[int]:
 
 def test_sigkill_of_the_overlapped_driver_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
     reference, run = tmp_path / "reference", tmp_path / "run"
-    finish(train(*RUN, "--set", f"run.dir={reference}"))
+    # The uninterrupted run in this process (`ember_runs`): an in-process run writes the Ray
+    # run's metrics, record for record (test_runtime_parity.py).
+    assert RUN[-2:] == ["--set", "ray.enabled=true"]
+    untouched = ember_command(["train", *RUN[:-2], "--set", f"run.dir={reference}"], timeout=900)
+    assert untouched.returncode == 0, untouched.stderr[-3000:]
     assert logged_rollouts(reference) == [0, 1, 2, 3, 4]
     staleness = [r["rollout/staleness"] for r in map(json.loads, (reference / "metrics.jsonl")
                  .read_text().splitlines()) if r["kind"] == "rollout"]  # fmt: skip
