@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from ember.failures import EnginesExhausted, actor_death, is_actor_error
 from ember.loops import Iteration, Loop, loop_for
 from ember.metrics import MetricsLogger
 from ember.placement import MemoryHandoff, Placement
+from ember.plot import PlotProcess
 from ember.runtimes import actor_threads, choose_runtime
 from ember.startup import mark
 from ember.versions import INITIAL_WEIGHT_VERSION
@@ -74,8 +74,9 @@ class Driver:
         self.mender = EngineMender(self)
         self.pusher = WeightPush(self)
         self.loop: Loop = loop_for(self)
-        self._plotting: threading.Thread | None = None
-        """The end-of-run plots, drawn while `shutdown` stops the actors."""
+        self._plots: PlotProcess | None = None
+        """The end-of-run plots' process (`run.plot`), started after the first rollout and
+        drawing while `shutdown` stops the actors."""
 
     @property
     def init_dir(self) -> Path:
@@ -279,6 +280,8 @@ class Driver:
                 bar.update(1)
                 bar.write(summary_line(rollout_id, rollout_metrics, steps))
                 mark("driver", f"rollout {rollout_id} trained")
+                if cfg.run.plot and self._plots is None:  # after rollout 0's timing
+                    self._plots = PlotProcess(self.run_dir)
                 if self._eval_due(rollout_id) and self.actors.manager is not None:
                     evaluation = self.evaluate(rollout_id)
                     sink.log("eval", rollout_id, rollout_id, evaluation)
@@ -292,10 +295,9 @@ class Driver:
             bar.close()
             sink.close()
         if cfg.run.plot:
-            # Drawn on a thread: matplotlib's import and the drawing (2.3-2.9 s on a 2-core AMD
-            # EPYC) overlap `shutdown`, which mostly waits for processes to exit.
-            self._plotting = threading.Thread(target=self._plot, name="ember-plots", daemon=True)
-            self._plotting.start()
+            if self._plots is None:  # no rollout ran here (a resumed run that had finished)
+                self._plots = PlotProcess(self.run_dir)
+            self._plots.draw()
         return self.run_dir
 
     def stopped_by(self, exc: BaseException) -> str | None:
@@ -319,15 +321,6 @@ class Driver:
     def resume_hint(self) -> str:
         """The command that continues from the newest checkpoint, or that there is none."""
         return checkpoints.resume_hint(self.run_dir)
-
-    def _plot(self) -> None:
-        from ember.plot import plot_run
-
-        try:
-            plot_run(self.run_dir)
-        except Exception:  # the run's results are saved; a plot is not worth failing it
-            logger.exception("plotting failed; `ember plot %s` draws the plots again", self.run_dir)
-        mark("driver", "plots written")
 
     def shutdown(self) -> None:
         """Stop the engines and the actors (and the placement groups); stop Ray if this run
@@ -361,9 +354,10 @@ class Driver:
                 self.placement = None
             mark("driver", "actors shut down")
             self.runtime.shutdown()
-            if self._plotting is not None:
-                self._plotting.join()
-                self._plotting = None
+            if self._plots is not None:
+                if self._plots.finish():
+                    mark("driver", "plots written")
+                self._plots = None
 
 
 def summary_line(rollout_id: int, rollout: dict[str, float], steps: list[dict[str, float]]) -> str:
