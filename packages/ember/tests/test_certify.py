@@ -36,6 +36,15 @@ ALSO_FAIL = {
     Fault.REPLAY_OFF: {"7.4"},  # the routing row again after the update
 }
 """Rows besides its own that a fault must fail too."""
+DTYPES = {"fp32": [], "bf16": ["--set", "engine.hf.dtype=bfloat16"]}
+"""The bars each plant runs at: the float32 ones, and those below float32 (the embedded engine
+in bfloat16; megatron-core trains in float32 on CPU)."""
+MISSED_BELOW_FP32 = {Fault.TEMPERATURE: "5"}
+"""Faults whose own row passes at the bars below float32, and the row that fails them there (a
+finding, in docs/certify.md): the trainer's log-probs at temperature 1 instead of 0.7 differ
+from the bf16 engine's by a mean of 4.3e-2 and at most 0.18 per token (tiny-moe), inside the bars
+a healthy bf16 real model needs (its mean 2.9e-2, maximum 0.48); row 5's exact on-policy start
+still fails it."""
 
 
 def certify(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -46,8 +55,9 @@ def certify(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     return run, json.loads(path.read_text()) if path.is_file() else {}
 
 
-def test_the_default_setup_is_certified(tmp_path):
-    run, document = certify(tmp_path)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_the_default_setup_is_certified(tmp_path, dtype):
+    run, document = certify(tmp_path, *DTYPES[dtype])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     verdicts = {r["row"]: r["verdict"] for r in document["rows"]}
     assert document["passed"] is True
@@ -63,18 +73,23 @@ def test_the_default_setup_is_certified(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("fault", list(FAILS), ids=[f.value for f in FAILS])
-def test_a_planted_fault_fails_its_row(tmp_path, fault):
-    run, document = certify(tmp_path, "--plant", fault.value, *EVERY_ROW)
+def test_a_planted_fault_fails_its_row(tmp_path, fault, dtype):
+    run, document = certify(tmp_path, "--plant", fault.value, *EVERY_ROW, *DTYPES[dtype])
     assert run.returncode == RUN_ERROR, run.stdout[-3000:] + run.stderr[-3000:]
     verdicts = {r["row"]: r["verdict"] for r in document["rows"]}
-    assert verdicts[FAILS[fault]] == FAIL, run.stdout
-    failing = next(line for line in run.stdout.splitlines() if line.startswith(FAILS[fault] + " "))
+    own = FAILS[fault]
+    if dtype != "fp32" and fault in MISSED_BELOW_FP32:
+        assert verdicts[own] == PASS, run.stdout  # the finding: were it caught, say so
+        own = MISSED_BELOW_FP32[fault]
+    assert verdicts[own] == FAIL, run.stdout
+    failing = next(line for line in run.stdout.splitlines() if line.startswith(own + " "))
     assert failing.endswith(FAIL)
     for row in ALSO_FAIL.get(fault, set()):
         assert verdicts[row] == FAIL, run.stdout
     # Every other row that was measured holds: the fault is caught where it is.
-    others = {row for row, verdict in verdicts.items() if verdict == FAIL} - {FAILS[fault]}
+    others = {row for row, verdict in verdicts.items() if verdict == FAIL} - {own}
     allowed = {
         Fault.TEMPERATURE: {"3", "5", "7.2", "7.3"},  # every log-prob the trainer computes
         Fault.STALE_VERSION: {"7.2"},  # not scored: the samples are not the update's

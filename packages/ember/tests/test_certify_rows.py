@@ -38,8 +38,11 @@ from ember.certify import (
 from ember.cli import USAGE_ERROR, main
 from ember.config import load_config
 from ember_core.certify import (
+    FP32_BARS,
+    LOW_PRECISION_BARS,
     PLANT_ENV,
     Fault,
+    MismatchBars,
     mismatch_ceiling,
     planted,
     reference_source,
@@ -78,24 +81,46 @@ def test_weights_row_passes_only_when_every_engine_serves_every_tensor():
     assert weights_row("1", trainer, [None], "x").verdict == NOT_APPLICABLE
 
 
+BARS = MismatchBars(mean=1e-4, max=1e-3, kl_mean=1e-6, kl_max=1e-4, why="test bars")
+"""Separate bars on the mean and on the maximum, as each dtype's are."""
+
+
 @pytest.mark.parametrize(
     ("mean", "largest", "verdict"),
-    [(1e-8, 5e-5, PASS), (1e-8, 2e-4, FAIL), (2e-4, 1e-5, FAIL), (NAN, 0.0, FAIL)],
+    [
+        (0.0, 0.0, PASS),
+        (1e-8, 5e-4, PASS),  # a maximum above the mean's bar: the maximum has its own
+        (1e-8, 2e-3, FAIL),  # one token over the maximum's bar, the mean far inside its own
+        (2e-4, 2e-4, FAIL),  # the mean over its bar, every token inside the maximum's
+        (NAN, 0.0, FAIL),
+    ],
 )
 def test_log_prob_row_bars_the_mean_and_the_maximum(mean, largest, verdict):
     metrics = {
         "rollout/train_rollout_logprob_abs_diff": mean,
         "rollout/train_rollout_logprob_max_abs_diff": largest,
     }
-    assert log_prob_row("2", metrics, 1e-4, "fp32", "start").verdict == verdict
-    assert log_prob_row("2", {}, 1e-4, "fp32", "start").verdict == FAIL  # no engine log-probs
+    row = log_prob_row("2", metrics, BARS, "start")
+    assert row.verdict == verdict
+    assert row.bar == "mean <= 0.0001, max <= 0.001 (test bars)"
+    assert log_prob_row("2", {}, BARS, "start").verdict == FAIL  # no engine log-probs
 
 
-def test_mismatch_ceiling_is_by_dtype():
-    assert mismatch_ceiling("float32", None)[0] == 1e-4
-    assert mismatch_ceiling("float32", "float32")[0] == 1e-4
-    assert mismatch_ceiling("bfloat16", "float32")[0] == 0.1
-    assert mismatch_ceiling(None, "float32")[0] == 0.1  # an attached server: unknown
+def test_mismatch_bars_are_by_dtype():
+    assert mismatch_ceiling("float32", None) == FP32_BARS
+    assert mismatch_ceiling("float32", "float32") == FP32_BARS
+    low = mismatch_ceiling("bfloat16", "float32")
+    assert (low.mean, low.max, low.kl_mean, low.kl_max) == (0.1, 2.0, 1e-2, 0.25)
+    assert low.why == (
+        "engine dtype bfloat16, trainer dtype float32: below float32, the two round differently"
+    )
+    unknown = mismatch_ceiling(None, "float32")  # an attached server
+    assert unknown.max == LOW_PRECISION_BARS.max and "engine dtype unknown" in unknown.why
+    assert mismatch_ceiling("float32", "bfloat16").mean == LOW_PRECISION_BARS.mean
+    # The float32 maximum still fails one token off by 2^-10; the mean bar is slime's below.
+    assert FP32_BARS.max < 2**-10 and LOW_PRECISION_BARS.mean == 0.1
+    for bars in (FP32_BARS, LOW_PRECISION_BARS):
+        assert bars.mean <= bars.max and bars.kl_mean <= bars.kl_max
 
 
 def test_routing_row():
@@ -311,9 +336,9 @@ def test_top_k_kl_is_the_kl_of_the_coarsened_distributions():
     assert torch.all(coarse <= exact + 1e-12) and torch.all(coarse >= 0)  # a lower bound
     same = with_rest(engine_full.float(), ids)
     assert float(top_k_kl(same, same).abs().max()) < 1e-12
-    row = distribution_row("3", coarse, 1e-4, "fp32", k=4, vocab=50, when="start")
+    row = distribution_row("3", coarse, BARS, k=4, vocab=50, when="start")
     assert row.verdict == FAIL and "top-4 ids + the rest of 50" in row.measured
-    assert distribution_row("3", None, 1e-4, "", k=4, vocab=50, when="s").verdict == NOT_APPLICABLE
+    assert distribution_row("3", None, BARS, k=4, vocab=50, when="s").verdict == NOT_APPLICABLE
 
 
 def one_far_position(value: float, positions: int = 1000) -> torch.Tensor:
@@ -326,16 +351,18 @@ def one_far_position(value: float, positions: int = 1000) -> torch.Tensor:
     ("kl", "verdict"),
     [
         (torch.zeros(1000, dtype=torch.float64), PASS),
-        (torch.full((1000,), 5e-5, dtype=torch.float64), PASS),
-        # Mean 2e-6, far under the bar; one position at 2e-3 over it: the maximum decides.
-        (one_far_position(2e-3), FAIL),
-        (torch.full((1000,), 2e-4, dtype=torch.float64), FAIL),
+        (torch.full((1000,), 5e-7, dtype=torch.float64), PASS),
+        # One position above the mean's bar, inside the maximum's: the maximum has its own.
+        (one_far_position(5e-5), PASS),
+        # Mean 2e-7, under its bar; one position at 2e-4 over the maximum's: that decides.
+        (one_far_position(2e-4), FAIL),
+        (torch.full((1000,), 2e-6, dtype=torch.float64), FAIL),  # the mean, every position
         (one_far_position(float("nan")), FAIL),
     ],
-    ids=["zero", "under", "one-position", "mean", "nan"],
+    ids=["zero", "under", "one-position-under", "one-position", "mean", "nan"],
 )
 def test_distribution_row_bars_the_mean_and_the_maximum(kl, verdict):
-    row = distribution_row("3", kl, 1e-4, "fp32", k=20, vocab=20, when="start")
+    row = distribution_row("3", kl, BARS, k=20, vocab=20, when="start")
     assert row.verdict == verdict
     assert row.measured.endswith("over the whole vocabulary")
 

@@ -26,6 +26,7 @@ pytestmark = [
     ),
 ]
 
+
 def test_partial_rollouts_on_the_real_sglang_server_keep_routes_and_log_probs_together(tmp_path):
     """Pushes land while SGLang requests run (paused in place, continued after), and R3 with
     the CI checks holds: every token's recorded experts and log-prob come from one forward."""

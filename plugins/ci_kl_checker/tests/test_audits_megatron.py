@@ -237,7 +237,7 @@ def test_one_trainer_log_prob_off_by_2_to_the_minus_10_stops_the_run(run):
     # The mean of the same gap is far inside slime's ceiling: only the maximum sees it.
     assert error.metrics["rollout/train_rollout_logprob_abs_diff"] < 1e-3
     assert error.detail == (
-        "rollout/train_rollout_logprob_max_abs_diff = 9.766e-04, expected <= 0.0001 "
+        "rollout/train_rollout_logprob_max_abs_diff = 9.766e-04, expected <= 0.0005 "
         "(ci_kl_checker.train_rollout_logprob_max_abs_diff_threshold)"
     )
 

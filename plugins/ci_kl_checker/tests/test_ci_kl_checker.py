@@ -115,8 +115,8 @@ def reports(caplog) -> list[str]:
 
 AUDITS = (
     "ci_kl_checker: audits at rollout 0 and every 50 rollouts (ci_kl_checker.audit_interval); "
-    "the per-token mismatch ceiling is 0.1 (engine dtype unknown, trainer dtype float32 "
-    "(slime's ceiling))"
+    "the per-token mismatch ceiling is 2 (engine dtype unknown, trainer dtype float32: below "
+    "float32, the two round differently)"
 )
 
 
@@ -135,7 +135,7 @@ def test_passes_when_the_first_update_is_exactly_on_policy(host, caplog):
         f"{prefix} (log_rollout_data): first_rollout_ref_log_probs passed: "
         "|rollout/log_probs_ref_max_abs_diff| = 0.000e+00, expected < 1e-08",
         f"{prefix} (log_rollout_data): train_rollout_mismatch_max passed: "
-        "rollout/train_rollout_logprob_max_abs_diff = 9.000e-03, expected <= 0.1 "
+        "rollout/train_rollout_logprob_max_abs_diff = 9.000e-03, expected <= 2 "
         "(ci_kl_checker.train_rollout_logprob_max_abs_diff_threshold)",
         f"{prefix} (log_rollout_data): train_rollout_mismatch_ceiling passed: "
         "rollout/train_rollout_logprob_abs_diff = 4.000e-03, expected <= 0.1 "
@@ -183,12 +183,12 @@ ATTACHED_FP32 = {"kind": "sglang", "sglang": {"dtype": "float32", "urls": ["http
 @pytest.mark.parametrize(
     ("engine", "trainer", "ceiling"),
     [
-        ({"kind": "hf", "hf": {"dtype": "float32"}}, "float32", 1e-4),
-        ({"kind": "hf", "hf": {"dtype": "bfloat16"}}, "float32", 0.1),
-        ({"kind": "sglang"}, "float32", 0.1),  # SGLang's auto: its own rule picks the dtype
-        (SGLANG_FP32, "float32", 1e-4),  # launched servers in the trainer's dtype
-        (SGLANG_FP32, "bfloat16", 0.1),
-        (ATTACHED_FP32, "float32", 0.1),  # an attached server runs as it was started
+        ({"kind": "hf", "hf": {"dtype": "float32"}}, "float32", 5e-4),
+        ({"kind": "hf", "hf": {"dtype": "bfloat16"}}, "float32", 2.0),
+        ({"kind": "sglang"}, "float32", 2.0),  # SGLang's auto: its own rule picks the dtype
+        (SGLANG_FP32, "float32", 5e-4),  # launched servers in the trainer's dtype
+        (SGLANG_FP32, "bfloat16", 2.0),
+        (ATTACHED_FP32, "float32", 2.0),  # an attached server runs as it was started
     ],
 )
 def test_the_per_token_ceiling_fits_the_dtypes(host, engine, trainer, ceiling):

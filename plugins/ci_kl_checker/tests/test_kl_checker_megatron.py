@@ -231,22 +231,27 @@ def test_engine_log_probs_beyond_the_ceiling_stop_the_run(checker):
     close = worker.prepare(0, with_engine_log_probs(worker, 0.05))
     rollout = worker.log_rollout_data(0, close)
     assert rollout["rollout/train_rollout_logprob_abs_diff"] == pytest.approx(0.05, abs=1e-6)
-    far = worker.prepare(0, with_engine_log_probs(worker, -0.25))
+    far = worker.prepare(0, with_engine_log_probs(worker, -2.5))
     with pytest.raises(KLCheckError) as info:
         worker.log_rollout_data(0, far)
     error = info.value
-    # The per-token maximum is checked first (0.1 where the engine's dtype is not known).
+    # The per-token maximum is checked first (2.0 where the engine's dtype is not known).
     assert error.check == Check.TRAIN_ROLLOUT_MISMATCH_MAX
     assert error.step == "rollout 0 (log_rollout_data)"
     assert error.detail == (
-        "rollout/train_rollout_logprob_max_abs_diff = 2.500e-01, expected <= 0.1 "
+        "rollout/train_rollout_logprob_max_abs_diff = 2.500e+00, expected <= 2 "
         "(ci_kl_checker.train_rollout_logprob_max_abs_diff_threshold)"
     )
+    # A mean over slime's 0.1 with every token inside the maximum's bar fails the mean.
+    middling = worker.prepare(0, with_engine_log_probs(worker, -0.25))
+    with pytest.raises(KLCheckError) as info:
+        worker.log_rollout_data(0, middling)
+    assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
     # Each step's own mean is bounded too (slime's check of the train/ metric).
     with pytest.raises(KLCheckError) as info:
         worker.train(0, far)
     assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH
-    assert info.value.metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx(0.25)
+    assert info.value.metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx(2.5)
     assert info.value.metrics["train/ppo_kl"] == 0.0 and info.value.metrics["train/kl_loss"] == 0.0
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from ember import calls
 from ember_core.certify import (
     TOLERANCE,
+    MismatchBars,
     at_most,
     exactly_one,
     exactly_zero,
@@ -174,15 +175,16 @@ def loaded_alike_row(
     return Row(row, check, measured, bar, PASS if exactly_zero(largest) else FAIL)
 
 
-def log_prob_row(row: str, metrics: Mapping[str, Any], ceiling: float, why: str, when: str) -> Row:
-    """Sampled-token agreement: the mean and per-token maximum |trainer - engine| log-prob."""
+def log_prob_row(row: str, metrics: Mapping[str, Any], bars: MismatchBars, when: str) -> Row:
+    """Sampled-token agreement: the mean and per-token maximum |trainer - engine| log-prob,
+    each against its own bar."""
     check = f"sampled-token log-probs ({when})"
     mean = _number(metrics, "rollout/train_rollout_logprob_abs_diff")
     largest = _number(metrics, "rollout/train_rollout_logprob_max_abs_diff")
-    bar = f"mean and max <= {ceiling:g} ({why})"
+    bar = bars.log_probs()
     if mean is None or largest is None:
         return Row(row, check, "not logged", bar, FAIL, "the engine returned no log-probs")
-    ok = at_most(mean, ceiling) and at_most(largest, ceiling)
+    ok = at_most(mean, bars.mean) and at_most(largest, bars.max)
     return Row(row, check, f"mean {mean:.2e}, max {largest:.2e}", bar, PASS if ok else FAIL)
 
 
@@ -210,8 +212,7 @@ def top_k_kl(engine: Any, trainer: Any) -> Any:
 def distribution_row(
     row: str,
     kl: Any | None,
-    ceiling: float,
-    why: str,
+    bars: MismatchBars,
     *,
     k: int,
     vocab: int,
@@ -220,12 +221,12 @@ def distribution_row(
 ) -> Row:
     """Full-distribution agreement: KL(engine || trainer) per response position, mean and max."""
     check = f"full-distribution KL ({when})"
-    bar = f"mean and max <= {ceiling:g} ({why})"
+    bar = bars.kl()
     if kl is None:
         return Row(row, check, "not measured", bar, NOT_APPLICABLE, detail)
     scope = "the whole vocabulary" if k >= vocab else f"top-{k} ids + the rest of {vocab}"
     mean, largest = float(kl.mean()), float(kl.max())
-    ok = at_most(mean, ceiling) and at_most(largest, ceiling)
+    ok = at_most(mean, bars.kl_mean) and at_most(largest, bars.kl_max)
     measured = f"mean {mean:.2e}, max {largest:.2e} over {scope}"
     return Row(row, check, measured, bar, PASS if ok else FAIL, detail)
 
@@ -457,7 +458,7 @@ class Certifier:
         """The reference's own checkpoint, where it is not the actor's start (row 6)."""
         self.readable = config.engine.kind == "hf"
         """The engine's tensors can be read (the embedded engine; not an SGLang server)."""
-        self.ceiling, self.why = mismatch_ceiling(engine_dtype(config), config.train.dtype)
+        self.bars = mismatch_ceiling(engine_dtype(config), config.train.dtype)
         self.k = min(TOP_K, self.model.vocab_size)
 
     def rows(self) -> list[Row]:
@@ -477,7 +478,7 @@ class Certifier:
         scored = driver.score(0, batch.samples)  # an audit: with the shifted-experts probe
         rows.append(self.distribution("3", "start", batch.samples))  # before the update
         steps = driver.train(0)
-        rows.append(log_prob_row("2", scored, self.ceiling, self.why, "start"))
+        rows.append(log_prob_row("2", scored, self.bars, "start"))
         rows.append(routing_row("4", scored, moe=moe, replaying=replaying, when="start"))
         rows.append(on_policy_row(steps))
         rows.append(
@@ -529,7 +530,7 @@ class Certifier:
             return [Row("7.2", f"sampled-token log-probs ({when})", "", "", FAIL, detail)]
         rescored = self.driver.score(1, samples)
         return [
-            log_prob_row("7.2", rescored, self.ceiling, self.why, when),
+            log_prob_row("7.2", rescored, self.bars, when),
             self.distribution("7.3", when, samples),
             routing_row("7.4", rescored, moe=self.moe, replaying=self.replaying, when=when),
         ]
@@ -561,21 +562,21 @@ class Certifier:
         """Row 3: the engine's top-k against the trainer's log-probs of the same ids."""
         import torch
 
-        bars = dict(k=self.k, vocab=self.model.vocab_size, when=when)
+        scope = dict(k=self.k, vocab=self.model.vocab_size, when=when)
         if self.config.train.parallel.pipeline_parallel > 1:
             detail = "not built for pipeline parallelism yet (train.parallel.pipeline_parallel)"
-            return distribution_row(row, None, self.ceiling, self.why, **bars, detail=detail)
+            return distribution_row(row, None, self.bars, **scope, detail=detail)
         chosen = samples[:DISTRIBUTION_SAMPLES]
         temperature = self.config.rollout.temperature
         engine = self.actors.engines[0]
         top = calls.get(engine.top_log_probs.remote(chosen, self.k, temperature))
         if top is None:
             detail = "the engine does not report its distribution (an SGLang server)"
-            return distribution_row(row, None, self.ceiling, self.why, **bars, detail=detail)
+            return distribution_row(row, None, self.bars, **scope, detail=detail)
         ids = [i for i, _ in top]
         held = calls.get([t.log_probs_at.remote(chosen, ids) for t in self.actors.train])[0]
         kl = torch.cat([top_k_kl(e, t) for (_, e), t in zip(top, held, strict=True)])
-        return distribution_row(row, kl, self.ceiling, self.why, **bars)
+        return distribution_row(row, kl, self.bars, **scope)
 
 
 def _ordered(rows: list[Row]) -> list[Row]:

@@ -571,7 +571,8 @@ def max_ceiling(config: Any, section: KLCheckerConfig) -> tuple[float, str]:
     if section.train_rollout_logprob_max_abs_diff_threshold is not None:
         value = section.train_rollout_logprob_max_abs_diff_threshold
         return value, f"{SECTION}.train_rollout_logprob_max_abs_diff_threshold={value:g}"
-    return mismatch_ceiling(engine_dtype(config), _get(_get(config, "train"), "dtype"))
+    bars = mismatch_ceiling(engine_dtype(config), _get(_get(config, "train"), "dtype"))
+    return bars.max, bars.why
 
 
 _checker: KLChecker | None = None
