@@ -101,40 +101,47 @@ def reference(tmp_path_factory) -> Path:
     return run.dir
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
-def test_a_killed_or_hung_engine_is_replaced_and_the_run_completes(tmp_path, reference, how):
+def test_a_killed_then_a_hung_engine_are_each_replaced_and_the_run_completes(tmp_path, reference):
+    """One run, two failures: engine 1 SIGKILLed once rollout 3 is logged, then, once its
+    replacement serves and rollout 7 is logged, the other engine SIGSTOPped (hung: the process
+    stays and answers nothing). Each slot is replaced once and the run ends as the untouched
+    run does."""
     run = Run(tmp_path / "run")
     run.wait_for(lambda: 3 in logged_rollouts(run.dir))  # past audit 0, into the overlap
-    victim = run.engines()[-1]
+    killed = run.engines()[-1]
     before = logged_rollouts(run.dir)
-    if how == "kill":
-        victim.kill()
-    else:
-        victim.suspend()  # SIGSTOP: the process stays, answers nothing
+    killed.kill()
+    replaced = re.compile(r"rollout engine \d replaced \(pid (\d+)\)")
+    run.wait_for(lambda: replaced.search(run.output))
+    replacement = int(replaced.search(run.output)[1])
+    run.wait_for(lambda: 7 in logged_rollouts(run.dir))
+    (hung,) = [e for e in run.engines() if e.pid != replacement]
+    hung.suspend()  # SIGSTOP
     assert run.finish() == 0, run.output[-3000:]
     output = run.output
-    assert not psutil.pid_exists(victim.pid) or victim.status() == psutil.STATUS_ZOMBIE
+    for victim in (killed, hung):
+        assert not psutil.pid_exists(victim.pid) or victim.status() == psutil.STATUS_ZOMBIE
     rollouts = rollout_records(run.dir)
     assert [r["rollout_id"] for r in rollouts] == list(range(12))
-    assert sum(r["rollout/engine_failures"] for r in rollouts) == 1.0
-    assert sum(r["rollout/engine_restarts"] for r in rollouts) == 1.0
+    assert sum(r["rollout/engine_failures"] for r in rollouts) == 2.0
+    assert sum(r["rollout/engine_restarts"] for r in rollouts) == 2.0
     pattern = r"rollout engine (\d) failed \((.*?)\); starting replacement 1 of at most 3"
-    (failed,) = re.findall(pattern, output)
-    if how == "kill":
-        assert failed[1].startswith(f"died (pid {victim.pid} on "), failed
-    else:
-        assert failed[1] == "did not answer a health probe within 5 s (hung)", failed
-    # The replacement serves the trainer's weights: after the push that follows, the two
+    first, second = re.findall(pattern, output)
+    assert first[0] != second[0]  # each slot replaced once
+    assert first[1].startswith(f"died (pid {killed.pid} on "), first
+    assert second[1] == "did not answer a health probe within 5 s (hung)", second
+    # Each replacement serves the trainer's weights: after the push that follows, the two
     # engines hash to the same bytes.
+    assert len(replaced.findall(output)) == 2
     assert re.search(r"rollout engine \d replaced \(pid \d+\), serving weight version \d+", output)
     assert "the 2 engines serve the same weights (sha256 " in output
-    # The exact checks hold at every audit, those after the replacement too.
+    # The exact checks hold at every audit, those after the replacements too.
     for audit_id in (0, 4, 8):
         assert re.search(rf"audit rollout {audit_id}\b[^\n]*: first_step_ppo_kl passed", output)
-    # Rollouts finished before the failure are the untouched run's, record for record. Every
-    # request carries its own seed, so a request sent again samples the same tokens on the
-    # other engine: every rollout's rewards are the untouched run's too, and the rest differ
-    # only by the rounding of another batch's forward (below 1e-6 here).
+    # Rollouts finished before the first failure are the untouched run's, record for record.
+    # Every request carries its own seed, so a request sent again samples the same tokens on
+    # the other engine: every rollout's rewards are the untouched run's too, and the rest
+    # differ only by the rounding of another batch's forward (below 1e-6 here).
     counts = re.compile(
         r"rollout/(engine\d+_requests|engine_failures|engine_restarts|resent_requests)"
     )
