@@ -200,10 +200,50 @@ def test_weight_decay_skips_norms_and_the_schedule_sets_it(dist_env):
     assert all(g["lr"] == 0.5e-3 for g in groups)
 
 
-def test_cpu_optimizer_refuses_bf16_and_foreign_state(dist_env):
-    bf16 = wrap_ddp(build_model(ModelConfig.preset("tiny-moe"), dtype=torch.bfloat16, seed=0))
-    with pytest.raises(ValueError, match="train.dtype=bfloat16 needs a GPU"):
-        build_optimizer(bf16, OptimizerConfig())
-    _, optimizer = _optimizer()
+def test_a_bf16_model_trains_on_float32_masters_on_cpu_and_resumes_from_them(dist_env):
+    def bf16_model(seed: int):
+        preset = ModelConfig.preset("tiny-moe")
+        return wrap_ddp(build_model(preset, dtype=torch.bfloat16, seed=seed))
+
+    model = bf16_model(0)
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-3))
+    params = optimizer.params  # the model's trainable parameters, in the masters' order
+    assert isinstance(optimizer, TorchAdamW)
+    assert {id(p) for p in params} == {id(p) for p in model.parameters()}
+    assert sum(p.dtype == torch.bfloat16 for p in params) > len(params) // 2
+    assert all(m.dtype == torch.float32 for m in optimizer.masters)
+    for p, m in zip(params, optimizer.masters, strict=True):
+        assert torch.equal(m, p.detach().float())
+        assert (m is p) == (p.dtype == torch.float32)  # a float32 parameter is its own master
+    for step in range(3):
+        before = [m.clone() for m in optimizer.masters]
+        optimizer.zero_grad()
+        for k, p in enumerate(params):
+            p.main_grad.fill_(1e-3 * (k % 3 + 1))
+        optimizer.step(step)
+        # Every master moved (Adam's first steps move each weight by about the learning rate),
+        # and the model holds the masters rounded to bfloat16.
+        assert all((m - b).abs().max() > 0 for m, b in zip(optimizer.masters, before, strict=True))
+        for p, m in zip(params, optimizer.masters, strict=True):
+            assert torch.equal(p.detach(), m.to(p.dtype))
+    # An update below bfloat16's resolution is kept in the master (no bfloat16 weight moves).
+    resolution = [m.to(p.dtype).float() for p, m in zip(params, optimizer.masters, strict=True)]
+    masters = [m.clone() for m in optimizer.masters]
+    assert any(not torch.equal(m, r) for m, r in zip(masters, resolution, strict=True))
+    # A resumed run continues from the same float32 weights, not the rounded ones (a float32
+    # parameter comes back with the model's checkpoint, the others' masters with this state).
+    state = optimizer.state_dict()
+    other = bf16_model(1)
+    resumed = build_optimizer(other, OptimizerConfig(lr=1e-3))
+    resumed.load_state_dict(state)
+    low = [i for i, p in enumerate(resumed.params) if p.dtype == torch.bfloat16]
+    assert sorted(state["masters"]) == low
+    for i in low:
+        assert torch.equal(resumed.masters[i], optimizer.masters[i])
+        assert torch.equal(resumed.params[i].detach(), optimizer.params[i].detach())
+    # Another dtype's state, or the other implementation's, is refused by name.
+    _, fp32 = _optimizer()
+    with pytest.raises(ValueError, match="written with another train.dtype"):
+        resumed.load_state_dict(fp32.state_dict())
     with pytest.raises(ValueError, match="written by 'megatron'"):
-        optimizer.load_state_dict({"kind": "megatron", "state": {}})
+        fp32.load_state_dict({"kind": "megatron", "state": {}})

@@ -152,7 +152,14 @@ class ModelOptimizer:
 
 
 class TorchAdamW(ModelOptimizer):
-    """CPU: torch AdamW over the model's parameters, fed from the DDP ``main_grad`` buffers."""
+    """CPU: torch AdamW over the model's parameters, fed from the DDP ``main_grad`` buffers.
+
+    A model below float32 (``train.dtype: bfloat16``) trains on float32 master copies of its
+    weights, as megatron-core's mixed-precision optimizer does on GPUs: the gradients (reduced
+    in float32, ``grad_reduce_in_fp32``) update the masters, and the model gets the masters
+    rounded to its dtype after each step. The masters are part of the optimizer's state, so a
+    resumed run continues from the same float32 weights. A float32 parameter is its own master.
+    """
 
     kind = "torch_adamw"
 
@@ -163,11 +170,17 @@ class TorchAdamW(ModelOptimizer):
             if not param.requires_grad:
                 continue
             (no_decay if param.dim() == 1 or name.endswith(".bias") else decay).append(param)
-        groups = [
-            {"params": decay, "wd_mult": 1.0},
-            {"params": no_decay, "wd_mult": 0.0},
-        ]
         self.params = decay + no_decay
+        self.masters: list[Tensor] = [
+            param if param.dtype == torch.float32 else param.detach().float().clone()
+            for param in self.params
+        ]
+        """Per parameter, the float32 tensor the optimizer updates (the parameter itself when
+        it is float32)."""
+        groups = [
+            {"params": self.masters[: len(decay)], "wd_mult": 1.0},
+            {"params": self.masters[len(decay) :], "wd_mult": 0.0},
+        ]
         self.optimizer = torch.optim.AdamW(
             [g for g in groups if g["params"]],
             lr=cfg.lr,
@@ -183,30 +196,32 @@ class TorchAdamW(ModelOptimizer):
 
         # The parameters the gradient norm counts (TP duplicates once), dense and expert.
         self._norm_groups: tuple[list[Tensor], list[Tensor]] = ([], [])
-        for param in self.params:
+        for param, master in zip(self.params, self.masters, strict=True):
             if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
-                self._norm_groups[int(not getattr(param, "allreduce", True))].append(param)
+                self._norm_groups[int(not getattr(param, "allreduce", True))].append(master)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
-        for param in self.params:
-            param.grad = None
+        for master in self.masters:
+            master.grad = None
 
     @torch.no_grad()
     def step(self, step_index: int) -> StepResult:
         self._finalize_grads()
-        for param in self.params:
-            param.grad = param.main_grad.to(param.dtype)
+        for param, master in zip(self.params, self.masters, strict=True):
+            master.grad = param.main_grad.to(master.dtype)
         grad_norm = self._grad_norm()
         if self.cfg.clip_grad > 0:
             coeff = self.cfg.clip_grad / (grad_norm + 1e-6)  # megatron-core's formula
             if coeff < 1.0:
-                torch._foreach_mul_([param.grad for param in self.params], coeff)
+                torch._foreach_mul_([master.grad for master in self.masters], coeff)
         lr = learning_rate(step_index, self.cfg)
         self._set_lr(self.optimizer.param_groups, lr)
         self.optimizer.step()
-        for param in self.params:
-            param.grad = None
+        for param, master in zip(self.params, self.masters, strict=True):
+            master.grad = None
+            if master is not param:
+                param.copy_(master)  # rounded to the model's dtype
         return StepResult(grad_norm=grad_norm, lr=lr)
 
     def _grad_norm(self) -> float:
@@ -225,12 +240,30 @@ class TorchAdamW(ModelOptimizer):
             comm.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
         return float((dense + expert).sqrt())
 
+    def _below_fp32(self) -> list[int]:
+        """The indices of the parameters with a master copy of their own."""
+        pairs = zip(self.params, self.masters, strict=True)
+        return [i for i, (param, master) in enumerate(pairs) if master is not param]
+
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "state": self.optimizer.state_dict()}
+        masters = {i: self.masters[i].detach().clone() for i in self._below_fp32()}
+        return {"kind": self.kind, "state": self.optimizer.state_dict(), "masters": masters}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_kind(state)
+        masters = state.get("masters", {})
+        wanted = self._below_fp32()
+        if sorted(masters) != wanted:
+            raise ValueError(
+                f"the optimizer state holds float32 master weights of {len(masters)} "
+                f"parameters, this model needs {len(wanted)}: the checkpoint was written with "
+                "another train.dtype"
+            )
         self.optimizer.load_state_dict(state["state"])
+        with torch.no_grad():
+            for i in wanted:
+                self.masters[i].copy_(masters[i])
+                self.params[i].copy_(self.masters[i])
 
 
 class MegatronAdam(ModelOptimizer):
@@ -300,17 +333,8 @@ def _plain(obj: Any) -> Any:
 
 
 def build_optimizer(model: Any, cfg: OptimizerConfig) -> ModelOptimizer:
-    """megatron-core's optimizer on GPUs, torch AdamW on CPU, for a DDP-wrapped `model`.
-
-    Raises:
-        ValueError: for a bf16 model on CPU (torch AdamW there keeps no fp32 master weights).
-    """
+    """megatron-core's optimizer on GPUs, torch AdamW on CPU (with float32 master weights for
+    a model below float32), for a DDP-wrapped `model`."""
     if uses_gpu():
         return MegatronAdam(model, cfg)
-    dtype = next(model.parameters()).dtype
-    if dtype != torch.float32:
-        raise ValueError(
-            f"train.dtype={str(dtype).removeprefix('torch.')} needs a GPU: the CPU optimizer "
-            "updates fp32 weights only; use train.dtype=float32 on CPU"
-        )
     return TorchAdamW(model, cfg)
