@@ -104,6 +104,8 @@ def test_log_prob_row_bars_the_mean_and_the_maximum(mean, largest, verdict):
     assert row.verdict == verdict
     assert row.bar == "mean <= 0.0001, max <= 0.001 (test bars)"
     assert log_prob_row("2", {}, BARS, "start").verdict == FAIL  # no engine log-probs
+    counted = log_prob_row("2", metrics, BARS, "start", answers=[3, 250, 7])
+    assert counted.measured.endswith(" over 260 tokens (answers of up to 250)")
 
 
 def test_mismatch_bars_are_by_dtype():

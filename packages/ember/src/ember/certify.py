@@ -175,9 +175,16 @@ def loaded_alike_row(
     return Row(row, check, measured, bar, PASS if exactly_zero(largest) else FAIL)
 
 
-def log_prob_row(row: str, metrics: Mapping[str, Any], bars: MismatchBars, when: str) -> Row:
+def log_prob_row(
+    row: str,
+    metrics: Mapping[str, Any],
+    bars: MismatchBars,
+    when: str,
+    answers: Sequence[int] = (),
+) -> Row:
     """Sampled-token agreement: the mean and per-token maximum |trainer - engine| log-prob,
-    each against its own bar."""
+    each against its own bar; `answers`, the scored samples' response lengths, say over how
+    many tokens (a per-token maximum grows with them)."""
     check = f"sampled-token log-probs ({when})"
     mean = _number(metrics, "rollout/train_rollout_logprob_abs_diff")
     largest = _number(metrics, "rollout/train_rollout_logprob_max_abs_diff")
@@ -185,7 +192,10 @@ def log_prob_row(row: str, metrics: Mapping[str, Any], bars: MismatchBars, when:
     if mean is None or largest is None:
         return Row(row, check, "not logged", bar, FAIL, "the engine returned no log-probs")
     ok = at_most(mean, bars.mean) and at_most(largest, bars.max)
-    return Row(row, check, f"mean {mean:.2e}, max {largest:.2e}", bar, PASS if ok else FAIL)
+    measured = f"mean {mean:.2e}, max {largest:.2e}"
+    if answers:
+        measured += f" over {sum(answers)} tokens (answers of up to {max(answers)})"
+    return Row(row, check, measured, bar, PASS if ok else FAIL)
 
 
 def top_k_kl(engine: Any, trainer: Any) -> Any:
@@ -478,7 +488,8 @@ class Certifier:
         scored = driver.score(0, batch.samples)  # an audit: with the shifted-experts probe
         rows.append(self.distribution("3", "start", batch.samples))  # before the update
         steps = driver.train(0)
-        rows.append(log_prob_row("2", scored, self.bars, "start"))
+        answers = [s.response_length for s in batch.samples]
+        rows.append(log_prob_row("2", scored, self.bars, "start", answers))
         rows.append(routing_row("4", scored, moe=moe, replaying=replaying, when="start"))
         rows.append(on_policy_row(steps))
         rows.append(
@@ -530,7 +541,7 @@ class Certifier:
             return [Row("7.2", f"sampled-token log-probs ({when})", "", "", FAIL, detail)]
         rescored = self.driver.score(1, samples)
         return [
-            log_prob_row("7.2", rescored, self.bars, when),
+            log_prob_row("7.2", rescored, self.bars, when, [s.response_length for s in samples]),
             self.distribution("7.3", when, samples),
             routing_row("7.4", rescored, moe=self.moe, replaying=self.replaying, when=when),
         ]
