@@ -75,8 +75,8 @@ class Driver:
         self.pusher = WeightPush(self)
         self.loop: Loop = loop_for(self)
         self._plots: PlotProcess | None = None
-        """The end-of-run plots' process (`run.plot`), started after the first rollout and
-        drawing while `shutdown` stops the actors."""
+        """The end-of-run plots' process (`run.plot`), started with the run and drawing while
+        `shutdown` stops the actors."""
 
     @property
     def init_dir(self) -> Path:
@@ -243,6 +243,8 @@ class Driver:
             check_unused(self.run_dir)
             checkpoint = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.run.plot:  # its matplotlib import overlaps the start-up, on another core
+            self._plots = PlotProcess(self.run_dir)
         write_resolved(cfg, self.run_dir)
         self.start()
         self.build(reuse_init=checkpoint is not None)
@@ -280,8 +282,6 @@ class Driver:
                 bar.update(1)
                 bar.write(summary_line(rollout_id, rollout_metrics, steps))
                 mark("driver", f"rollout {rollout_id} trained")
-                if cfg.run.plot and self._plots is None:  # after rollout 0's timing
-                    self._plots = PlotProcess(self.run_dir)
                 if self._eval_due(rollout_id) and self.actors.manager is not None:
                     evaluation = self.evaluate(rollout_id)
                     sink.log("eval", rollout_id, rollout_id, evaluation)
@@ -294,9 +294,7 @@ class Driver:
         finally:
             bar.close()
             sink.close()
-        if cfg.run.plot:
-            if self._plots is None:  # no rollout ran here (a resumed run that had finished)
-                self._plots = PlotProcess(self.run_dir)
+        if self._plots is not None:
             self._plots.draw()
         return self.run_dir
 

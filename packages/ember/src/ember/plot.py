@@ -95,16 +95,16 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
 
 
 class PlotProcess:
-    """A run's end-of-run plots, drawn by a child process started while the run still trains.
+    """A run's end-of-run plots, drawn by a child process started with the run.
 
-    The child imports matplotlib at once (1.6 s on a 2-core AMD EPYC, on a core the run leaves
-    idle: an in-process run computes on one thread) and waits for `draw`; the run's end then
-    costs the drawing alone (0.5 s for a 5-rollout run there), alongside the actors' shutdown.
-    Drawn on a thread of the run's own process instead, the import and the drawing held its GIL
-    and the shutdown that waited on them: 2.8 s from the last checkpoint to the command's exit
-    of a 20-rollout default run, against 0.9 s without plots. A run that ends without `draw` (an
-    error) closes the child's input and it exits having drawn nothing; so does a child whose
-    run was killed.
+    The child imports matplotlib at once (1.3-1.6 s on a 2-core AMD EPYC), on a core the run
+    leaves idle (an in-process run's start-up and loop compute on one thread), and waits for
+    `draw`; the run's end then costs the drawing alone (0.2-0.5 s there), alongside the
+    actors' shutdown. Drawn on a thread of the run's own process instead, the import and the
+    drawing held its GIL and the shutdown that waited on them: 2.8 s from the last checkpoint to
+    the command's exit of a 20-rollout default run, against 0.9 s without plots. A run that ends
+    without `draw` (an error) closes the child's input and it exits having drawn nothing; so
+    does a child whose run was killed.
     """
 
     def __init__(self, run_dir: Path) -> None:
