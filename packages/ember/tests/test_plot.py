@@ -84,3 +84,16 @@ def test_a_plot_that_fails_is_one_warning_naming_why_and_the_command_to_draw_aga
     (record,) = caplog.records
     assert "holds none of the plotted metrics yet" in record.getMessage()
     assert f"`ember plot {tmp_path}` draws the plots again" in record.getMessage()
+
+
+@pytest.mark.slow
+def test_a_plot_process_that_died_is_one_warning_and_the_run_ends_as_it_would(tmp_path, caplog):
+    _five_rollouts(tmp_path)
+    plots = PlotProcess(tmp_path)
+    plots._process.kill()
+    plots._process.wait()
+    plots.draw()  # into a broken pipe: not an error of the run
+    with caplog.at_level(logging.WARNING, logger="ember.plot"):
+        assert not plots.finish()
+    (record,) = caplog.records
+    assert f"`ember plot {tmp_path}` draws the plots again" in record.getMessage()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
@@ -122,17 +123,19 @@ class PlotProcess:
     def draw(self) -> None:
         """Tell the child to draw the run's metrics as they are now (it runs on alone)."""
         self._drawing = True
-        try:
+        with contextlib.suppress(OSError):  # it died already: `finish` says so
             self._process.stdin.write(DRAW + "\n")
+        self._close_input()
+
+    def _close_input(self) -> None:
+        with contextlib.suppress(OSError):  # a child that died leaves a broken pipe
             self._process.stdin.close()
-        except OSError:  # it died already: `finish` says so
-            pass
 
     def finish(self, timeout: float = PLOT_TIMEOUT_S) -> bool:
         """Wait for the child; with `draw` called, log a warning naming what went wrong, if
         anything did. Returns whether the plots were written."""
         if not self._process.stdin.closed:  # no `draw`: the child exits without drawing
-            self._process.stdin.close()
+            self._close_input()
         try:
             self._process.wait(timeout=timeout)
             self._errors.seek(0)
