@@ -67,7 +67,7 @@ LOW_PRECISION_BARS = MismatchBars(
     max=2.0,
     kl_mean=1e-2,
     kl_max=0.25,
-    why="{sides}: below float32, the two round differently",
+    why="below float32, the two round differently",
 )
 """Where either side computes below float32 (or its dtype is unknown: an attached server's).
 Measured as `FP32_BARS`, with the engine and the trainer in bfloat16 (9900 and 10240 tokens,
@@ -168,4 +168,4 @@ def mismatch_ceiling(engine_dtype: str | None, trainer_dtype: str | None) -> Mis
     if engine_dtype == "float32" and trainer_dtype in (None, "float32"):
         return FP32_BARS
     sides = f"engine dtype {engine_dtype or 'unknown'}, trainer dtype {trainer_dtype or 'float32'}"
-    return dataclasses.replace(LOW_PRECISION_BARS, why=LOW_PRECISION_BARS.why.format(sides=sides))
+    return dataclasses.replace(LOW_PRECISION_BARS, why=f"{sides}: {LOW_PRECISION_BARS.why}")

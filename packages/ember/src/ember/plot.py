@@ -134,8 +134,7 @@ class PlotProcess:
     def finish(self, timeout: float = PLOT_TIMEOUT_S) -> bool:
         """Wait for the child; with `draw` called, log a warning naming what went wrong, if
         anything did. Returns whether the plots were written."""
-        if not self._process.stdin.closed:  # no `draw`: the child exits without drawing
-            self._close_input()
+        self._close_input()  # without `draw`, the child exits having drawn nothing
         try:
             self._process.wait(timeout=timeout)
             self._errors.seek(0)

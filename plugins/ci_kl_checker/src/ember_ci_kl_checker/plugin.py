@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ember_ci_kl_checker.config import SECTION, KLCheckerConfig
 from ember_ci_kl_checker.errors import Check, KLCheckError
 from ember_core.certify import (
-    SLIME_CEILING,
+    LOW_PRECISION_BARS,
     TOLERANCE,
     at_least,
     at_most,
@@ -128,7 +128,8 @@ class KLChecker:
             at rollout 0, and the reference is checked against a second one built from it.
         ceiling: The ceiling of the mean mismatch metrics
             (`train_rollout_logprob_abs_diff_threshold`).
-        max_ceiling: The ceiling of the per-token maximum (`MISMATCH_MAX`).
+        max_ceiling: The ceiling of the per-token maximum (`MISMATCH_MAX`); default: the bar
+            below float32, as `max_ceiling()` gives for an engine of unknown dtype.
         audit_interval: Audit rollout 0 and every this many rollouts.
         routing_floor: The smallest routing agreement with the recorded experts that passes at
             audits under routing replay (`recorded_routing_agreement_min`).
@@ -148,7 +149,7 @@ class KLChecker:
         reference: Sequence[str] = (),
         source: str | None = None,
         ceiling: float = KLCheckerConfig().train_rollout_logprob_abs_diff_threshold,
-        max_ceiling: float = SLIME_CEILING,
+        max_ceiling: float = LOW_PRECISION_BARS.max,
         audit_interval: int = KLCheckerConfig().audit_interval,
         routing_floor: float = KLCheckerConfig().recorded_routing_agreement_min,
         engine_old_log_probs: bool = False,
