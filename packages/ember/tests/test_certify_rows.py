@@ -109,7 +109,9 @@ def test_log_prob_row_bars_the_mean_and_the_maximum(mean, largest, verdict):
 
 
 def test_mismatch_bars_are_by_dtype():
-    assert mismatch_ceiling("float32", None) == FP32_BARS
+    fp32 = mismatch_ceiling("float32", None)
+    assert (fp32.mean, fp32.max, fp32.kl_mean, fp32.kl_max) == (1e-4, 5e-4, 1e-9, 1e-7)
+    assert fp32 == FP32_BARS
     assert mismatch_ceiling("float32", "float32") == FP32_BARS
     low = mismatch_ceiling("bfloat16", "float32")
     assert (low.mean, low.max, low.kl_mean, low.kl_max) == (0.1, 2.0, 1e-2, 0.25)
