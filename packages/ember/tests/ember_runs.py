@@ -6,18 +6,30 @@ A run whose roles fit one process (`ember.layout.in_process`) is called here, th
 without starting an interpreter and importing torch, transformers and megatron-core again (about
 9 s of each run on a 2-core AMD EPYC, a third to a half of a short test run). Runs that need Ray
 (several ranks or engines, SGLang servers, `ray.enabled=true`) and runs that a test kills keep a
-process of their own.
+process of their own; those that only need Ray to be there (not its start, its shutdown, its
+log directory or the processes it leaves) join one Ray cluster that the test session starts on
+first use (`SharedRay`), which saves each of them Ray's start and shutdown (about 9 s of a 35 s
+run on a 2-core AMD EPYC).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import logging
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
+from pathlib import Path
+
+from ember import RAY_ENV
+from ember.quiet import VERBOSE_ENV
+from ember_core.certify import PLANT_ENV
 
 
 def fits_one_process(argv: list[str]) -> bool:
@@ -80,18 +92,123 @@ def ember_here(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["ember", *argv], status, out.getvalue(), err.getvalue())
 
 
+class SharedRay:
+    """One Ray cluster (`ray start --head`) for the session's `ember` runs that need Ray, started
+    on first use and stopped when the session's process exits.
+
+    A run joins it with `ray.address` (and no `ray.object_store_mb`, which sizes a Ray the run
+    starts). Ember hands a joined cluster's workers only the variables it forwards (`RAY_ENV`,
+    the verbosity, a certifier's plant), so a run whose environment differs from the one the
+    cluster started with in anything else (a test's monkeypatched variable: a Ray setting,
+    a fault switch read inside an actor) starts its own Ray instead, as it would alone.
+    """
+
+    JOIN_ENV = {"RAY_AUTH_MODE": "disabled"}
+    """Ray 2.60 asks a joining driver for the head's token unless the cluster runs without one
+    (a local cluster of the tests' own, reachable from this machine only)."""
+    IGNORED = frozenset(
+        {"PYTEST_CURRENT_TEST", "RAY_IGNORE_UNHANDLED_ERRORS", VERBOSE_ENV, PLANT_ENV, *RAY_ENV}
+    )
+    """Variables no worker of the cluster needs from its start: pytest's per-test one, one the
+    driver reads itself (`ember.cli.main` sets it in this process when a test calls it), and
+    those Ember forwards to a joined cluster's workers (`runtimes.RayRuntime.start`)."""
+
+    def __init__(self) -> None:
+        self.address: str | None = None
+        self.environment: dict[str, str] = {}
+        self._process: subprocess.Popen | None = None
+
+    def joinable(self, argv: list[str]) -> bool:
+        """Whether `ember ARGV` (run in a process of its own) can join the shared cluster: a
+        fresh `train` or a single-setup `certify`, with no Ray settings of its own, and this
+        process's environment the cluster's (or no cluster yet)."""
+        words = " ".join(argv)
+        if argv[0] not in ("train", "certify") or "--resume" in argv or "--matrix" in argv:
+            return False
+        if any(f"ray.{key}=" in words for key in ("address", "object_store_mb", "num_cpus")):
+            return False
+        return self.address is None or self._environment() == self.environment
+
+    def join(self, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+        """`argv` and the environment that run it on the shared cluster (started if need be)."""
+        if self.address is None:
+            self._start()
+        argv = [*argv, "--set", f"ray.address={self.address}", "--set", "ray.object_store_mb=null"]
+        return argv, {**os.environ, **self.JOIN_ENV}
+
+    def _environment(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k not in self.IGNORED}
+
+    def _start(self) -> None:
+        from ember_rollout.sglang_launch import free_port
+
+        self.environment = self._environment()
+        port = free_port("127.0.0.1")
+        # A directory of its own: Ray's default one holds the address file through which a bare
+        # `ray.init()` (some tests' own Ray) would join this cluster instead of starting one.
+        temp = Path(tempfile.mkdtemp(prefix="ember-ray-"))
+        logs = temp / "start.log"
+        command = [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={os.cpu_count() or 1}",
+            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}",
+        ]  # fmt: skip
+        with open(logs, "wb") as sink:
+            self._process = subprocess.Popen(
+                command,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **RAY_ENV, **self.JOIN_ENV},
+                start_new_session=True,
+            )
+        atexit.register(self.stop)
+        self.address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while b"Ray runtime started" not in logs.read_bytes():
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the tests' Ray cluster did not start: see {logs}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop the cluster and every process under it (its workers too)."""
+        from ember import processes
+
+        if self._process is None:
+            return
+        tree = processes.descendants([self._process.pid]) | {self._process.pid}
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGTERM)  # `ray start --block` stops its Ray
+        processes.reap(tree, timeout=10)
+        self._process.wait()
+        self._process = None
+        self.address = None
+
+
+SHARED_RAY = SharedRay()
+
+
 def ember_command(
-    argv: list[str], *, timeout: float = 300, here: bool | None = None
+    argv: list[str],
+    *,
+    timeout: float = 300,
+    here: bool | None = None,
+    shared_ray: bool = True,
 ) -> subprocess.CompletedProcess:
     """`ember ARGV` here (`ember_here`) or as `python -m ember.cli ARGV` within `timeout`
-    seconds; `here` None: here exactly when its roles fit one process (`fits_one_process`)."""
+    seconds; `here` None: here exactly when its roles fit one process (`fits_one_process`).
+    A run in a process of its own joins the session's Ray cluster (`SharedRay`) where it can,
+    unless `shared_ray` is False (a test of Ray's start, shutdown or leftovers)."""
     if here is None:
         here = fits_one_process(argv)
     if here:
         return ember_here(argv)
+    env = None
+    if shared_ray and SHARED_RAY.joinable(argv):
+        argv, env = SHARED_RAY.join(argv)
     return subprocess.run(
         [sys.executable, "-m", "ember.cli", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )

@@ -227,6 +227,61 @@ def test_sglang_launches_from_the_trainers_export_and_loads_pushes_from_disk(in_
     assert list(pushed[1].parent.iterdir()) == [pushed[1]]  # the previous version is gone
 
 
+def test_servers_launch_from_the_hf_checkpoint_while_the_trainer_starts_then_load_its_export(
+    in_process, tmp_path
+):
+    """A fresh run from `train.hf_load` launches its SGLang server from that checkpoint when the
+    engine actor is created, before the trainer has built its model or written `hf_init`
+    (`weight_push.early_launch_source`), and loads the trainer's initial weights into it before
+    rollout 0, as into an attached server."""
+    from ember.actors import RolloutEngine
+    from ember_rollout.config import TinyModelConfig
+    from ember_rollout.models import write_tiny_checkpoint
+    from ember_rollout.tokenizer import save_toy_tokenizer
+
+    own = write_tiny_checkpoint(tmp_path / "model", TinyModelConfig(vocab_size=17, num_layers=2))
+    save_toy_tokenizer(own)
+    record = tmp_path / "launched.jsonl"
+    config, _ = load_config(
+        "default",
+        overrides=[
+            *TINY[1:],  # the checkpoint's shape as it is
+            "train.model=null",
+            f"train.hf_load={own}",
+            *sglang_overrides(record),
+            f"engine.sglang.python={launcher(tmp_path)}",
+            "weights.transport=disk",
+        ],
+    )
+    driver = Driver(config, tmp_path / "run")
+    driver.runtime = OnThisMachine()
+    in_process.drivers.append(driver)
+    exported: list[bool] = []
+    real_launch = RolloutEngine.launch
+
+    def launch(engine: Any, source: str) -> None:
+        exported.append((driver.init_dir / "config.json").exists())
+        real_launch(engine, source)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RolloutEngine, "launch", launch)
+        driver.build()
+    assert exported == [False]  # launched before the trainer's export
+    (launch,) = records(record)
+    assert launch["route"] == "launch" and launch["model_path"] == str(own.resolve())
+    engine = driver.actors.engines[0]
+    assert not engine.instance.loaded_model_path()
+
+    initial = trainer_weights(driver)
+    driver.load_initial_weights()
+    (load,) = records(record)[1:]
+    assert load["route"] == "/update_weights_from_disk"
+    assert load["model_path"] == str(driver.init_dir) and load["weight_version"] == "-1"
+    assert load["sums"] == sums(initial)
+    driver.shutdown()
+    assert engine.instance.launched is None and engine.instance.engine is not None
+
+
 def test_attached_sglang_serves_the_trainers_weights_from_rollout_0_and_after_resume(
     in_process, tmp_path, attached_server
 ):

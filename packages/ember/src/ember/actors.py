@@ -7,6 +7,7 @@ concurrency group (`ember.calls.concurrency_group`), which both runtimes honour.
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime
 import inspect
 import logging
@@ -595,6 +596,9 @@ class RolloutEngine:
         self.weight_loop = asyncio.new_event_loop() if separate else self.loop
         self.engine: Any = None
         self.groups: Any = None
+        self.launched: Any = None
+        """The engine whose servers `launch` started early, until `start` takes it."""
+        self.launched_from: str | None = None
         _import_rollout_libraries(
             embedded_engine=engine_config.kind == "hf",
             model_type=self.config.train.model_config().family,
@@ -613,20 +617,42 @@ class RolloutEngine:
             return self._run(coro)
         return self.weight_loop.run_until_complete(coro)
 
+    def _build_engine(self, engine_config: Any) -> Any:
+        from ember_rollout import build_engine
+
+        engine = build_engine(engine_config, plugins=self.plugins)
+        if self.partial_rollouts:  # engines of `PARTIAL_ROLLOUT_ENGINES` only
+            engine.partial_rollouts = True
+        return engine
+
+    def launch(self, source: str) -> None:
+        """Launch this engine's SGLang servers from `source` now, before the trainer has written
+        `model_path`: a checkpoint of the same model (`weight_push.early_launch_source`), so
+        that the servers' start-up overlaps the trainer's. `start` waits for them; having not
+        loaded `model_path` (`loaded_model_path`), they get the initial weights from the driver
+        before rollout 0, as attached servers do."""
+        if self.init_error is not None:
+            raise self.init_error
+        engine_config = copy.deepcopy(self.config.engine)
+        engine_config.sglang.model_path = source
+        engine = self._build_engine(engine_config)
+        engine.launch()
+        self.launched, self.launched_from = engine, source
+        logger.info("SGLang servers launching from %s while the trainer starts", source)
+
     def start(self) -> None:
         """Start the engine from `model_path` (idempotent): the embedded model loads it, SGLang
-        servers launch from it or are attached."""
+        servers launch from it (unless `launch` started them) or are attached."""
         if self.init_error is not None:
             raise self.init_error
         if self.engine is not None:
             return
         from ember.versions import INITIAL_WEIGHT_VERSION
-        from ember_rollout import LocalGroups, build_engine
+        from ember_rollout import LocalGroups
         from ember_rollout.tokenizer import load_tokenizer
 
-        engine = build_engine(self.config.engine, plugins=self.plugins)
-        if self.partial_rollouts:  # engines of `PARTIAL_ROLLOUT_ENGINES` only
-            engine.partial_rollouts = True
+        engine = self.launched or self._build_engine(self.config.engine)
+        self.launched = None
         self._run(engine.start())
         if self.config.engine.kind == "hf" and engine.weight_version is None:
             engine.weight_version = INITIAL_WEIGHT_VERSION
@@ -717,8 +743,8 @@ class RolloutEngine:
 
     def loaded_model_path(self) -> bool:
         """Whether the engine loaded `model_path` itself when it started (not an attached
-        server's)."""
-        return not self.attached
+        server's, nor one that `launch` started from another checkpoint)."""
+        return not self.attached and self.launched_from is None
 
     # -- weights from the trainer: the training rank that sends drives these calls ------------
 
@@ -820,8 +846,10 @@ class RolloutEngine:
         self._run(self.engine.resume_memory(tags))
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self._run(self.engine.shutdown())
+        for engine in (self.engine, self.launched):  # servers `launch` started count too
+            if engine is not None:
+                self._run(engine.shutdown())
+        self.launched = None
         if self.loop_thread is not None:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.loop_thread.join()

@@ -25,7 +25,7 @@ from ember.plot import PlotProcess
 from ember.runtimes import actor_threads, choose_runtime
 from ember.startup import mark
 from ember.versions import INITIAL_WEIGHT_VERSION
-from ember.weight_push import WeightPush, init_complete
+from ember.weight_push import WeightPush, early_launch_source, init_complete
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
 
@@ -151,6 +151,10 @@ class Driver:
         engines = [
             self.mender.new_engine(j) for j in range(0 if self.from_dump else ray_cfg.num_engines)
         ]
+        # Launched SGLang servers start from a checkpoint that is already there, if one is, and
+        # come up while the trainer starts: they load the initial weights before rollout 0.
+        source = early_launch_source(cfg, model_dir, reuse_init=reuse_init)
+        launched = [e.launch.remote(str(source)) for e in engines] if source else []
         manager = None
         if not self.from_dump:
             manager = runtime.create(
@@ -178,6 +182,7 @@ class Driver:
         # Colocated on GPUs, the trainer steps aside before the engines take the shared GPUs.
         self.handoff = handoff = MemoryHandoff.for_run(cfg, engines, train)
         handoff.to_rollout()
+        calls.get(launched)
         calls.get([e.start.remote() for e in engines])
         self.mender.processes = dict(enumerate(calls.get([e.process.remote() for e in engines])))
         mark("driver", "engines started")

@@ -111,6 +111,10 @@ class RayRuntime:
             # runtime_env instead would cost every actor a fresh worker process set up by the
             # runtime-env agent (about 3 s each on a 2-core AMD EPYC) rather than a prestarted one.
             os.environ.update(env)
+        # A joined cluster's workers have its environment; they get what only this run sets (the
+        # verbosity asked for, a certifier's plant), so that a run with neither can use the
+        # workers Ray keeps started. RAY_ENV is read where Ray starts, not by its workers.
+        forwarded = {k: v for k, v in env.items() if k not in RAY_ENV and v not in ("", "0")}
         mark("driver", "ray.init starts")
         before = processes.children(os.getpid())
         context = ray.init(
@@ -125,7 +129,7 @@ class RayRuntime:
             ),
             include_dashboard=False,
             log_to_driver=True,
-            runtime_env=None if ray_cfg.address is None else {"env_vars": env},
+            runtime_env={"env_vars": forwarded} if ray_cfg.address and forwarded else None,
             logging_level=logging.WARNING,
         )
         self.started = True

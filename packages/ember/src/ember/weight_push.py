@@ -4,7 +4,9 @@ opens and closes the engines' weight-update sessions; it never holds a weight.""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -225,3 +227,45 @@ def end_sessions(
 def init_complete(model_dir: Path) -> bool:
     """Whether the export of the initial weights finished, tokenizer included (saved last)."""
     return all((model_dir / name).is_file() for name in ("config.json", "tokenizer_config.json"))
+
+
+def early_launch_source(config: Any, init_dir: Path, *, reuse_init: bool) -> Path | None:
+    """A checkpoint of the run's model that exists before the trainer's export of the initial
+    weights, for launched SGLang servers to start from while the trainer starts
+    (`RolloutEngine.launch`; the driver then loads the initial weights into them, as into
+    attached servers): on resume the run's `hf_init` (the checkpoint's weights are pushed next
+    anyway); in a fresh run `train.hf_load` as it is, when `train.model_overrides` leave its
+    shape as it is, its tokenizer is beside it, and SGLang serves it in the dtype it
+    would serve the export in (`engine.sglang.dtype` set, or the checkpoint's dtype the
+    trainer's `train.dtype`).
+
+    None where no such checkpoint is, or where an early launch would not fit: embedded engines
+    or attached servers (nothing to launch), a rollout-only run (its engines start at once from
+    `train.hf_load`), training ranks and engines sharing GPUs (the trainer starts first).
+    """
+    cfg = config
+    sglang = cfg.engine.sglang
+    if cfg.engine.kind != "sglang" or sglang.urls or cfg.run.rollout_only:
+        return None
+    if cfg.run.train_from_rollouts is not None:
+        return None
+    ray_cfg = cfg.ray
+    if ray_cfg.colocate and ray_cfg.gpus_per_rank > 0 and ray_cfg.gpus_per_engine > 0:
+        return None
+    if reuse_init:
+        return init_dir if init_complete(init_dir) else None
+    train = cfg.train
+    if train.hf_load is None:
+        return None
+    if train.model_overrides:
+        as_is = dataclasses.replace(train, model_overrides={})
+        if train.model_config() != as_is.model_config():
+            return None
+    source = Path(train.hf_load).resolve()
+    if not init_complete(source):
+        return None
+    if sglang.dtype == "auto":
+        hf = json.loads((source / "config.json").read_text())
+        if hf.get("torch_dtype", hf.get("dtype")) != train.dtype:
+            return None
+    return source

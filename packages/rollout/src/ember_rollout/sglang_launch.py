@@ -428,6 +428,11 @@ class ServerLauncher:
             return chosen
         return free_port(cfg.host)
 
+    def launch(self) -> None:
+        """Launch the servers now, without waiting for them (`start` waits)."""
+        if not self.urls:
+            self._launch()
+
     def _launch(self) -> None:
         cfg = self.config
         on_cpu = resolve_device(cfg.device) == "cpu"
