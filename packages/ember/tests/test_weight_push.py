@@ -611,8 +611,14 @@ def test_a_broadcast_that_fails_midway_frees_every_engine_and_the_next_push_regr
     rank, engines = driver.actors.train[0], driver.actors.engines
 
     def fail_second_broadcast(actor: Any) -> None:
-        # Every engine has been told bucket 2 and waits in its receive; the sender fails.
+        # Every engine has been told bucket 2 and waits in its receive; the sender fails. The
+        # rank waits as long as it takes for the engines to leave their receive: the abort
+        # must free them (it did not while a Work of the group was held: 60 s, the wait's
+        # limit then).
+        import ember.actors
         from ember_megatron_backend.weight_sync import WeightGroup
+
+        ember.actors.DROP_GROUP_WAIT_S = 3600.0
 
         real, calls = WeightGroup.broadcast, []
 

@@ -391,6 +391,9 @@ class TrainRank:
                 work = group.broadcast(bucket)
                 _wait_all(loaded)
                 work.wait()
+                # A gloo Work keeps its group's connections open: held past a failure, it would
+                # leave engines waiting in the next bucket after `abort` (`WeightGroup.abort`).
+                del work
                 sent["bytes"] += bucket.nbytes
                 sent["buckets"] += 1
         except BaseException:
