@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -99,16 +100,32 @@ class Launcher:
 
         return train
 
-    def launch(self, argv: list[str], log: Path, kill: str | None = None) -> int:
-        """Run `ember ARGV` in a fresh child; returns its exit code (-9: killed at `kill`).
+    def launch(
+        self,
+        argv: list[str],
+        log: Path,
+        kill: str | None = None,
+        *,
+        err: Path | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Run `ember ARGV` in a fresh child; returns its exit code (-9: killed at `kill`,
+        -14: still running after `timeout`).
 
         Args:
             argv: The `ember` command line.
-            log: File that receives the child's stdout and stderr.
+            log: File that receives the child's stdout (and its stderr, without `err`).
             kill: `POINT:ROLLOUT` at which the child SIGKILLs itself, or None.
+            err: File that receives the child's stderr.
+            env: The child's environment (default: the server's).
+            timeout: Seconds the child may run (default `CHILD_TIMEOUT_S`).
         """
         assert self.server.stdin is not None and self.server.stdout is not None
-        request = {"argv": argv, "log": str(log), "kill": kill}
+        request = {
+            "argv": argv, "log": str(log), "kill": kill, "err": None if err is None else str(err),
+            "env": env, "timeout": timeout,
+        }  # fmt: skip
         self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
         answer = self.server.stdout.readline()
@@ -152,11 +169,20 @@ CHILD_TIMEOUT_S = 300
 """A child still running after this long is stopped by SIGALRM (exit code -14), not waited on."""
 
 
-def _child(argv: list[str], log: str, kill: str | None) -> int:
-    signal.alarm(CHILD_TIMEOUT_S)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+def _child(
+    argv: list[str],
+    log: str,
+    kill: str | None,
+    err: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> int:
+    signal.alarm(math.ceil(timeout or CHILD_TIMEOUT_S))
+    for stream, path in ((1, log), (2, err or log)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), stream)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     if kill is not None:
         _arm(kill)
     return ember.cli.main(argv)
