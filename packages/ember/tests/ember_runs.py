@@ -20,6 +20,7 @@ import contextlib
 import io
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,7 @@ class SharedRay:
         self.address: str | None = None
         self.environment: dict[str, str] = {}
         self._process: subprocess.Popen | None = None
+        self._temp: Path | None = None
 
     def joinable(self, argv: list[str]) -> bool:
         """Whether `ember ARGV` (run in a process of its own) can join the shared cluster: a
@@ -156,20 +158,24 @@ class SharedRay:
             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}",
         ]  # fmt: skip
         with open(logs, "wb") as sink:
+            # The workers get this environment for the session: the variables a run forwards
+            # itself (a plant, the verbosity) stay out of it, whichever test starts the cluster.
             self._process = subprocess.Popen(
                 command,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **RAY_ENV, **self.JOIN_ENV},
+                env={**self.environment, **RAY_ENV, **self.JOIN_ENV},
                 start_new_session=True,
             )
+        self._temp = temp
         atexit.register(self.stop)
-        self.address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while b"Ray runtime started" not in logs.read_bytes():
             if self._process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"the tests' Ray cluster did not start: see {logs}")
             time.sleep(0.2)
+        self.address = f"127.0.0.1:{port}"
 
     def stop(self) -> None:
         """Stop the cluster and every process under it (its workers too)."""
@@ -184,6 +190,9 @@ class SharedRay:
         self._process.wait()
         self._process = None
         self.address = None
+        if self._temp is not None:  # Ray's session logs of the whole test session
+            shutil.rmtree(self._temp, ignore_errors=True)
+            self._temp = None
 
 
 SHARED_RAY = SharedRay()
@@ -198,6 +207,22 @@ class ForkServer:
 
     def __init__(self) -> None:
         self._launcher: Any = None
+        self._logs: Path | None = None
+
+    def close(self) -> None:
+        """Stop the server and the child it runs, if any."""
+        from ember import processes
+
+        launcher, self._launcher = self._launcher, None
+        if launcher is None:
+            return
+        server = launcher.server
+        tree = processes.descendants([server.pid]) | {server.pid}
+        with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired):
+            launcher.close(timeout=5)  # a server waiting on a child does not exit: reaped
+        processes.reap(tree, timeout=5)
+        if self._logs is not None:
+            shutil.rmtree(self._logs, ignore_errors=True)
 
     def run(
         self, argv: list[str], *, timeout: float, env: dict[str, str] | None
@@ -207,13 +232,25 @@ class ForkServer:
         from resume_harness import Launcher
 
         if self._launcher is None:
-            self._launcher = Launcher(Path(tempfile.mkdtemp(prefix="ember-forks-")) / "server.log")
-            atexit.register(self._launcher.close)
+            self._logs = Path(tempfile.mkdtemp(prefix="ember-forks-"))
+            self._launcher = Launcher(self._logs / "server.log")
+            atexit.register(self.close)
         with tempfile.TemporaryDirectory(prefix="ember-command-") as where:
             out, err = Path(where) / "stdout", Path(where) / "stderr"
-            code = self._launcher.launch(
-                argv, out, err=err, env=dict(os.environ if env is None else env), timeout=timeout
-            )
+            try:
+                code = self._launcher.launch(
+                    argv,
+                    out,
+                    err=err,
+                    env=dict(os.environ if env is None else env),
+                    timeout=timeout,
+                    cwd=os.getcwd(),
+                )
+            except BaseException:
+                # Interrupted (pytest-timeout, ^C) while a child runs: its exit code would be
+                # the next command's answer. The server and its child go; the next starts anew.
+                self.close()
+                raise
             command = ["ember", *argv]
             stdout = out.read_text(errors="replace") if out.exists() else ""
             stderr = err.read_text(errors="replace") if err.exists() else ""
@@ -242,6 +279,8 @@ def ember_command(
     if here:
         return ember_here(argv)
     env = None
-    if shared_ray and SHARED_RAY.joinable(argv):
+    # A run that fits one process but is asked to run in a process of its own (`here` False)
+    # stays off Ray: a Ray address would make every role a Ray actor.
+    if shared_ray and not fits_one_process(argv) and SHARED_RAY.joinable(argv):
         argv, env = SHARED_RAY.join(argv)
     return FORKS.run(argv, timeout=timeout, env=env)

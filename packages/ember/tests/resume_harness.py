@@ -109,6 +109,7 @@ class Launcher:
         err: Path | None = None,
         env: dict[str, str] | None = None,
         timeout: float | None = None,
+        cwd: str | None = None,
     ) -> int:
         """Run `ember ARGV` in a fresh child; returns its exit code (-9: killed at `kill`,
         -14: still running after `timeout`).
@@ -118,13 +119,15 @@ class Launcher:
             log: File that receives the child's stdout (and its stderr, without `err`).
             kill: `POINT:ROLLOUT` at which the child SIGKILLs itself, or None.
             err: File that receives the child's stderr.
-            env: The child's environment (default: the server's).
+            env: The child's environment (default: the server's). What the server read from
+                its own when it imported (torch's thread count, for one) stays as it was.
             timeout: Seconds the child may run (default `CHILD_TIMEOUT_S`).
+            cwd: The child's working directory (default: the server's).
         """
         assert self.server.stdin is not None and self.server.stdout is not None
         request = {
             "argv": argv, "log": str(log), "kill": kill, "err": None if err is None else str(err),
-            "env": env, "timeout": timeout,
+            "env": env, "timeout": timeout, "cwd": cwd,
         }  # fmt: skip
         self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
@@ -133,10 +136,10 @@ class Launcher:
             raise RuntimeError(f"the fork server exited ({self.server.wait()})")
         return int(answer)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30) -> None:
         assert self.server.stdin is not None
         self.server.stdin.close()
-        self.server.wait(timeout=30)
+        self.server.wait(timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,8 +179,11 @@ def _child(
     err: str | None = None,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
+    cwd: str | None = None,
 ) -> int:
     signal.alarm(math.ceil(timeout or CHILD_TIMEOUT_S))
+    if cwd is not None:
+        os.chdir(cwd)
     for stream, path in ((1, log), (2, err or log)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), stream)
     if env is not None:

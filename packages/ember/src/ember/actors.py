@@ -375,6 +375,7 @@ class TrainRank:
         buckets = bucket_weights(
             named, self.config.weights.bucket_bytes, dtype=self._wire_dtype(), device=group.device
         )
+        work = None
         try:
             for bucket, last in _with_last(buckets):
                 loaded = [
@@ -393,12 +394,14 @@ class TrainRank:
                 work.wait()
                 # A gloo Work keeps its group's connections open: held past a failure, it would
                 # leave engines waiting in the next bucket after `abort` (`WeightGroup.abort`).
-                del work
+                work = None
                 sent["bytes"] += bucket.nbytes
                 sent["buckets"] += 1
         except BaseException:
             # The group may hold a broadcast some members wait in: abort it here, have every
-            # engine destroy it, and form a new one on the next push.
+            # engine destroy it, and form a new one on the next push. A bucket's Work still
+            # held (an engine failed during it) would keep its connections open past the abort.
+            work = None  # noqa: F841
             if self._weight_group is group:
                 self._weight_group = None
             _drop_weight_group(group, engines)
@@ -639,8 +642,8 @@ class RolloutEngine:
         engine_config = copy.deepcopy(self.config.engine)
         engine_config.sglang.model_path = source
         engine = self._build_engine(engine_config)
+        self.launched, self.launched_from = engine, source  # `shutdown` stops what started
         engine.launch()
-        self.launched, self.launched_from = engine, source
         logger.info("SGLang servers launching from %s while the trainer starts", source)
 
     def start(self) -> None:
@@ -747,7 +750,8 @@ class RolloutEngine:
     def loaded_model_path(self) -> bool:
         """Whether the engine loaded `model_path` itself when it started (not an attached
         server's, nor one that `launch` started from another checkpoint)."""
-        return not self.attached and self.launched_from is None
+        launched_from = self.launched_from
+        return not self.attached and launched_from in (None, self.config.engine.sglang.model_path)
 
     # -- weights from the trainer: the training rank that sends drives these calls ------------
 

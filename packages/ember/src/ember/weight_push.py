@@ -14,7 +14,8 @@ from typing import Any
 
 from ember import calls
 from ember.checkpoints import checkpoint_name
-from ember.config import weight_transport
+from ember.config import run_tokenizer_path, weight_transport
+from ember.layout import colocated_on_gpu
 from ember.versions import INITIAL_WEIGHT_VERSION
 
 logger = logging.getLogger(__name__)
@@ -230,42 +231,50 @@ def init_complete(model_dir: Path) -> bool:
 
 
 def early_launch_source(config: Any, init_dir: Path, *, reuse_init: bool) -> Path | None:
-    """A checkpoint of the run's model that exists before the trainer's export of the initial
-    weights, for launched SGLang servers to start from while the trainer starts
-    (`RolloutEngine.launch`; the driver then loads the initial weights into them, as into
-    attached servers): on resume the run's `hf_init` (the checkpoint's weights are pushed next
-    anyway); in a fresh run `train.hf_load` as it is, when `train.model_overrides` leave its
-    shape as it is, its tokenizer is beside it, and SGLang serves it in the dtype it
-    would serve the export in (`engine.sglang.dtype` set, or the checkpoint's dtype the
-    trainer's `train.dtype`).
+    """A checkpoint that launched SGLang servers can start from before the trainer's export of
+    the initial weights, while the trainer starts (`RolloutEngine.launch`; the driver then loads
+    the initial weights into them, as into attached servers). A server keeps its checkpoint's
+    config.json, generation_config.json and tokenizer for the whole run (a weight load replaces
+    only weights), so the checkpoint must be one the export would match in all of them:
 
-    None where no such checkpoint is, or where an early launch would not fit: embedded engines
-    or attached servers (nothing to launch), a rollout-only run (its engines start at once from
+    - on resume, the run's own `hf_init` (the checkpoint's weights are pushed next anyway);
+    - in a fresh run, `train.hf_load` when the model's shape is read from it (`train.model`
+      unset) and `train.model_overrides` leave it as it is; when the run's tokenizer is its own
+      (`run_tokenizer_path`), so the export copies its generation_config.json; when its
+      config.json's BOS, EOS and padding ids are the tokenizer's, which the export writes; and
+      when SGLang serves it in the dtype it would serve the export in (`engine.sglang.dtype`
+      set, or the checkpoint's dtype `train.dtype`).
+
+    None otherwise, and where an early launch would not fit: embedded engines or attached
+    servers (nothing to launch), a rollout-only run (its engines start at once from
     `train.hf_load`), training ranks and engines sharing GPUs (the trainer starts first).
     """
-    cfg = config
-    sglang = cfg.engine.sglang
-    if cfg.engine.kind != "sglang" or sglang.urls or cfg.run.rollout_only:
+    sglang = config.engine.sglang
+    if config.engine.kind != "sglang" or sglang.urls or config.run.rollout_only:
         return None
-    if cfg.run.train_from_rollouts is not None:
-        return None
-    ray_cfg = cfg.ray
-    if ray_cfg.colocate and ray_cfg.gpus_per_rank > 0 and ray_cfg.gpus_per_engine > 0:
+    if config.run.train_from_rollouts is not None or colocated_on_gpu(config):
         return None
     if reuse_init:
         return init_dir if init_complete(init_dir) else None
-    train = cfg.train
-    if train.hf_load is None:
+    train = config.train
+    if train.hf_load is None or train.model is not None:
+        return None
+    source = Path(train.hf_load).resolve()
+    if source == init_dir.resolve() or not init_complete(source):
+        return None
+    tokenizer = run_tokenizer_path(config)
+    if tokenizer is None or Path(tokenizer).resolve() != source:
         return None
     if train.model_overrides:
         as_is = dataclasses.replace(train, model_overrides={})
         if train.model_config() != as_is.model_config():
             return None
-    source = Path(train.hf_load).resolve()
-    if not init_complete(source):
+    hf = json.loads((source / "config.json").read_text())
+    if sglang.dtype == "auto" and hf.get("torch_dtype", hf.get("dtype")) != train.dtype:
         return None
-    if sglang.dtype == "auto":
-        hf = json.loads((source / "config.json").read_text())
-        if hf.get("torch_dtype", hf.get("dtype")) != train.dtype:
-            return None
+    from ember_rollout.tokenizer import load_tokenizer, special_token_ids
+
+    ids = special_token_ids(load_tokenizer(str(source)))
+    if any(hf.get(key) != value for key, value in ids.items()):
+        return None
     return source

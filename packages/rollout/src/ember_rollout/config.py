@@ -185,8 +185,8 @@ class SGLangEngineConfig:
     """Model the launched servers load; also read (config.json) for the routed-experts shape.
     Under `ember train` the trainer's initial export (`<run dir>/hf_init`) replaces it, so the
     servers start from the weights the trainer loaded (where `train.hf_load`, or on resume
-    `hf_init`, is already that model, they launch from it while the trainer starts and load the
-    export before rollout 0: docs/architecture.md)."""
+    `hf_init`, is a checkpoint the export would match, they launch from it while the trainer
+    starts and load the export before rollout 0: docs/architecture.md)."""
     num_servers: int = 1
     """Servers to launch (ignored when attaching)."""
     host: str = "127.0.0.1"
