@@ -29,6 +29,7 @@ from ember.calls import LocalActor
 from ember.config import load_config
 from ember.driver import Driver
 from ember.runtimes import LocalRuntime
+from ember.versions import UNLOADED_WEIGHT_VERSION
 
 pytestmark = pytest.mark.slow
 
@@ -269,6 +270,8 @@ def test_servers_launch_from_the_hf_checkpoint_while_the_trainer_starts_then_loa
     assert exported == [False]  # launched before the trainer's export
     (launch,) = records(record)
     assert launch["route"] == "launch" and launch["model_path"] == str(own.resolve())
+    # Not the initial weights until the export is loaded: no version of the run's.
+    assert launch["weight_version"] == UNLOADED_WEIGHT_VERSION
     engine = driver.actors.engines[0]
     assert not engine.instance.loaded_model_path()
 

@@ -375,7 +375,6 @@ class TrainRank:
         buckets = bucket_weights(
             named, self.config.weights.bucket_bytes, dtype=self._wire_dtype(), device=group.device
         )
-        work = None
         try:
             for bucket, last in _with_last(buckets):
                 loaded = [
@@ -392,15 +391,13 @@ class TrainRank:
                 work = group.broadcast(bucket)
                 _wait_all(loaded)
                 work.wait()
-                # A gloo Work keeps its group's connections open: held past a failure, it would
-                # leave engines waiting in the next bucket after `abort` (`WeightGroup.abort`).
-                work = None
                 sent["bytes"] += bucket.nbytes
                 sent["buckets"] += 1
         except BaseException:
             # The group may hold a broadcast some members wait in: abort it here, have every
-            # engine destroy it, and form a new one on the next push. A bucket's Work still
-            # held (an engine failed during it) would keep its connections open past the abort.
+            # engine destroy it, and form a new one on the next push. A gloo Work keeps its
+            # group's connections open: the last bucket's, still held here, would leave the
+            # engines waiting in their receive past the abort (`WeightGroup.abort`).
             work = None  # noqa: F841
             if self._weight_group is group:
                 self._weight_group = None
@@ -639,8 +636,17 @@ class RolloutEngine:
         before rollout 0, as attached servers do."""
         if self.init_error is not None:
             raise self.init_error
+        from ember.versions import UNLOADED_WEIGHT_VERSION
+
         engine_config = copy.deepcopy(self.config.engine)
-        engine_config.sglang.model_path = source
+        sglang = engine_config.sglang
+        if source != sglang.model_path:  # not the initial weights until the driver loads them
+            args, label = list(sglang.server_args), "--weight-version"
+            while label in args:  # the label `__init__` gave (flag and value)
+                del args[args.index(label) : args.index(label) + 2]
+            args = [a for a in args if not a.startswith(f"{label}=")]
+            sglang.server_args = [*args, label, UNLOADED_WEIGHT_VERSION]
+        sglang.model_path = source
         engine = self._build_engine(engine_config)
         self.launched, self.launched_from = engine, source  # `shutdown` stops what started
         engine.launch()

@@ -9,6 +9,11 @@ from ember_core.types import Sample
 
 INITIAL_WEIGHT_VERSION = "-1"
 """Weight version of the initial weights; after training rollout i the version is str(i)."""
+UNLOADED_WEIGHT_VERSION = "unloaded"
+"""Weight version of servers launched from another checkpoint than the trainer's initial export
+(`RolloutEngine.launch`) until the driver loads the export into them: not an integer, so a
+sample generated from those weights is refused (`sample_version`), never taken for version
+-1."""
 
 
 def sample_version(sample: Sample) -> int:

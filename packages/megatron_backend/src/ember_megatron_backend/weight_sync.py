@@ -255,13 +255,12 @@ class WeightGroup:
         torch 2.14's ProcessGroupGloo.abort (and .shutdown) leave the connections open: a
         member blocked receiving fails only once the group's last reference is gone, the group
         and every Work it returned (measured: 17 s later when the sender process exited, at
-        once when it dropped them). So this drops the group here, and the caller must hold no
-        Work of it."""
+        once when it dropped them). This drops the group's; the caller must hold no Work of
+        it (`TrainRank._broadcast`)."""
         if self._pg is None:
             return
         pg, self._pg = self._pg, None
         pg.abort()  # torch 2.14: ProcessGroupGloo.abort / ProcessGroupNCCL.abort
-        del pg  # the last reference: its destructor closes gloo's connections
         self._store = None
 
     @property
