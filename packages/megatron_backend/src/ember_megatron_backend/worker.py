@@ -17,6 +17,7 @@ from torch import Tensor
 from ember_core.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from ember_core.certify import Fault, planted, shifted_experts
 from ember_core.config import AlgorithmConfig, SamplingConfig
+from ember_core.heap import release_free_memory
 from ember_core.hookspecs import Phase, Role
 from ember_core.plugins import EmberPlugins
 from ember_core.types import Sample
@@ -232,6 +233,8 @@ class MegatronWorker:
         """
         from megatron.core import parallel_state as ps
 
+        # What generation freed (in one process, the engine's decoding) goes back first.
+        release_free_memory()
         samples = list(samples)
         if not samples:
             raise ValueError("prepare(): this rank received no samples")
@@ -613,6 +616,7 @@ class MegatronWorker:
                     MoEAuxLossAutoScaler.set_loss_scale(scale)
                 with backward(role, mb):
                     value.backward()
+            release_free_memory()  # the micro-batch's activations, before the next one's
 
     # -- weights and checkpoints -------------------------------------------------------------
 
