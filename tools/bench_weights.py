@@ -1,8 +1,9 @@
 """Benchmark weight transfer: driver peak memory and push time, broadcast vs the object store.
 
-Each measurement runs in a fresh driver process (peak RSS only grows within a process): a
-local Ray, the default config's training rank and embedded `hf` engine (one each, one thread
-each), the trainer's weights pushed `--pushes` times, one path per process:
+Each measurement runs in a fresh driver process (peak RSS only grows within a process) that
+joins one local Ray the table's process starts for the four of them (`ray.address`): the
+default config's training rank and embedded `hf` engine (one each, one thread each), the
+trainer's weights pushed `--pushes` times, one path per process:
 
 - broadcast: Ember's transfer (`weights.transport: broadcast`): the training rank packs the
   weights into flattened buckets (in the engine's dtype, `engine.hf.dtype`: float32 in the
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pushes", type=int, default=11, help="pushes per measurement (>= 2)")
     parser.add_argument("--bucket-mb", type=int, default=512, help="weights.bucket_mb")
     parser.add_argument("--child", nargs=2, metavar=("PRESET", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)  # the Ray a child joins
     args = parser.parse_args(argv)
     if args.pushes < 2:
         parser.error("--pushes must be >= 2 (the first push is reported apart)")
@@ -118,7 +120,7 @@ def _count(rank: Any) -> tuple[int, int]:
     return numel, numel * 4
 
 
-def measure(preset: str, path: str, pushes: int, bucket_mb: int) -> dict[str, Any]:
+def measure(preset: str, path: str, pushes: int, bucket_mb: int, address: str) -> dict[str, Any]:
     import ray
 
     from ember.config import load_config
@@ -128,7 +130,8 @@ def measure(preset: str, path: str, pushes: int, bucket_mb: int) -> dict[str, An
         *PRESETS[preset],
         "ray.enabled=true",  # the object store path is Ray's: every role a Ray actor
         "ray.threads_per_actor=1",
-        "ray.num_cpus=2",
+        f"ray.address={address}",
+        "ray.object_store_mb=null",  # sizes a Ray the run starts
         f"weights.bucket_mb={bucket_mb}",
         "weights.transport=broadcast",
         "run.tensorboard=false",
@@ -188,8 +191,8 @@ def measure(preset: str, path: str, pushes: int, bucket_mb: int) -> dict[str, An
 # --------------------------------------------------------------------------------------------
 
 
-def run_child(preset: str, path: str, args: argparse.Namespace) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", preset, path]
+def run_child(preset: str, path: str, args: argparse.Namespace, address: str) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", preset, path, "--address", address]
     command += ["--pushes", str(args.pushes), "--bucket-mb", str(args.bucket_mb)]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
     if done.returncode != 0:
@@ -208,9 +211,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
         preset, path = args.child
-        print(json.dumps(measure(preset, path, args.pushes, args.bucket_mb)))
+        print(json.dumps(measure(preset, path, args.pushes, args.bucket_mb, args.address)))
         return
-    rows = {(p, q): run_child(p, q, args) for p in PRESETS for q in PATHS}
+    # One local Ray for the four measurements, started once. Its processes (GCS, raylet, the
+    # workers) are not the driver's, whose RSS is measured, started or joined alike. A Ray of
+    # this machine's own: the children join it without its token.
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    context = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20)
+    try:
+        address = context.address_info["gcs_address"]
+        rows = {(p, q): run_child(p, q, args, address) for p in PRESETS for q in PATHS}
+    finally:
+        ray.shutdown()
     engine_dtype = rows[("tiny-moe", "broadcast")]["engine_dtype"]
     print(
         f"weight transfer: 1 training rank -> 1 hf engine ({engine_dtype}), CPU, "

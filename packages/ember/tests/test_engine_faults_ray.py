@@ -1,8 +1,11 @@
 """Engines that fail in a real `ember train` under Ray: SIGKILLed, SIGSTOPped (hung), their SGLang
-server killed, and a slot that fails past `fault_tolerance.max_restarts`.
+server killed (under partial rollouts, with R3 and the CI checks), and a slot that fails past
+`fault_tolerance.max_restarts`.
 
 Nothing stands in: the driver starts its own Ray, the engines are the embedded ones (or the real
 SGLang server on CPU), and the victims are their processes, found by title below the driver.
+The untouched run the killed-then-hung one is compared with kills nothing: it joins the
+session's Ray.
 Every run here is under Ray without asking (`ray.enabled=auto`: two engines, or an SGLang
 server, each need a process of their own), which engine replacement needs: an engine in the
 driver's process cannot fail apart from the run.
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ember_runs import ember_command
 from test_kill_resume_ray import ENV, comparable, logged_rollouts
 
 from ember import processes
@@ -95,10 +99,12 @@ def rollout_records(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The same run, untouched."""
-    run = Run(tmp_path_factory.mktemp("reference") / "run")
-    assert run.finish() == 0, run.output[-3000:]
-    return run.dir
+    """The same run, untouched: nothing in it is killed, so it runs on the session's Ray
+    (`ember_runs.ember_command`)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    done = ember_command(["train", *RUN, "--set", f"run.dir={run_dir}"], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
 
 
 def test_a_killed_then_a_hung_engine_are_each_replaced_and_the_run_completes(tmp_path, reference):
@@ -214,15 +220,34 @@ def test_a_slot_that_fails_past_its_restarts_stops_the_run_with_one_line(tmp_pat
 @pytest.mark.skipif(
     not sglang_cpu.sglang_installed(), reason=f"needs SGLang: {sglang_cpu.EXTRA_HINT}"
 )
-def test_a_killed_sglang_server_is_replaced_and_the_run_completes(tmp_path):
+def test_a_killed_sglang_server_under_partial_rollouts_is_replaced_and_r3_holds_throughout(
+    tmp_path,
+):
+    """The real SGLang server on CPU behind `ember train` on the overlapped loop with partial
+    rollouts, R3 and the CI checks (one run for all of it: a server launch costs about a minute
+    of a 2-core machine). Pushes land while requests run (paused in place, continued after),
+    and every token's recorded experts and log-prob come from one forward. Once rollout 2 is
+    logged the server is SIGKILLed: the run replaces it, which launches a server again, and
+    completes; the audit after the replacement holds exactly as the one before it.
+
+    R3 with the CI checks on the real server's prefix cache (which partial rollouts turn off)
+    is `test_e2e_smollm2.py`'s upcycled MoE on SGLang."""
     run = Run(
         tmp_path / "run",
         "--set", "engine.kind=sglang",
         "--set", "ray.num_engines=1",
+        "--set", "rollout.partial_rollouts=true",
+        "--set", "rollout.max_staleness=2",
+        "--plugins", "r3_routing,ci_kl_checker",
+        "--set", "algorithm.use_kl_loss=true",  # a reference model, for the reference checks
+        # One request at a time, and answers of up to 64 tokens: a rollout's requests then take
+        # longer than a training step and its push, so the pushes between the audits at 0 and 4
+        # find one running (at the default 8 tokens only some did), and the kill finds one too.
+        "--set", "engine.sglang.max_concurrency=1",
+        "--set", "rollout.max_response_len=64",
         "--set", "run.num_rollouts=6",
         "--set", "run.save_interval=0",
-        # One request at a time, so the kill finds requests running.
-        "--set", "engine.sglang.max_concurrency=1",
+        "--set", "run.dump_rollouts=true",
     )  # fmt: skip
     run.wait_for(lambda: 2 in logged_rollouts(run.dir), timeout=900)
 
@@ -243,10 +268,63 @@ def test_a_killed_sglang_server_is_replaced_and_the_run_completes(tmp_path):
     (server,) = servers()
     os.killpg(os.getpgid(server.pid), signal.SIGKILL)
     assert run.finish(timeout=1200) == 0, run.output[-3000:]
+    output = run.output
     rollouts = rollout_records(run.dir)
     assert [r["rollout_id"] for r in rollouts] == list(range(6))
     assert sum(r["rollout/engine_restarts"] for r in rollouts) == 1.0
     failed = r"rollout engine 0 failed \((died|SGLang server http://\S+ (exited|failed GET))"
-    assert re.search(failed, run.output), run.output[-3000:]
-    assert re.search(r"rollout engine 0 replaced \(pid \d+\), serving weight", run.output)
+    assert re.search(failed, output), output[-3000:]
+    assert re.search(r"rollout engine 0 replaced \(pid \d+\), serving weight", output)
     assert servers() == []  # the killed one is gone, the replacement's stopped with the run
+
+    assert [r.get("rollout/audit") for r in rollouts] == [1.0, None, None, None, 1.0, None]
+    multi_version = 0
+    for rollout_id, r in enumerate(rollouts):
+        dump = (run.dir / "rollouts" / f"{rollout_id:06d}.jsonl").read_text().splitlines()
+        for line in dump[1:]:  # after the dump's header
+            versions = json.loads(line)["weight_versions"]
+            numbers = [int(v) for _, v in versions]
+            assert numbers == sorted(set(numbers)) and rollout_id - 1 - numbers[0] <= 2
+            multi_version += len(versions) > 1
+        assert r["rollout/staleness_max"] <= 2
+    # Pushes landed mid-request: the server recorded spans of two versions in some samples.
+    assert multi_version > 0
+    assert sum(r["rollout/multi_version_samples"] * r["rollout/num_samples"] for r in rollouts) == (
+        multi_version
+    )
+    for audit in rollouts[::4]:
+        # An audit generates in turn, from the trainer's current weights: fp32 server and fp32
+        # trainer, same weights, so the engine's log-probs are the trainer's to rounding, per
+        # token, and the actor replayed exactly the experts SGLang chose (the replacement's
+        # too, at rollout 4).
+        assert audit["rollout/staleness"] == 0.0
+        assert audit["rollout/multi_version_samples"] == 0.0
+        assert audit["rollout/train_rollout_logprob_max_abs_diff"] <= 1e-4
+        assert audit["rollout/replay_agreement"] == 1.0
+    # At rollout 0 the reference, replaying the actor's routing, is the actor.
+    assert rollouts[0]["rollout/ref_replayed_log_probs_max_abs_diff"] < 1e-8
+    steps = [
+        r for r in map(json.loads, (run.dir / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "train"
+    ]  # fmt: skip
+    assert steps and all(s["train/replay_agreement"] == 1.0 for s in steps)
+    # The first step of each audited rollout starts exactly on-policy.
+    firsts = {}
+    for s in steps:
+        firsts.setdefault(s["rollout_id"], s)
+    assert [firsts[i]["train/ppo_kl"] for i in (0, 4)] == [0.0, 0.0]
+    checks = ("train_rollout_mismatch_max", "first_step_ppo_kl_max", "replay_agreement")
+    for audit_id in (0, 4):
+        for check in (*checks, "recorded_routing_agreement"):
+            found = re.search(rf"audit rollout {audit_id}\b[^\n]*: {check} passed: ", output)
+            assert found, (audit_id, check)
+    # The first rollout after audit 0 that holds stale samples is the off-policy audit.
+    for check in ("recorded_versions", "replay_agreement"):
+        found = re.search(rf"off-policy audit rollout [123]\b[^\n]*: {check} passed: ", output)
+        assert found, check
+    # The servers logged to the run directory, took the pushes by broadcast and paused for the
+    # pushes that found requests running.
+    logs = sorted((run.dir / "sglang").glob("sglang-0-*.log"))
+    assert len(logs) == 2  # the killed server's and its replacement's
+    text = "".join(log.read_text() for log in logs)
+    assert "update_weights_from_distributed" in text and "pause_generation" in text

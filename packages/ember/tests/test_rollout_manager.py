@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 
 import pytest
 import yaml
+from ember_runs import ember_command
 
 from ember.config import RaySection, load_config
 from ember.driver import summary_line
@@ -254,14 +254,10 @@ TINY = [
 
 def train_tiny(run_dir, *settings: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """`ember train` on the TINY settings plus `settings` (key=value) into `run_dir`: the
-    finished process and the run's metrics records."""
+    finished command and the run's metrics records. A run that fits one process runs in this
+    one, any other on the session's Ray (`ember_runs.ember_command`)."""
     sets = [arg for setting in (*settings, f"run.dir={run_dir}") for arg in ("--set", setting)]
-    run = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "train", *TINY, *sets],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = ember_command(["train", *TINY, *sets], timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return run, [json.loads(line) for line in lines]
