@@ -219,7 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
-    context = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20)
+    context = ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 2**20,
+        _node_ip_address="127.0.0.1",  # this machine only: joined without a token
+    )
     try:
         address = context.address_info["gcs_address"]
         rows = {(p, q): run_child(p, q, args, address) for p in PRESETS for q in PATHS}

@@ -11,11 +11,14 @@ audits.
 Each combination is one `ember certify` process over the default run config with the preset
 swapped in, small rollouts, a KL loss (so that a reference model exists), temperature 0.7 (so
 that a temperature left out shows) and, for MoE presets, routing replay (`r3_routing`), so that
-every row applies where the model allows it.
+every row applies where the model allows it. The combinations whose roles need Ray (two ranks,
+an SGLang server) join one local Ray that the matrix starts once (`ray.address`), rather than
+each starting and stopping its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -25,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -101,6 +104,15 @@ class Combination:
 
     def plugins(self) -> list[str]:
         return ["r3_routing"] if self.moe else []
+
+    def needs_ray(self) -> bool:
+        """Whether `ember certify` would run this combination's roles as Ray actors."""
+        from ember.config import load_config
+        from ember.layout import in_process
+
+        plugins = self.plugins() if self.config is None else None
+        config, _ = load_config(self.config, overrides=self.overrides(), plugins=plugins)
+        return not in_process(config)[0]
 
 
 def fits(shape: object, layout: str) -> bool:
@@ -202,12 +214,14 @@ class Outcome:
     error: str = ""
 
 
-def certify_one(combination: Combination, run_dir: Path) -> Outcome:
-    """One `ember certify` process for `combination`, writing its run under `run_dir`."""
+def certify_one(combination: Combination, run_dir: Path, ray_address: str | None = None) -> Outcome:
+    """One `ember certify` process for `combination`, writing its run under `run_dir`, on the
+    Ray at `ray_address` if given."""
     argv = [sys.executable, "-m", "ember.cli", "certify", "--set", f"run.dir={run_dir}"]
     if combination.config is not None:
         argv.insert(4, combination.config)
-    for item in combination.overrides():
+    joined = [f"ray.address={ray_address}", "ray.object_store_mb=null"] if ray_address else []
+    for item in [*combination.overrides(), *joined]:
         argv += ["--set", item]
     if combination.config is None:  # a real model's example enables its own plugins
         argv += ["--plugins", ",".join(combination.plugins())]
@@ -224,16 +238,39 @@ def certify_one(combination: Combination, run_dir: Path) -> Outcome:
     return Outcome(combination, verdicts, bool(document["passed"]), seconds)
 
 
+@contextlib.contextmanager
+def local_ray(wanted: bool) -> Iterator[str | None]:
+    """A local Ray for the combinations that need one, started once and stopped at the end;
+    its address (None when `wanted` is False). It listens on this machine's loopback only, so
+    the combinations join it without a token."""
+    if not wanted:
+        yield None
+        return
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # the certify processes inherit it
+    import ray
+
+    context = ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+    try:
+        yield context.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+
+
 def run_matrix(combos: Sequence[Combination], out: Path) -> list[Outcome]:
     """Certify every combination (one at a time: each uses the machine's cores) and write the
     table to `out`."""
     prepare_real_models(combos)
     outcomes = []
-    with tempfile.TemporaryDirectory(prefix="ember-certify-matrix-") as scratch:
+    on_ray = [combination.needs_ray() for combination in combos]
+    with (
+        tempfile.TemporaryDirectory(prefix="ember-certify-matrix-") as scratch,
+        local_ray(any(on_ray)) as address,
+    ):
         bar = tqdm(combos, desc="certify --matrix", unit="setup", dynamic_ncols=True)
         for i, combination in enumerate(bar):
             bar.set_postfix_str(f"{combination.preset} {combination.layout} {combination.engine}")
-            outcome = certify_one(combination, Path(scratch) / f"run-{i}")
+            joins = address if on_ray[i] else None
+            outcome = certify_one(combination, Path(scratch) / f"run-{i}", joins)
             bar.write(f"{'PASS' if outcome.passed else 'FAIL'}  {describe(combination)}")
             outcomes.append(outcome)
     out.parent.mkdir(parents=True, exist_ok=True)
