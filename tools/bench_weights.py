@@ -213,17 +213,13 @@ def main(argv: list[str] | None = None) -> None:
         preset, path = args.child
         print(json.dumps(measure(preset, path, args.pushes, args.bucket_mb, args.address)))
         return
-    # One local Ray for the four measurements, started once. Its processes (GCS, raylet, the
-    # workers) are not the driver's, whose RSS is measured, started or joined alike. A Ray of
-    # this machine's own: the children join it without its token.
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # One local Ray for the four measurements, started once ("local": never a running one).
+    # Its processes (GCS, raylet, the workers) are not the driver's, whose RSS is measured,
+    # started or joined alike. The children inherit its token's settings from this process.
     import ray
 
     context = ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 2**20,
-        _node_ip_address="127.0.0.1",  # this machine only: joined without a token
+        address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20
     )
     try:
         address = context.address_info["gcs_address"]

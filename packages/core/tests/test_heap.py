@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ STATM = Path("/proc/self/statm")
 
 def resident_mib() -> float:
     pages = int(STATM.read_text().split()[1])
-    return pages * 4096 / 2**20
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 @pytest.mark.skipif(not STATM.exists(), reason="reads the resident size from /proc")

@@ -20,6 +20,7 @@ import contextlib
 import io
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -106,15 +107,19 @@ class SharedRay:
     a fault switch read inside an actor) starts its own Ray instead, as it would alone.
     """
 
-    JOIN_ENV = {"RAY_AUTH_MODE": "disabled"}
-    """Ray 2.60 asks a joining driver for the head's token unless the cluster runs without one
-    (a local cluster of the tests' own, reachable from this machine only)."""
+    JOIN_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    """The cluster's token, the session's own: its processes listen on the machine's address, so
+    it runs with token authentication (Ray 2.60), and the runs that join it present the token."""
     IGNORED = frozenset(
-        {"PYTEST_CURRENT_TEST", "RAY_IGNORE_UNHANDLED_ERRORS", VERBOSE_ENV, PLANT_ENV, *RAY_ENV}
-    )
+        {
+            "PYTEST_CURRENT_TEST", "RAY_IGNORE_UNHANDLED_ERRORS", VERBOSE_ENV, PLANT_ENV,
+            *RAY_ENV, *JOIN_ENV,
+        }
+    )  # fmt: skip
     """Variables no worker of the cluster needs from its start: pytest's per-test one, one the
-    driver reads itself (`ember.cli.main` sets it in this process when a test calls it), and
-    those Ember forwards to a joined cluster's workers (`runtimes.RayRuntime.start`)."""
+    driver reads itself (`ember.cli.main` sets it in this process when a test calls it), those
+    Ember forwards to a joined cluster's workers (`runtimes.RayRuntime.start`), and the token's
+    (`ray.init` of a local Ray sets `RAY_AUTH_MODE` in the process that calls it)."""
 
     def __init__(self) -> None:
         self.address: str | None = None

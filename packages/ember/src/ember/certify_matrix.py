@@ -106,13 +106,17 @@ class Combination:
         return ["r3_routing"] if self.moe else []
 
     def needs_ray(self) -> bool:
-        """Whether `ember certify` would run this combination's roles as Ray actors."""
+        """Whether `ember certify` would run this combination's roles as Ray actors; False for
+        a config it would refuse (its own process reports why, as the setup's failure)."""
         from ember.config import load_config
         from ember.layout import in_process
 
         plugins = self.plugins() if self.config is None else None
-        config, _ = load_config(self.config, overrides=self.overrides(), plugins=plugins)
-        return not in_process(config)[0]
+        try:
+            config, _ = load_config(self.config, overrides=self.overrides(), plugins=plugins)
+            return not in_process(config)[0]
+        except (ValueError, OSError):
+            return False
 
 
 def fits(shape: object, layout: str) -> bool:
@@ -240,16 +244,16 @@ def certify_one(combination: Combination, run_dir: Path, ray_address: str | None
 
 @contextlib.contextmanager
 def local_ray(wanted: bool) -> Iterator[str | None]:
-    """A local Ray for the combinations that need one, started once and stopped at the end;
-    its address (None when `wanted` is False). It listens on this machine's loopback only, so
-    the combinations join it without a token."""
+    """A local Ray for the combinations that need one, started once and stopped at the end, with
+    the object store each would have started (`ray.object_store_mb` of the default config); its
+    address (None when `wanted` is False). The certify processes inherit its token's settings
+    from this one."""
     if not wanted:
         yield None
         return
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # the certify processes inherit it
     import ray
 
-    context = ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+    context = ray.init(address="local", include_dashboard=False, object_store_memory=256 * 2**20)
     try:
         yield context.address_info["gcs_address"]
     finally:

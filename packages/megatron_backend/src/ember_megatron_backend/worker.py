@@ -592,6 +592,9 @@ class MegatronWorker:
         def backward(role: Role, mb: MicroBatch) -> Any:
             return self.plugins.forward_context(role, Phase.BACKWARD, mb)
 
+        # On CPU the heap's free pages go back after each micro-batch (`release_free_memory`):
+        # its activations, before the next one's. On a GPU they were never the heap's.
+        on_cpu = next(self.actor.parameters()).device.type == "cpu"
         if self.pipelined:
             # The schedule sets the load-balancing loss's 1 / micro-batches scale itself.
             for role, model in roles.items():
@@ -602,6 +605,8 @@ class MegatronWorker:
                     forward_context=functools.partial(forward, role),
                     backward_context=functools.partial(backward, role),
                 )
+                if on_cpu:
+                    release_free_memory()
             return
         for k in range(len(step)):
             for role, model in roles.items():
@@ -616,7 +621,8 @@ class MegatronWorker:
                     MoEAuxLossAutoScaler.set_loss_scale(scale)
                 with backward(role, mb):
                     value.backward()
-            release_free_memory()  # the micro-batch's activations, before the next one's
+            if on_cpu:
+                release_free_memory()
 
     # -- weights and checkpoints -------------------------------------------------------------
 
