@@ -63,6 +63,11 @@ from ember_megatron_backend.weights import (
 
 __all__ = ["MegatronWorker"]
 
+MICRO_BATCH_GROWTH_MIB = 256
+"""Resident growth (MiB) after which a training micro-batch on CPU hands the heap's free pages
+back (`ember_core.heap.release_free_memory`): a real model's activations grow it by hundreds of
+MiB a micro-batch, a tiny model's by almost nothing."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -592,8 +597,9 @@ class MegatronWorker:
         def backward(role: Role, mb: MicroBatch) -> Any:
             return self.plugins.forward_context(role, Phase.BACKWARD, mb)
 
-        # On CPU the heap's free pages go back after each micro-batch (`release_free_memory`):
-        # its activations, before the next one's. On a GPU they were never the heap's.
+        # On CPU the heap's free pages go back after a micro-batch (`release_free_memory`) that
+        # grew the process by `MICRO_BATCH_GROWTH_MIB`: its activations, before the next one's.
+        # On a GPU they were never the heap's.
         on_cpu = next(self.actor.parameters()).device.type == "cpu"
         if self.pipelined:
             # The schedule sets the load-balancing loss's 1 / micro-batches scale itself.
@@ -606,7 +612,7 @@ class MegatronWorker:
                     backward_context=functools.partial(backward, role),
                 )
                 if on_cpu:
-                    release_free_memory()
+                    release_free_memory(MICRO_BATCH_GROWTH_MIB)
             return
         for k in range(len(step)):
             for role, model in roles.items():
@@ -622,7 +628,7 @@ class MegatronWorker:
                 with backward(role, mb):
                     value.backward()
             if on_cpu:
-                release_free_memory()
+                release_free_memory(MICRO_BATCH_GROWTH_MIB)
 
     # -- weights and checkpoints -------------------------------------------------------------
 
