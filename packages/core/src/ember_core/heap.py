@@ -11,7 +11,8 @@ EPYC): peak RSS 7119 MiB without, 6103 MiB when called before scoring a rollout 
 training micro-batch on CPU; each call took 0.08-0.13 s there (a training micro-batch there
 takes seconds). On the tiny default model a release after every micro-batch cost about 4% of
 the seconds per rollout (40 rollouts, two pairs), for nothing: after a micro-batch the trainer
-releases only once its resident memory has grown by `MICRO_BATCH_GROWTH_MIB`.
+releases only once its resident memory has grown by
+`ember_megatron_backend.worker.MICRO_BATCH_GROWTH_MIB`.
 """
 
 from __future__ import annotations
