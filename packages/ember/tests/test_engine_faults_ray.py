@@ -92,9 +92,10 @@ class Run:
         return found
 
 
-def rollout_records(run_dir: Path) -> list[dict]:
+def rollout_records(run_dir: Path, kind: str = "rollout") -> list[dict]:
+    """The run's metrics records of `kind` (rollout, or train: one per optimizer step)."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "rollout"]
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
 @pytest.fixture(scope="module")
@@ -303,10 +304,7 @@ def test_a_killed_sglang_server_under_partial_rollouts_is_replaced_and_r3_holds_
         assert audit["rollout/replay_agreement"] == 1.0
     # At rollout 0 the reference, replaying the actor's routing, is the actor.
     assert rollouts[0]["rollout/ref_replayed_log_probs_max_abs_diff"] < 1e-8
-    steps = [
-        r for r in map(json.loads, (run.dir / "metrics.jsonl").read_text().splitlines())
-        if r["kind"] == "train"
-    ]  # fmt: skip
+    steps = rollout_records(run.dir, "train")
     assert steps and all(s["train/replay_agreement"] == 1.0 for s in steps)
     # The first step of each audited rollout starts exactly on-policy.
     firsts = {}
