@@ -371,6 +371,32 @@ def test_distribution_row_bars_the_mean_and_the_maximum(kl, verdict):
     assert row.measured.endswith("over the whole vocabulary")
 
 
+def test_row_3s_engine_forward_replays_the_rollouts_experts_when_asked():
+    """Under R3 the trainer's forward replays the rollout's experts: so does the engine's."""
+    from types import SimpleNamespace
+
+    from ember.actors import RolloutEngine
+    from ember_rollout.families import build_family_model
+    from ember_rollout.routing import replay_routing
+
+    model = build_family_model("qwen3_moe", seed=3)
+    tokens = [12, 5, 3, 16, 13, 2, 9, 9, 4, 16]
+    experts = torch.randint(
+        0, 8, (len(tokens) - 1, 3, 1), generator=torch.Generator().manual_seed(0)
+    )
+    experts = torch.cat([experts, (experts + 1 + experts % 3) % 8], dim=-1)  # two distinct ids
+    sample = Sample(index=0, tokens=tokens, response_length=4, rollout_routed_experts=experts)
+    engine = SimpleNamespace(engine=SimpleNamespace(model=model))
+    [(ids, replayed)] = RolloutEngine.top_log_probs(engine, [sample], 5, 0.8, replay=True)
+    [(_, routed)] = RolloutEngine.top_log_probs(engine, [sample], 5, 0.8)
+    with torch.no_grad(), replay_routing(model, experts):
+        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
+    rows = torch.log_softmax(logits[-4:] / 0.8, -1)
+    assert torch.equal(ids, rows.topk(5, dim=-1).indices)
+    torch.testing.assert_close(replayed, with_rest(rows, ids), atol=0, rtol=0)
+    assert (routed - replayed).abs().max() > 1e-3  # routing afresh picks other experts
+
+
 def test_loaded_alike_row_needs_equal_scores_from_push_and_checkpoint():
     pushed = [[[-1.0, -2.0], [-0.5]]]  # one engine, two servers
     assert loaded_alike_row("1", pushed, [[[-1.0, -2.0], [-0.5]]], "x").verdict == PASS

@@ -24,8 +24,13 @@ from ember_rollout.families import (
     config_num_experts,
 )
 from ember_rollout.hf_engine import HFEngine
-from ember_rollout.models import check_update_names, iter_checkpoint, load_hf_weights
-from ember_rollout.routing import decode_routed_experts
+from ember_rollout.models import (
+    check_update_names,
+    find_routers,
+    iter_checkpoint,
+    load_hf_weights,
+)
+from ember_rollout.routing import ExpertCapture, decode_routed_experts, replay_routing
 from ember_rollout.sglang_launch import model_info_from_dir
 
 NUM_LAYERS, NUM_EXPERTS, TOPK = 3, 8, 2
@@ -215,6 +220,88 @@ def test_bf16_engine_records_what_it_dispatched(model_type):
         compared += check_against_rule(model_type, model, tokens[:-1], experts, 0.004)[0]
         total += (len(tokens) - 1) * len(MOE_LAYERS.get(model_type, range(NUM_LAYERS)))
     assert compared >= total * 3 // 4, (compared, total)
+
+
+# -- replaying recorded experts (row 3 of `ember certify` under R3) ---------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_replaying_experts_dispatches_them_and_the_engines_own_choice_changes_nothing(
+    model_type, dtype
+):
+    """`replay_routing` with the experts the model records gives its own forward bit for bit;
+    with other experts, those are what every MoE layer dispatches to. (That it weighs them as
+    megatron-core's replay does is checked against the trainer in the R3 plugin's tests.)"""
+    model = build_family_model(model_type, seed=3, dtype=dtype)
+    sites = find_routers(model)
+    capture = ExpertCapture([(s.layer, s.experts) for s in sites], NUM_LAYERS, TOPK)
+    tokens = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    positions = tokens.shape[1]
+    moe = list(MOE_LAYERS.get(model_type, range(NUM_LAYERS)))
+    with torch.no_grad():
+        natural = model(input_ids=tokens).logits
+        recorded = capture.pop(1, positions)[0]
+        with replay_routing(model, recorded):
+            replayed = model(input_ids=tokens).logits
+        assert torch.equal(capture.pop(1, positions)[0], recorded)
+        shifted = recorded.clone()
+        shifted[:, moe] = (shifted[:, moe] + 1) % NUM_EXPERTS
+        with replay_routing(model, shifted.to(torch.uint8)):
+            moved = model(input_ids=tokens).logits
+        dispatched = capture.pop(1, positions)[0]
+        after = model(input_ids=tokens).logits  # the hooks are gone
+    capture.close()
+    assert torch.equal(replayed, natural)
+    assert torch.equal(dispatched[:, moe], shifted[:, moe])
+    assert (moved - natural).abs().max() > 1e-3
+    assert torch.equal(after, natural)
+
+
+@pytest.mark.parametrize(
+    ("shape", "high", "message"),
+    [
+        (
+            (5, NUM_LAYERS + 1, TOPK),
+            NUM_EXPERTS,
+            r"\[positions, num_layers=3, topk=2\], got \(5, 4, 2\)",
+        ),
+        ((5, NUM_LAYERS, TOPK), NUM_EXPERTS + 1, r"ids in \[\d+, 8\], outside \[0, 8\)"),
+        (
+            (4, NUM_LAYERS, TOPK),
+            NUM_EXPERTS,
+            "the forward routes 5 positions, the experts to replay cover 4",
+        ),
+    ],
+    ids=["layers", "ids", "positions"],
+)
+def test_experts_that_do_not_fit_the_replay_are_refused(shape, high, message):
+    model = build_family_model("qwen3_moe", seed=3)
+    experts = torch.full(shape, high - 1, dtype=torch.int32)
+    experts[..., 0] = 0
+    with pytest.raises(ValueError, match=message), torch.no_grad():
+        with replay_routing(model, experts):
+            model(input_ids=torch.tensor([PROMPTS[3][:5]]))
+
+
+def test_replay_names_the_families_it_knows():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=32,
+        )
+    )
+    with pytest.raises(
+        ValueError, match="routing replay knows the routers of qwen3_moe, .*model_type is 'llama'"
+    ):
+        with replay_routing(model, torch.zeros(3, 1, 2, dtype=torch.int32)):
+            pass
 
 
 # -- weights in each family's checkpoint names -------------------------------------------------

@@ -549,3 +549,42 @@ def test_experts_the_routers_would_not_pick_still_train_every_router(dist_env, p
     assert all(g.abs().sum() > 0 for g in grads[0])
     for with_recompute, without in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(with_recompute, without)
+
+
+# -- the embedded engine's replay against megatron-core's -----------------------------------
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_the_embedded_engine_replays_experts_as_megatron_core_does(dist_env, tmp_path, preset):
+    """`ember certify`'s row 3 compares the trainer's replayed forward with the embedded
+    engine's (`replay_routing`): in every family both must weigh the same experts alike."""
+    from transformers import AutoModelForCausalLM
+
+    from ember_megatron_backend.weights import export_hf_checkpoint
+    from ember_rollout.routing import replay_routing
+
+    train = backend(model=preset)
+    samples = make_samples(3, seed=4, dense=train.model_config().dense_layers)
+    temperature = 0.8
+    with running(["r3_routing"], train) as plugins:
+        worker = MegatronWorker(train, AlgorithmConfig(), SamplingConfig(temperature=temperature), plugins)
+        replayed = worker.prepare(0, samples).log_probs
+        export_hf_checkpoint(worker.actor, train.model_config(), tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+
+    def engine_log_probs(sample: Sample, replay: bool) -> torch.Tensor:
+        tokens = torch.tensor([sample.tokens[:-1]])
+        routing = replay_routing(model, sample.rollout_routed_experts) if replay else None
+        with torch.no_grad(), routing or contextlib.nullcontext():
+            logits = model(input_ids=tokens).logits[0].double() / temperature
+        rows = logits[sample.total_length - sample.response_length - 1 :].log_softmax(-1)
+        return rows.gather(1, torch.tensor(sample.tokens[-sample.response_length :])[:, None])[
+            :, 0
+        ]
+
+    for sample, trainer in zip(samples, replayed, strict=True):
+        torch.testing.assert_close(
+            engine_log_probs(sample, replay=True), trainer.double(), atol=1e-5, rtol=0
+        )
+        # The rollout's experts are random: routing afresh gives other log-probs.
+        assert (engine_log_probs(sample, replay=False) - trainer.double()).abs().max() > 1e-3

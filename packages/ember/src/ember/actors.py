@@ -730,13 +730,20 @@ class RolloutEngine:
         return self._run(self.engine.prompt_log_probs(sequences))
 
     def top_log_probs(
-        self, samples: list[Sample], k: int, temperature: float
+        self, samples: list[Sample], k: int, temperature: float, *, replay: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per sample, the engine's k most likely token ids ([R, k]) at every response position
         and their log-probs, then the other ids' together ([R, k + 1]), at `temperature`,
         from a forward of the sampled sequence (prefill); None when the engine cannot read its
-        model (SGLang servers)."""
+        model (SGLang servers).
+
+        `replay`: an MoE model's layers compute with the sample's `rollout_routed_experts`
+        instead of routing afresh (`routing.replay_routing`), as the trainer's forward does
+        under `r3_routing`; a sample without recorded experts routes by itself."""
+        import contextlib
+
         from ember_megatron_backend.forward import with_rest
+        from ember_rollout.routing import replay_routing
 
         model = getattr(self.engine, "model", None)
         if model is None:
@@ -745,10 +752,17 @@ class RolloutEngine:
         out = []
         with torch.no_grad():
             for sample in samples:
-                tokens = torch.tensor([sample.tokens], device=device)
-                logits = model(input_ids=tokens).logits[0].float()
+                # The last token predicts nothing: the forward covers the positions the engine
+                # forwarded, which are those its recorded experts cover.
+                tokens = torch.tensor([sample.tokens[:-1]], device=device)
+                experts = sample.rollout_routed_experts if replay else None
+                routing = (
+                    contextlib.nullcontext() if experts is None else replay_routing(model, experts)
+                )
+                with routing:
+                    logits = model(input_ids=tokens).logits[0].float()
                 start = sample.total_length - sample.response_length - 1
-                rows = torch.log_softmax(logits[start : sample.total_length - 1] / temperature, -1)
+                rows = torch.log_softmax(logits[start:] / temperature, -1)
                 ids = rows.topk(min(k, rows.shape[-1]), dim=-1).indices
                 out.append((ids.cpu(), with_rest(rows, ids).cpu()))
         return out

@@ -580,14 +580,16 @@ class Certifier:
         chosen = samples[:DISTRIBUTION_SAMPLES]
         temperature = self.config.rollout.temperature
         engine = self.actors.engines[0]
-        top = calls.get(engine.top_log_probs.remote(chosen, self.k, temperature))
+        replay = self.replaying and self.moe  # as the trainer's forward does under R3
+        top = calls.get(engine.top_log_probs.remote(chosen, self.k, temperature, replay=replay))
         if top is None:
             detail = "the engine does not report its distribution (an SGLang server)"
             return distribution_row(row, None, self.bars, **scope, detail=detail)
         ids = [i for i, _ in top]
         held = calls.get([t.log_probs_at.remote(chosen, ids) for t in self.actors.train])[0]
         kl = torch.cat([top_k_kl(e, t) for (_, e), t in zip(top, held, strict=True)])
-        return distribution_row(row, kl, self.bars, **scope)
+        detail = "engine and trainer replay the rollout's experts" if replay else ""
+        return distribution_row(row, kl, self.bars, **scope, detail=detail)
 
 
 def _ordered(rows: list[Row]) -> list[Row]:

@@ -73,14 +73,27 @@ class Family:
     """Checkpoint name of each per-expert projection -> gate, up or down."""
     first_dense: int = 0
     """Leading dense layers of the tiny model."""
+    router_scores: str = "softmax"
+    """How the router scores the experts it weighs: "softmax" over the logits (the top-k
+    renormalised where the router's `norm_topk_prob` says so, always for Mixtral, which has no
+    such field) or "sigmoid" of each logit (renormalised under `norm_topk_prob`, then times
+    `routed_scaling_factor`). `routing.replay_routing` weighs recorded experts by it."""
 
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
         Family("qwen3_moe", "Qwen3MoeForCausalLM", "tiny-moe"),
-        Family("deepseek_v3", "DeepseekV3ForCausalLM", "tiny-deepseek-v3", first_dense=1),
-        Family("glm4_moe", "Glm4MoeForCausalLM", "tiny-glm4-moe", first_dense=1),
+        Family(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            "tiny-deepseek-v3",
+            first_dense=1,
+            router_scores="sigmoid",
+        ),
+        Family(
+            "glm4_moe", "Glm4MoeForCausalLM", "tiny-glm4-moe", first_dense=1, router_scores="sigmoid"
+        ),
         Family("qwen2_moe", "Qwen2MoeForCausalLM", "tiny-qwen2-moe"),
         # transformers 5.19 conversion_mapping.py "mixtral": block_sparse_moe -> mlp, w1 + w3 ->
         # experts.gate_up_proj (gate first), w2 -> experts.down_proj.

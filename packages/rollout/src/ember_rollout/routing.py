@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -146,3 +147,81 @@ class ExpertCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+@contextlib.contextmanager
+def replay_routing(model: nn.Module, experts: torch.Tensor) -> Iterator[None]:
+    """Within the block, every MoE layer of `model` computes with the experts `experts` names
+    instead of those its router picks: the embedded engine's side of R3's replay.
+
+    A forward hook on each router replaces its choice with the recorded ids and weighs them as
+    the family's router weighs the experts it picks (`Family.router_scores`), from the router's
+    own logits, as megatron-core's `RouterReplay` does in the trainer: recorded ids equal to
+    the router's own give the router's own output, bit for bit.
+
+    Args:
+        model: A transformers MoE causal LM of a family in `families.FAMILIES`.
+        experts: int [positions, num_layers, topk], the ids each layer is to use at each
+            position of the next forward (batch 1; dense layers' rows are ignored).
+
+    Raises:
+        ValueError: The family has no known router rule, `experts` does not fit the model, or
+            a forward in the block has another number of positions.
+    """
+    from ember_rollout.families import FAMILIES, config_num_experts
+    from ember_rollout.models import find_routers
+
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type or "")
+    if family is None:
+        raise ValueError(
+            f"routing replay knows the routers of {', '.join(FAMILIES)}; the model's "
+            f"model_type is {model_type!r}"
+        )
+    sites = find_routers(model)
+    layers, topk = int(config.num_hidden_layers), int(config.num_experts_per_tok)
+    if experts.dim() != 3 or tuple(experts.shape[1:]) != (layers, topk):
+        raise ValueError(
+            f"experts to replay must be [positions, num_layers={layers}, topk={topk}], got "
+            f"{tuple(experts.shape)}"
+        )
+    ids = experts.to(torch.long)
+    num_experts = config_num_experts(config) or 0
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < num_experts:
+        raise ValueError(
+            f"experts to replay hold ids in [{int(ids.min())}, {int(ids.max())}], outside "
+            f"[0, {num_experts})"
+        )
+
+    def hook(layer: int):
+        def replace(router: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            logits, weights, chosen = output
+            if logits.shape[0] != ids.shape[0]:
+                raise ValueError(
+                    f"layer {layer}: the forward routes {logits.shape[0]} positions, the "
+                    f"experts to replay cover {ids.shape[0]}"
+                )
+            forced = ids[:, layer].to(chosen.device)
+            if family.router_scores == "sigmoid":
+                forced_weights = logits.float().sigmoid().gather(1, forced)
+                if router.norm_topk_prob:
+                    forced_weights = forced_weights / (
+                        forced_weights.sum(dim=-1, keepdim=True) + 1e-20
+                    )
+                forced_weights = forced_weights * router.routed_scaling_factor
+            else:
+                forced_weights = torch.softmax(logits.float(), dim=-1).gather(1, forced)
+                if getattr(router, "norm_topk_prob", True):
+                    forced_weights = forced_weights / forced_weights.sum(dim=-1, keepdim=True)
+            return logits, forced_weights.to(weights.dtype), forced.to(chosen.dtype)
+
+        return replace
+
+    handles = [site.router.register_forward_hook(hook(site.layer)) for site in sites]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
