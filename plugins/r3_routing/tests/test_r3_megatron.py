@@ -567,7 +567,8 @@ def test_the_embedded_engine_replays_experts_as_megatron_core_does(dist_env, tmp
     samples = make_samples(3, seed=4, dense=train.model_config().dense_layers)
     temperature = 0.8
     with running(["r3_routing"], train) as plugins:
-        worker = MegatronWorker(train, AlgorithmConfig(), SamplingConfig(temperature=temperature), plugins)
+        sampling = SamplingConfig(temperature=temperature)
+        worker = MegatronWorker(train, AlgorithmConfig(), sampling, plugins)
         replayed = worker.prepare(0, samples).log_probs
         export_hf_checkpoint(worker.actor, train.model_config(), tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()

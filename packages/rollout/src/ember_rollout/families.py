@@ -92,7 +92,11 @@ FAMILIES: dict[str, Family] = {
             router_scores="sigmoid",
         ),
         Family(
-            "glm4_moe", "Glm4MoeForCausalLM", "tiny-glm4-moe", first_dense=1, router_scores="sigmoid"
+            "glm4_moe",
+            "Glm4MoeForCausalLM",
+            "tiny-glm4-moe",
+            first_dense=1,
+            router_scores="sigmoid",
         ),
         Family("qwen2_moe", "Qwen2MoeForCausalLM", "tiny-qwen2-moe"),
         # transformers 5.19 conversion_mapping.py "mixtral": block_sparse_moe -> mlp, w1 + w3 ->
