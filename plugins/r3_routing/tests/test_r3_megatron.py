@@ -579,9 +579,7 @@ def test_the_embedded_engine_replays_experts_as_megatron_core_does(dist_env, tmp
         with torch.no_grad(), routing or contextlib.nullcontext():
             logits = model(input_ids=tokens).logits[0].double() / temperature
         rows = logits[sample.total_length - sample.response_length - 1 :].log_softmax(-1)
-        return rows.gather(1, torch.tensor(sample.tokens[-sample.response_length :])[:, None])[
-            :, 0
-        ]
+        return rows.gather(1, torch.tensor(sample.tokens[-sample.response_length :])[:, None])[:, 0]
 
     for sample, trainer in zip(samples, replayed, strict=True):
         torch.testing.assert_close(
