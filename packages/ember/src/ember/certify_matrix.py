@@ -318,7 +318,9 @@ def markdown(outcomes: Sequence[Outcome]) -> str:
         "The row numbers are the certificate's (docs/certify.md); n/a: the row does not apply "
         "(a dense model has no router) or is not measured for that engine or layout.",
         "",
-        "What some rows measure: rows 4 and 7.4 replay the engine's experts each moved to the "
+        "What some rows measure: under `r3_routing` rows 3 and 7.3 compare a trainer forward "
+        "and an engine forward that both replay the experts the engine recorded; "
+        "rows 4 and 7.4 replay the engine's experts each moved to the "
         "next expert id (the audit's probe forward), which only a forward that replays "
         "follows; row 6 compares the reference with the actor where it starts as the actor, "
         "and with a second model built from `train.ref_load` where that names other weights; "
