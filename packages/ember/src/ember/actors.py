@@ -269,6 +269,12 @@ class TrainRank:
         temperature (collective: every rank gets the same samples)."""
         return self.worker.log_probs_at(samples, ids)
 
+    def trace_layers(
+        self, samples: list[Sample]
+    ) -> tuple[list[dict[tuple[int, str], torch.Tensor]], list[torch.Tensor]]:
+        """`MegatronWorker.trace_layers`: every layer of the actor's forward of `samples`."""
+        return self.worker.trace_layers(samples)
+
     def weights_digests(self, dtype: str | None = None) -> dict[str, tuple[list[int], str]]:
         """The shape and SHA-256 (`tensor_digest`) of each tensor of the actor's weights under
         transformers names, cast to `dtype` (None: as held); collective, and empty on every
@@ -766,6 +772,14 @@ class RolloutEngine:
                 ids = rows.topk(min(k, rows.shape[-1]), dim=-1).indices
                 out.append((ids.cpu(), with_rest(rows, ids).cpu()))
         return out
+
+    def trace_layers(
+        self, sequences: list[tuple[list[int], list[int]]], temperature: float
+    ) -> tuple[list[dict[tuple[int, str], torch.Tensor]], list[list[float]]] | None:
+        """`HFEngine.trace`: (prompt, response) pairs decoded as a rollout decodes them, every
+        layer recorded; None where the engine's model is not in this process (SGLang)."""
+        trace = getattr(self.engine, "trace", None)
+        return None if trace is None else trace(sequences, temperature)
 
     def loaded_model_path(self) -> bool:
         """Whether the engine loaded `model_path` itself when it started (not an attached

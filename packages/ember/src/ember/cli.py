@@ -8,6 +8,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -99,7 +100,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
+    if args.samples is not None and (not args.layers or args.samples < 1):
+        raise ValueError("--samples: a positive number of samples, with --layers")
     if args.matrix:
+        if args.layers:
+            raise ValueError("--layers compares one setup; --matrix certifies many")
         return certify_matrix(args)
     matrix_only = [f"--{k}" for k in ("families", "layouts", "engines", "out")]
     given = [flag for flag in matrix_only if getattr(args, flag[2:]) is not None]
@@ -116,6 +121,8 @@ def cmd_certify(args: argparse.Namespace) -> int:
     config, plugins = load_config(data)
     check_inputs(config)  # bad prompt files, reward names, paths: fail before Ray starts
     mark("driver", "config loaded and checked")
+    if args.layers:
+        return certify_layers(config, plugins, args.samples or LAYER_SAMPLES)
     if args.plant:
         os.environ[PLANT_ENV] = args.plant
         logging.getLogger("ember").warning(
@@ -138,6 +145,41 @@ def cmd_certify(args: argparse.Namespace) -> int:
     path = write_certificate(driver.run_dir, rows, describe_setup(config))
     print(f"certificate: {path}")
     return 0 if passed(rows) else RUN_ERROR
+
+
+LAYER_SAMPLES = 4
+"""Samples of rollout 0 that `ember certify --layers` compares by default."""
+
+
+def certify_layers(config: Any, plugins: Any, count: int) -> int:
+    """`ember certify --layers`: the table of `layer_compare`, and layers.json."""
+    from ember.certify import describe_setup
+    from ember.layer_compare import compare_layers, layers_table, refusal, write_layers
+
+    why = refusal(config)
+    if why is not None:
+        raise ValueError(why)
+    from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
+
+    driver = Driver(config, None, plugins)
+    try:
+        diffs, scope = compare_layers(driver, count)
+    except Exception as exc:
+        line = driver.stopped_by(exc)
+        if line is None:
+            raise
+        raise RunStopped(line) from exc
+    finally:
+        driver.shutdown()
+    print(
+        f"{scope['samples']} samples of rollout 0, {scope['positions']} positions "
+        f"({scope['response_tokens']} sampled tokens); engine {scope['engine_dtype']}, "
+        f"trainer {scope['train_dtype']}"
+    )
+    print(layers_table(diffs, num_layers=scope["num_layers"]))
+    setup = {**describe_setup(config), **scope}
+    print(f"layers: {write_layers(driver.run_dir, diffs, setup)}")
+    return 0
 
 
 def certify_matrix(args: argparse.Namespace) -> int:
@@ -304,6 +346,20 @@ def build_parser() -> argparse.ArgumentParser:
             f"--{key}", type=_split_plugins, default=None, metavar="A,B", help=f"--matrix: {what}"
         )
     cert.add_argument("--out", help="--matrix: the table's file (default docs/certification.md)")
+    cert.add_argument(
+        "--layers",
+        action="store_true",
+        help="instead of certifying, compare the engine's decode path with the trainer's "
+        "forward layer by layer and op by op over samples of rollout 0, and name the first op "
+        "where they differ (layers.json in the run directory)",
+    )
+    cert.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--layers: samples of rollout 0 to compare (default 4)",
+    )
     cert.set_defaults(func=cmd_certify)
 
     plugins = sub.add_parser(

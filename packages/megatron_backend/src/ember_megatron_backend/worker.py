@@ -455,6 +455,26 @@ class MegatronWorker:
             self.actor, samples, ids, temperature=self.sampling.temperature, context=context
         )
 
+    def trace_layers(
+        self, samples: Sequence[Sample]
+    ) -> tuple[list[dict[tuple[int, str], Tensor]], list[Tensor]]:
+        """The actor's forward of `samples` as one micro-batch, every layer's ops recorded, at
+        the rollout temperature, inside the plugins' old-log-prob forward context (routing
+        replay among them): `layer_trace.trace_forward`. One rank without pipeline stages."""
+        from ember_megatron_backend.layer_trace import trace_forward
+
+        if dist.get_world_size() > 1:
+            raise ValueError(
+                "the layer trace runs on one training rank (train.parallel: every size 1)"
+            )
+
+        def context(mb: Any) -> Any:
+            return self.plugins.forward_context(Role.ACTOR, Phase.LOG_PROB, mb)
+
+        return trace_forward(
+            self.actor, samples, temperature=self.sampling.temperature, context=context
+        )
+
     def log_rollout_data(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
         """The rollout/* metrics of `batch`, means over the samples of all data-parallel ranks
         (every rank returns the same dict); then the plugins' ``after_log_rollout_data``."""

@@ -25,6 +25,7 @@ from ember_rollout.engine import (
     GenerateOutput,
     GenerateRequest,
     ModelInfo,
+    SamplingParams,
 )
 from ember_rollout.models import (
     DTYPES,
@@ -54,6 +55,7 @@ from ember_rollout.weight_receive import (
 if TYPE_CHECKING:
     from ember_core.plugins import EmberPlugins
     from ember_rollout.config import EngineConfig
+    from ember_rollout.layer_trace import LayerTrace
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,10 @@ class _Row:
     versions: list[tuple[int, str | None]] = field(default_factory=list)
     """(index of the first response token sampled under a weight version, that version)."""
     finish: dict[str, Any] | None = None
+    forced: Sequence[int] | None = None
+    """Tokens to take instead of sampling (`HFEngine.trace`)."""
+    traced: int = -1
+    """The row's sequence number in a `LayerTrace`, -1 when not traced."""
 
     def take(self, token: int, log_prob: float, version: str | None) -> None:
         """Append a token sampled from weight version `version`, and stop if it ends the row."""
@@ -183,6 +189,8 @@ class HFEngine(Engine):
         self._lock = asyncio.Lock()
         self._gate = WeightGate()
         self._warned_fields: set[str] = set()
+        self._trace: LayerTrace | None = None
+        """Set while `trace` decodes: told after each forward which rows it advanced."""
         self.weight_version: str | None = None
         self._info: ModelInfo | None = None
         self._weight_groups: dict[str, Any] = {}
@@ -600,11 +608,63 @@ class HFEngine(Engine):
             max_new_tokens=min(sampling.max_new_tokens, room),
         )
 
+    def trace(
+        self,
+        sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+        temperature: float = 1.0,
+    ) -> tuple[list[dict[tuple[int, str], torch.Tensor]], list[list[float]]]:
+        """Decode each (prompt, response) pair as a rollout decodes, `max_batch_size` at a
+        time, taking the response's tokens instead of sampling them, and record what every
+        layer computes (`layer_trace.LayerTrace`).
+
+        Returns:
+            Per sequence, (layer, op) -> [positions, ...] over the len(prompt) + len(response)
+            - 1 positions forwarded, and the log-prob of each response token at
+            `temperature`, as a rollout reports it.
+        """
+        from ember_rollout.layer_trace import LayerTrace
+
+        empty = [i for i, (_, answer) in enumerate(sequences) if not answer]
+        if empty:
+            raise EngineError(f"traced sequence {empty[0]}: an empty response cannot be traced")
+        if self.model is None:
+            self.load()
+        assert self.model is not None
+        traces, log_probs = [], []
+        size = self.config.max_batch_size
+        for start in range(0, len(sequences), size):
+            chunk = sequences[start : start + size]
+            requests = [
+                GenerateRequest(
+                    input_ids=list(prompt),
+                    sampling=SamplingParams(temperature=temperature, max_new_tokens=len(answer)),
+                    name=f"traced sequence {start + i}",
+                )
+                for i, (prompt, answer) in enumerate(chunk)
+            ]
+            trace = LayerTrace(self.model, len(chunk))
+            self._trace = trace
+            try:
+                outputs = self._generate_chunk(
+                    requests, forced=[answer for _, answer in chunk]
+                )
+            finally:
+                self._trace = None
+                trace.close()
+            traces += trace.result()
+            log_probs += [out.output_log_probs for out in outputs]
+        return traces, log_probs
+
     @torch.inference_mode()
-    def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+    def _generate_chunk(
+        self, requests: list[GenerateRequest], forced: Sequence[Sequence[int]] | None = None
+    ) -> list[GenerateOutput]:
         started = time.perf_counter()
         assert self.model is not None and self._info is not None
         rows = [self._new_row(r) for r in requests]
+        for index, (row, answer) in enumerate(zip(rows, forced or (), strict=False)):
+            row.forced, row.traced = list(answer), index
+            row.stop_ids, row.max_new_tokens = frozenset(), len(answer)
         capture = None
         if any(r.wants_routed_experts for r in requests) and self._moe_sites:
             capture = self._capture()
@@ -665,6 +725,15 @@ class HFEngine(Engine):
                 f"{type(model).__name__} did not fill the KV cache passed as "
                 f"{self._cache_kw!r}; this transformers version is not supported"
             )
+        if self._trace is not None:
+            self._trace.take(
+                [
+                    (r.traced, b, width - lengths[b] + self._trace.positions(r.traced))
+                    for r, b in zip(rows, source, strict=True)
+                ],
+                len(sequences),
+                width,
+            )
         if capture is not None:
             experts = capture.pop(len(sequences), width)  # [S, W, layers, topk]
             for row, b in zip(rows, source, strict=True):
@@ -703,6 +772,10 @@ class HFEngine(Engine):
             active = [s for s, i in enumerate(live) if rows[i].finish is None]
             sampled_from = filter_log_probs(log_probs[active], top_k[active], top_p[active])
             tokens = sample_tokens(sampled_from, [rows[live[s]].generator for s in active])
+            for j, s in enumerate(active):
+                row = rows[live[s]]
+                if row.forced is not None:
+                    tokens[j] = row.forced[len(row.output_ids)]
             chosen = log_probs[active].gather(1, tokens.to(device).unsqueeze(1)).squeeze(1)
             next_tokens = torch.zeros(len(live), dtype=torch.long)
             for s, token, lp in zip(active, tokens.tolist(), chosen.tolist(), strict=True):
@@ -742,6 +815,9 @@ class HFEngine(Engine):
                         **{self._cache_kw: cache},
                     )
                     logits_BV = out.logits[:, -1]
+                    if self._trace is not None:
+                        advanced = [(rows[live[s]].traced, s, 0) for s in running]
+                        self._trace.take(advanced, len(live), 1)
                     if capture is not None:
                         experts = capture.pop(len(live), 1)
                         for s in running:

@@ -1,0 +1,133 @@
+"""What the trainer's forward computes at every layer, per sample and position: the trainer's
+side of `ember certify --layers` (the engine's is `ember_rollout.layer_trace`, with the same op
+names).
+
+megatron-core's `TransformerLayer` runs `input_layernorm`, `self_attention` ((output, bias)),
+`pre_mlp_layernorm`, `mlp` ((output, bias); an MoE layer's `router` scores the experts) and
+returns (hidden, context); the block's `final_layernorm` follows the last layer. The attention's
+`linear_proj` shows its input (the core attention's output). Forward hooks
+keep each output; the padded [S, B] layout's rows are mapped back to the stream
+(`forward.router_rows_to_stream`) and the stream to samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ember_core.types import Sample
+
+__all__ = ["trace_forward"]
+
+_SUBMODULES = {
+    "input_norm": "input_layernorm",
+    "attention": "self_attention",
+    "mlp_norm": "pre_mlp_layernorm",
+    "mlp": "mlp",
+}
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _output(output: Any) -> Tensor:
+    """A module's main output, its separately returned bias added (megatron-core's linear
+    layers may return the bias for a later fused add)."""
+    if not isinstance(output, tuple):
+        return output
+    main, bias = output[0], output[1] if len(output) > 1 else None
+    return main + bias if isinstance(bias, Tensor) and bias.shape[-1] == main.shape[-1] else main
+
+
+def trace_forward(
+    model: Any,
+    samples: Sequence[Sample],
+    *,
+    temperature: float,
+    context: Any = None,
+) -> tuple[list[dict[tuple[int, str], Tensor]], list[Tensor]]:
+    """One forward of `samples` as one packed micro-batch (the old-log-prob pass's forward),
+    with every layer's ops recorded.
+
+    Args:
+        model: The actor (one rank, no pipeline parallelism).
+        samples: The samples.
+        temperature: The rollout temperature of the log-probs.
+        context: Called with the micro-batch, returns a context manager the forward runs in
+            (the plugins' forward context: routing replay among them).
+
+    Returns:
+        Per sample, (layer, op) -> [T_i - 1, ...] over the positions that predict a token, in
+        `ember_rollout.layer_trace`'s names (the final norm's layer is the number of layers;
+        `experts` as sorted ids), and the sampled tokens' log-probs.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from ember_megatron_backend.batches import pack_micro_batch
+    from ember_megatron_backend.forward import router_rows_to_stream, score_batch
+
+    inner = _unwrap(model)
+    decoder = inner.decoder
+    last: dict[tuple[int, str], Tensor] = {}
+    handles = []
+
+    def keep(layer: int, op: str):
+        def hook(module: Any, args: Any, output: Any) -> None:
+            last[(layer, op)] = _output(output).detach().clone()  # later ops add in place
+
+        return hook
+
+    def keep_input(layer: int, op: str):
+        def hook(module: Any, args: Any) -> None:
+            last[(layer, op)] = args[0].detach().clone()
+
+        return hook
+
+    def route(layer: int):
+        def hook(router: Any, args: Any, output: Any) -> None:
+            hidden = args[0]
+            last[(layer, "router_logits")] = router.gating(hidden).detach()
+            routing_map = output[1].detach()
+            last[(layer, "experts")] = routing_map.float().topk(router.topk, dim=-1).indices
+
+        return hook
+
+    for layer in decoder.layers:
+        index = layer.layer_number - 1
+        for op, name in _SUBMODULES.items():
+            handles.append(getattr(layer, name).register_forward_hook(keep(index, op)))
+        projection = layer.self_attention.linear_proj
+        handles.append(projection.register_forward_pre_hook(keep_input(index, "attention_core")))
+        router = getattr(layer.mlp, "router", None)
+        if isinstance(router, TopKRouter):
+            handles.append(router.register_forward_hook(route(index)))
+        handles.append(layer.register_forward_hook(keep(index, "layer")))
+    num_layers = inner.config.num_layers
+    handles.append(decoder.final_layernorm.register_forward_hook(keep(num_layers, "final_norm")))
+    mb = pack_micro_batch(model, list(samples), list(range(len(samples))))
+    try:
+        with torch.no_grad(), context(mb) if context is not None else contextlib.nullcontext():
+            out = score_batch(
+                model, mb.packed, mb.layout, window=mb.window, role="actor", temperature=temperature
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    starts = mb.packed.cu_seqlens.tolist()
+    traces: list[dict[tuple[int, str], Tensor]] = [{} for _ in samples]
+    for key, value in last.items():
+        rows = value.reshape(-1, value.shape[-1])  # [S, B, ...] or [S * B, ...]: row s * B + b
+        if key[1] == "experts":
+            rows = rows.sort(dim=-1).values
+        stream = router_rows_to_stream(rows.cpu(), mb.packed, mb.layout)
+        for i, sample in enumerate(samples):
+            traces[i][key] = stream[starts[i] : starts[i] + sample.total_length - 1]
+    return traces, [lp.detach().cpu() for lp in out.log_probs]
+
