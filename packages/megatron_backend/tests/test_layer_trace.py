@@ -18,7 +18,8 @@ def test_the_trace_is_the_log_prob_forward_and_matches_transformers_layer_by_lay
     from ember_megatron_backend.weights import export_hf_checkpoint
 
     # One micro-batch, as the trace forwards them.
-    worker = MegatronWorker(backend(micro_batch_size=8, num_steps_per_rollout=1), algorithm(), sampling(0.8))
+    config = backend(micro_batch_size=8, num_steps_per_rollout=1)
+    worker = MegatronWorker(config, algorithm(), sampling(0.8))
     samples = make_samples(2, seed=3, experts=False)
     traces, log_probs = worker.trace_layers(samples)
     scored = worker.prepare(0, samples).log_probs

@@ -130,4 +130,3 @@ def trace_forward(
         for i, sample in enumerate(samples):
             traces[i][key] = stream[starts[i] : starts[i] + sample.total_length - 1]
     return traces, [lp.detach().cpu() for lp in out.log_probs]
-

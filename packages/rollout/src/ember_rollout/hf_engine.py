@@ -645,9 +645,7 @@ class HFEngine(Engine):
             trace = LayerTrace(self.model, len(chunk))
             self._trace = trace
             try:
-                outputs = self._generate_chunk(
-                    requests, forced=[answer for _, answer in chunk]
-                )
+                outputs = self._generate_chunk(requests, forced=[answer for _, answer in chunk])
             finally:
                 self._trace = None
                 trace.close()

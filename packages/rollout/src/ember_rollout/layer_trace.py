@@ -3,12 +3,12 @@ while the embedded engine decodes (`HFEngine.trace`): the engine's side of `embe
 --layers`, which compares it with the trainer's forward op by op.
 
 Every family Ember serves builds its decoder layers alike (transformers 5.19): `input_layernorm`,
-`self_attn` (its output first in a tuple), `post_attention_layernorm`, `mlp` (an MoE block with a
-`gate` router returning (logits, weights, ids), or a dense MLP), the layer's output, and after the
-last layer the model's `norm`; the attention's output projection `o_proj` shows its input. Each of those modules gets a forward hook; the engine says after
-each forward which batch slot and which columns hold which sequence's positions
-(`LayerTrace.take`), so the positions of a sequence come out in order, as prefill and decode
-steps forwarded them.
+`self_attn` (its output first in a tuple; its output projection `o_proj` shows the heads'
+output as its input), `post_attention_layernorm`, `mlp` (an MoE block with a `gate` router
+returning (logits, weights, ids), or a dense MLP), the layer's output, and after the last layer
+the model's `norm`. Each of those modules gets a forward hook; the engine says after each forward
+which batch slot and which columns hold which sequence's positions (`LayerTrace.take`), so the
+positions of a sequence come out in order, as prefill and decode steps forwarded them.
 """
 
 from __future__ import annotations
@@ -81,9 +81,7 @@ class LayerTrace:
         """Hook `model` (until `close()`) for `sequences` sequences, numbered 0..sequences-1."""
         layers, norm = decoder_layers(model)
         self._last: dict[tuple[int, str], torch.Tensor] = {}
-        self._kept: list[dict[tuple[int, str], list[torch.Tensor]]] = [
-            {} for _ in range(sequences)
-        ]
+        self._kept: list[dict[tuple[int, str], list[torch.Tensor]]] = [{} for _ in range(sequences)]
         self._handles = []
         for index, layer in enumerate(layers):
             for op, name in _SUBMODULES.items():
