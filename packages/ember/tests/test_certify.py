@@ -100,6 +100,9 @@ def test_a_planted_fault_fails_its_row(tmp_path, fault, dtype):
     }.get(fault, set())
     assert others <= allowed, run.stdout
     assert set(verdicts.values()) <= {PASS, FAIL, REPORTED}, run.stdout
+    # Under R3 row 3's engine forward replays the rollout's experts, as the trainer's does.
+    [distribution] = [r for r in document["rows"] if r["row"] == "3"]
+    assert distribution["detail"] == "engine and trainer replay the rollout's experts"
 
 
 def test_a_reduced_matrix_writes_its_table(tmp_path):

@@ -10,7 +10,14 @@ from ember_runs import ember_command
 from test_certify_rows import nothing_starts  # noqa: F401 (a fixture)
 
 from ember.cli import USAGE_ERROR, main
-from ember.layer_compare import LAYERS_FILE, compare_traces, first_difference, layers_table
+from ember.layer_compare import (
+    LAYERS_FILE,
+    compare_traces,
+    first_difference,
+    layers_table,
+    one_sided,
+)
+from ember_rollout.layer_trace import FINAL_OPS, LAYER_OPS
 
 
 def test_ops_are_compared_bitwise_and_by_magnitude_in_forward_order():
@@ -51,12 +58,29 @@ def test_ops_are_compared_bitwise_and_by_magnitude_in_forward_order():
     assert layers_table(same, num_layers=2).endswith("every op is bitwise equal on both sides")
 
 
-def test_other_dtypes_are_never_bitwise_equal_and_positions_must_agree():
+def test_other_dtypes_are_never_bitwise_equal_and_say_so_and_positions_must_agree():
     a = torch.ones(2, 3)
     [diff] = compare_traces([{(0, "mlp"): a}], [{(0, "mlp"): a.double()}], [], [], num_layers=1)
-    assert (diff.equal, diff.max_abs) == (0, 0.0)
+    assert (diff.equal, diff.max_abs, diff.dtypes) == (0, 0.0, "float32 vs float64")
+    assert "(dtypes differ: float32 vs float64)" in layers_table([diff], num_layers=1)
     with pytest.raises(ValueError, match="sample 0: mlp of layer 0 covers 2 positions in the "):
         compare_traces([{(0, "mlp"): a}], [{(0, "mlp"): a[:1]}], [], [], num_layers=1)
+
+
+def test_values_that_are_not_finite_and_ops_of_one_side_are_shown():
+    a = torch.ones(2, 3)
+    b = a.clone()
+    b[1, 2] = float("nan")
+    [diff] = compare_traces([{(0, "mlp"): b}], [{(0, "mlp"): a}], [], [], num_layers=1)
+    assert diff.max_abs == float("inf") and diff.equal == 1
+    ours = [{(0, "mlp"): a, (0, "attention_core"): a}]
+    theirs = [{(0, "mlp"): a, (1, "router_logits"): a}]
+    unmatched = one_sided(ours, theirs)
+    assert unmatched == ["engine: layer 0 attention_core", "trainer: layer 1 router_logits"]
+    diffs = compare_traces(ours, theirs, [], [], num_layers=2)
+    assert [d.op for d in diffs] == ["mlp"]
+    table = layers_table(diffs, num_layers=2, unmatched=unmatched)
+    assert "recorded by one side only: engine: layer 0 attention_core; trainer: layer 1" in table
 
 
 @pytest.mark.parametrize(
@@ -67,6 +91,8 @@ def test_other_dtypes_are_never_bitwise_equal_and_positions_must_agree():
         (["--samples", "3"], "--samples"),
         (["--layers", "--samples", "0"], "--samples"),
         (["--layers", "--matrix"], "--matrix"),
+        (["--layers", "--plant", "temperature"], "--plant"),
+        (["--layers", "--set", "ray.data_parallel=2"], "ray.data_parallel=2"),
     ],
 )
 def test_what_the_comparison_cannot_do_is_one_line_before_anything_starts(
@@ -96,6 +122,16 @@ def test_the_default_run_names_the_first_op_where_engine_and_trainer_part(tmp_pa
     assert document["setup"]["samples"] == 3
     ops = {(op["layer"], op["op"]): op for op in document["ops"]}
     layers = document["setup"]["num_layers"]
+    # Every op of every layer on both sides (the default model is MoE in every layer).
+    assert document["one_sided"] == []
+    assert set(ops) == {(layer, op) for layer in range(layers) for op in LAYER_OPS} | {
+        (layers, op) for op in (*FINAL_OPS, "log_probs")
+    }
+    # The trace decodes rollout 0's tokens again: the figure against what the rollout reported.
+    again = document["redecode_vs_rollout"]
+    assert again["positions"] == document["setup"]["response_tokens"]
+    assert again["max_abs"] < 1e-5
+    assert "the engine's decode again against rollout 0's log-probs" in run.stdout
     # Both sides start from the same embedding, normed alike; the float32 figures stay small.
     assert ops[(0, "input_norm")]["equal"] == ops[(0, "input_norm")]["positions"]
     assert all(op["max_abs"] is None or op["max_abs"] < 1e-4 for op in document["ops"])

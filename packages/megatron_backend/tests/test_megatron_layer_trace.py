@@ -4,6 +4,7 @@ exported weights."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from megatron_samples import algorithm, backend, make_samples, sampling
 
@@ -41,3 +42,17 @@ def test_the_trace_is_the_log_prob_forward_and_matches_transformers_layer_by_lay
         experts = trace[(moe, "experts")]
         assert experts.shape == (tokens.shape[1], cfg.moe_router_topk)
         assert torch.all(experts[:, :-1] < experts[:, 1:])  # sorted ids, none twice
+
+
+def test_norms_fused_into_linear_layers_are_refused_by_name(dist_env):
+    """Transformer Engine's layer spec fuses the input norm into the attention's first linear
+    layer (an IdentityOp in its place): the trace would read the residual as the norm."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from ember_megatron_backend.layer_trace import trace_forward
+    from ember_megatron_backend.model import build_model
+
+    model = build_model(backend().model_config(), seed=1)
+    model.decoder.layers[0].input_layernorm = IdentityOp()
+    with pytest.raises(ValueError, match="layer 0: input_layernorm is fused into the next linear"):
+        trace_forward(model, make_samples(1, seed=1, experts=False), temperature=1.0)

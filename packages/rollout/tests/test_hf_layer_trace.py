@@ -60,10 +60,35 @@ def test_a_dense_model_records_no_router_rows():
     assert trace[(0, "attention_core")].shape[0] == len(PROMPTS[0]) + 2
 
 
+def test_rows_leaving_the_batch_and_a_stop_token_inside_an_answer_keep_their_positions():
+    """Answers of 1, 3 and 9 tokens, the batch compacted at every step, one answer holding the
+    end-of-sequence id in its middle (it is a forced token, not the end)."""
+    model = build_family_model("qwen3_moe", seed=4)
+    engine = HFEngine(HFEngineConfig(dtype="float32", compact_every=1), model=model)
+    eos = model.config.eos_token_id
+    sequences = [(PROMPTS[0], [5]), (PROMPTS[1], [6, eos, 7]), (PROMPTS[3], [8, 9, 1, 2, 3] * 2)]
+    sequences[2] = (PROMPTS[3], sequences[2][1][:9])
+    traces, log_probs = engine.trace(sequences, temperature=0.8)
+    for (prompt, answer), trace, traced in zip(sequences, traces, log_probs, strict=True):
+        tokens = torch.tensor([[*prompt, *answer]])
+        with torch.no_grad():
+            out = model(input_ids=tokens[:, :-1], output_hidden_states=True)
+        assert len(traced) == len(answer)
+        assert trace[(0, "layer")].shape[0] == tokens.shape[1] - 1
+        torch.testing.assert_close(trace[(1, "layer")], out.hidden_states[2][0])
+        rows = torch.log_softmax(out.logits[0, len(prompt) - 1 :].float() / 0.8, -1)
+        expected = rows.gather(1, tokens[0, len(prompt) :, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(traced), expected)
+
+
 def test_what_cannot_be_traced_is_named():
     engine = HFEngine(HFEngineConfig(dtype="float32"), model=build_family_model("mixtral"))
     with pytest.raises(EngineError, match="traced sequence 1: an empty response"):
         engine.trace([(PROMPTS[0], [3]), (PROMPTS[1], [])])
+    with pytest.raises(EngineError, match=r"traced sequence 0: response token ids \[999\] are "):
+        engine.trace([(PROMPTS[0], [3, 999])])
+    with pytest.raises(EngineError, match="traced sequence 0: 4 prompt and 5000 response tokens"):
+        engine.trace([(PROMPTS[0], [3] * 5000)])
 
     class NoLayers(torch.nn.Module):
         pass

@@ -765,8 +765,11 @@ class RolloutEngine:
                 routing = (
                     contextlib.nullcontext() if experts is None else replay_routing(model, experts)
                 )
-                with routing:
-                    logits = model(input_ids=tokens).logits[0].float()
+                try:
+                    with routing:
+                        logits = model(input_ids=tokens).logits[0].float()
+                except ValueError as exc:  # experts that do not fit: name the sample
+                    raise ValueError(f"sample {sample.index}: {exc}") from None
                 start = sample.total_length - sample.response_length - 1
                 rows = torch.log_softmax(logits[start:] / temperature, -1)
                 ids = rows.topk(min(k, rows.shape[-1]), dim=-1).indices

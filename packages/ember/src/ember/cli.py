@@ -102,6 +102,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_certify(args: argparse.Namespace) -> int:
     if args.samples is not None and (not args.layers or args.samples < 1):
         raise ValueError("--samples: a positive number of samples, with --layers")
+    if args.layers and args.plant:
+        raise ValueError("--plant checks the certificate's rows; --layers compares ops")
     if args.matrix:
         if args.layers:
             raise ValueError("--layers compares one setup; --matrix certifies many")
@@ -163,7 +165,7 @@ def certify_layers(config: Any, plugins: Any, count: int) -> int:
 
     driver = Driver(config, None, plugins)
     try:
-        diffs, scope = compare_layers(driver, count)
+        found = compare_layers(driver, count)
     except Exception as exc:
         line = driver.stopped_by(exc)
         if line is None:
@@ -171,14 +173,24 @@ def certify_layers(config: Any, plugins: Any, count: int) -> int:
         raise RunStopped(line) from exc
     finally:
         driver.shutdown()
+    scope = found.scope
     print(
         f"{scope['samples']} samples of rollout 0, {scope['positions']} positions "
         f"({scope['response_tokens']} sampled tokens); engine {scope['engine_dtype']}, "
         f"trainer {scope['train_dtype']}"
     )
-    print(layers_table(diffs, num_layers=scope["num_layers"]))
+    if found.redecode is not None:
+        again = found.redecode
+        print(
+            f"the engine's decode again against rollout 0's log-probs: {again.equal}/"
+            f"{again.positions} sampled tokens bitwise equal, max |diff| {again.max_abs:.3e}"
+        )
+    print(layers_table(found.diffs, num_layers=scope["num_layers"], unmatched=found.unmatched))
     setup = {**describe_setup(config), **scope}
-    print(f"layers: {write_layers(driver.run_dir, diffs, setup)}")
+    path = write_layers(
+        driver.run_dir, found.diffs, setup, unmatched=found.unmatched, redecode=found.redecode
+    )
+    print(f"layers: {path}")
     return 0
 
 

@@ -12,6 +12,7 @@ layers), MLP and output, then the final norm; the sampled tokens' log-probs clos
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +22,18 @@ import torch
 
 from ember_rollout.layer_trace import FINAL_OPS, LAYER_OPS
 
-__all__ = ["LAYERS_FILE", "OpDiff", "compare_traces", "first_difference", "layers_table"]
+__all__ = [
+    "LAYERS_FILE",
+    "LayerComparison",
+    "OpDiff",
+    "compare_layers",
+    "compare_traces",
+    "first_difference",
+    "layers_table",
+    "one_sided",
+    "refusal",
+    "write_layers",
+]
 
 LAYERS_FILE = "layers.json"
 """The comparison in the run directory."""
@@ -40,7 +52,10 @@ class OpDiff:
     equal: int
     """Positions whose values are bitwise equal on both sides (for `experts`: the same set)."""
     max_abs: float | None
-    """Largest |engine - trainer| over every element (None for `experts`)."""
+    """Largest |engine - trainer| over every element (None for `experts`; inf where either
+    side holds a value that is not finite)."""
+    dtypes: str | None = None
+    """"engine dtype vs trainer dtype" where they differ (then no position is bitwise equal)."""
 
     @property
     def exact(self) -> bool:
@@ -74,6 +89,10 @@ def compare_traces(
         if largest is not None:
             total["max_abs"] = max(total["max_abs"] or 0.0, largest)
 
+    def largest(a: torch.Tensor, b: torch.Tensor) -> float:
+        diff = (a.double() - b.double()).abs()
+        return float(torch.nan_to_num(diff, nan=math.inf).max())
+
     for index, (ours, theirs) in enumerate(zip(engine, trainer, strict=True)):
         for key in ours.keys() & theirs.keys():
             a, b = ours[key], theirs[key]
@@ -90,13 +109,34 @@ def compare_traces(
             else:
                 same_dtype = a.dtype == b.dtype
                 equal = (a == b).all(-1) if same_dtype else torch.zeros(len(a), dtype=torch.bool)
-                add(key, equal, float((a.double() - b.double()).abs().max()))
+                add(key, equal, largest(a, b))
+                if not same_dtype:
+                    totals[key]["dtypes"] = f"{_name(a.dtype)} vs {_name(b.dtype)}"
     for ours, theirs in zip(engine_log_probs, trainer_log_probs, strict=True):
         a = torch.tensor(list(ours), dtype=torch.float32)
         b = theirs.to(torch.float32)
         if len(a):
-            add((num_layers, LOG_PROBS), a == b, float((a.double() - b.double()).abs().max()))
+            add((num_layers, LOG_PROBS), a == b, largest(a, b))
     return [OpDiff(layer=k[0], op=k[1], **totals[k]) for k in _ordered_keys(set(totals))]
+
+
+def one_sided(
+    engine: Sequence[Mapping[tuple[int, str], torch.Tensor]],
+    trainer: Sequence[Mapping[tuple[int, str], torch.Tensor]],
+) -> list[str]:
+    """Ops only one side recorded ("engine: layer 2 router_logits"), which `compare_traces`
+    cannot compare."""
+    ours = {k for trace in engine for k in trace}
+    theirs = {k for trace in trainer for k in trace}
+    return [
+        f"{side}: layer {layer} {op}"
+        for side, keys in (("engine", ours - theirs), ("trainer", theirs - ours))
+        for layer, op in _ordered_keys(keys)
+    ]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def first_difference(diffs: Sequence[OpDiff]) -> OpDiff | None:
@@ -104,14 +144,18 @@ def first_difference(diffs: Sequence[OpDiff]) -> OpDiff | None:
     return next((d for d in diffs if not d.exact), None)
 
 
-def layers_table(diffs: Sequence[OpDiff], *, num_layers: int) -> str:
-    """One line per op: layer, op, positions bitwise equal, largest difference."""
+def layers_table(diffs: Sequence[OpDiff], *, num_layers: int, unmatched: Sequence[str] = ()) -> str:
+    """One line per op: layer, op, positions bitwise equal, largest difference (and the dtypes
+    where they differ); then the ops one side alone recorded, and the first difference."""
     lines = [f"{'layer':<6} {'op':<14} {'bitwise equal':>20} {'max |engine - trainer|':>24}"]
     for d in diffs:
         where = "final" if d.layer >= num_layers else str(d.layer)
         largest = "-" if d.max_abs is None else f"{d.max_abs:.3e}"
         share = f"{d.equal}/{d.positions}"
-        lines.append(f"{where:<6} {d.op:<14} {share:>20} {largest:>24}")
+        dtypes = f"  (dtypes differ: {d.dtypes})" if d.dtypes else ""
+        lines.append(f"{where:<6} {d.op:<14} {share:>20} {largest:>24}{dtypes}")
+    if unmatched:
+        lines.append(f"recorded by one side only: {'; '.join(unmatched)}")
     first = first_difference(diffs)
     if first is None:
         lines.append("every op is bitwise equal on both sides")
@@ -121,13 +165,23 @@ def layers_table(diffs: Sequence[OpDiff], *, num_layers: int) -> str:
     return "\n".join(lines)
 
 
-def write_layers(run_dir: Path, diffs: Sequence[OpDiff], setup: Mapping[str, Any]) -> Path:
-    """`layers.json` in the run directory: the setup, every op's figures, the first difference."""
+def write_layers(
+    run_dir: Path,
+    diffs: Sequence[OpDiff],
+    setup: Mapping[str, Any],
+    *,
+    unmatched: Sequence[str] = (),
+    redecode: OpDiff | None = None,
+) -> Path:
+    """`layers.json` in the run directory: the setup, every op's figures, the ops one side alone
+    recorded, the re-decode against the rollout, the first difference."""
     first = first_difference(diffs)
     path = Path(run_dir) / LAYERS_FILE
     document = {
         "setup": dict(setup),
         "ops": [asdict(d) for d in diffs],
+        "one_sided": list(unmatched),
+        "redecode_vs_rollout": None if redecode is None else asdict(redecode),
         "first_difference": None if first is None else asdict(first),
     }
     path.write_text(json.dumps(document, indent=2) + "\n")
@@ -142,25 +196,40 @@ def refusal(config: Any) -> str | None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel")
         if getattr(parallel, name, 1) > 1
     }
-    if sizes:
-        named = ", ".join(f"train.parallel.{k}={v}" for k, v in sizes.items())
-        return f"--layers compares one training rank with the engine; {named}"
+    named = [f"train.parallel.{k}={v}" for k, v in sizes.items()]
+    if config.ray.data_parallel > 1:
+        named.append(f"ray.data_parallel={config.ray.data_parallel}")
+    if named:
+        return f"--layers compares one training rank with the engine; {', '.join(named)}"
     if config.engine.kind != "hf":
         return (
-            "--layers reads every layer of the embedded engine (engine.kind=hf); an SGLang "
-            "server returns no per-layer states through its API (docs/true-on-policy.md says "
-            "what it can return)"
+            "--layers reads every op of the embedded engine (engine.kind=hf); an SGLang server "
+            "returns no op inside a layer through its API (docs/true-on-policy.md says what it "
+            "can return)"
         )
     return None
 
 
-def compare_layers(driver: Any, count: int) -> tuple[list[OpDiff], dict[str, Any]]:
-    """Build the run of `driver`, generate rollout 0 and trace its first `count` samples
-    through the engine's decode path and the trainer's forward.
+@dataclass(frozen=True, slots=True)
+class LayerComparison:
+    """What `compare_layers` measured."""
 
-    Returns:
-        The per-op figures and what was compared (samples, tokens, dtypes).
-    """
+    diffs: list[OpDiff]
+    """Per op, engine against trainer."""
+    unmatched: list[str]
+    """Ops one side alone recorded (`one_sided`)."""
+    redecode: OpDiff | None
+    """The traced decode's log-probs against those rollout 0 reported for the same tokens: the
+    trace decodes its samples in batches of its own, and where that changes a reduction the
+    engine's side of the comparison is not the rollout's. None where the samples carry no
+    engine log-probs."""
+    scope: dict[str, Any]
+    """Samples, positions, sampled tokens, dtypes, layers."""
+
+
+def compare_layers(driver: Any, count: int) -> LayerComparison:
+    """Build the run of `driver`, generate rollout 0 and trace its first `count` samples
+    through the engine's decode path and the trainer's forward."""
     from ember import calls
     from ember.certify import engine_dtype
 
@@ -183,6 +252,12 @@ def compare_layers(driver: Any, count: int) -> tuple[list[OpDiff], dict[str, Any
     [theirs] = calls.get([rank.trace_layers.remote(samples) for rank in driver.actors.train])
     num_layers = config.train.model_config().num_layers
     diffs = compare_traces(ours[0], theirs[0], ours[1], theirs[1], num_layers=num_layers)
+    unmatched = one_sided(ours[0], theirs[0])
+    reported = [s.rollout_log_probs for s in samples]
+    redecode = None
+    if all(r is not None for r in reported):
+        reported_tensors = [torch.tensor(r, dtype=torch.float32) for r in reported]
+        [redecode] = compare_traces([], [], ours[1], reported_tensors, num_layers=num_layers)
     scope = {
         "samples": len(samples),
         "positions": sum(s.total_length - 1 for s in samples),
@@ -191,4 +266,4 @@ def compare_layers(driver: Any, count: int) -> tuple[list[OpDiff], dict[str, Any
         "train_dtype": config.train.dtype,
         "num_layers": num_layers,
     }
-    return diffs, scope
+    return LayerComparison(diffs, unmatched, redecode, scope)

@@ -99,8 +99,18 @@ def trace_forward(
 
         return hook
 
+    from megatron.core.transformer.identity_op import IdentityOp
+
     for layer in decoder.layers:
         index = layer.layer_number - 1
+        norms = ("input_layernorm", "pre_mlp_layernorm")
+        fused = [name for name in norms if isinstance(getattr(layer, name), IdentityOp)]
+        if fused:
+            raise ValueError(
+                f"layer {index}: {', '.join(fused)} is fused into the next linear layer "
+                "(Transformer Engine's layer spec); the layer trace reads the local spec's "
+                "separate norms only"
+            )
         for op, name in _SUBMODULES.items():
             handles.append(getattr(layer, name).register_forward_hook(keep(index, op)))
         projection = layer.self_attention.linear_proj

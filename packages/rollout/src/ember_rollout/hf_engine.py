@@ -624,12 +624,24 @@ class HFEngine(Engine):
         """
         from ember_rollout.layer_trace import LayerTrace
 
-        empty = [i for i, (_, answer) in enumerate(sequences) if not answer]
-        if empty:
-            raise EngineError(f"traced sequence {empty[0]}: an empty response cannot be traced")
         if self.model is None:
             self.load()
-        assert self.model is not None
+        assert self.model is not None and self._info is not None
+        vocab, context = self._info.vocab_size, self._info.context_len
+        for i, (prompt, answer) in enumerate(sequences):
+            if not answer:
+                raise EngineError(f"traced sequence {i}: an empty response cannot be traced")
+            bad = [t for t in answer if not 0 <= t < vocab]
+            if bad:
+                raise EngineError(
+                    f"traced sequence {i}: response token ids {bad[:5]} are outside the "
+                    f"vocabulary [0, {vocab})"
+                )
+            if len(prompt) + len(answer) > context:
+                raise EngineError(
+                    f"traced sequence {i}: {len(prompt)} prompt and {len(answer)} response "
+                    f"tokens exceed the model's context length {context}"
+                )
         traces, log_probs = [], []
         size = self.config.max_batch_size
         for start in range(0, len(sequences), size):
@@ -637,7 +649,11 @@ class HFEngine(Engine):
             requests = [
                 GenerateRequest(
                     input_ids=list(prompt),
-                    sampling=SamplingParams(temperature=temperature, max_new_tokens=len(answer)),
+                    # Seeded: the tokens are forced, and the engine's own seed stream is left
+                    # as it was for the rollouts that follow.
+                    sampling=SamplingParams(
+                        temperature=temperature, max_new_tokens=len(answer), seed=0
+                    ),
                     name=f"traced sequence {start + i}",
                 )
                 for i, (prompt, answer) in enumerate(chunk)

@@ -130,6 +130,8 @@ class LayerTrace:
             # Routers see [batch * width, ...]; the other ops [batch, width, ...].
             rows = value.reshape(batch, width, *value.shape[(1 if key[1] in _FLAT else 2) :])
             for sequence, slot, first in slots:
+                if sequence < 0:  # a row of the batch that is not traced
+                    continue
                 self._kept[sequence].setdefault(key, []).append(rows[slot, first:].cpu())
         self._last.clear()
 
