@@ -35,6 +35,10 @@ def test_a_trace_decodes_as_the_rollout_did_and_records_every_layer(model_type):
         moe = [layer for layer in range(NUM_LAYERS) if (layer, "experts") in trace]
         assert moe
         assert torch.equal(trace[(moe[0], "experts")], output.routed_experts[:, moe[0]].long())
+    # Recording only the first two decodes every sequence all the same.
+    kept, again = engine.trace(sequences, temperature=0.9, keep=2)
+    assert again == log_probs and len(kept) == 2
+    assert all(torch.equal(kept[1][k], traces[1][k]) for k in traces[1])
     # Every position forwarded, in order: close to one forward of the whole sequence.
     for (prompt, answer), trace in zip(sequences, traces, strict=True):
         tokens = torch.tensor([[*prompt, *answer[:-1]]])

@@ -777,12 +777,13 @@ class RolloutEngine:
         return out
 
     def trace_layers(
-        self, sequences: list[tuple[list[int], list[int]]], temperature: float
+        self, sequences: list[tuple[list[int], list[int]]], temperature: float, keep: int
     ) -> tuple[list[dict[tuple[int, str], torch.Tensor]], list[list[float]]] | None:
         """`HFEngine.trace`: (prompt, response) pairs decoded as a rollout decodes them, every
-        layer recorded; None where the engine's model is not in this process (SGLang)."""
+        layer of the first `keep` recorded; None where the engine's model is not in this
+        process (SGLang)."""
         trace = getattr(self.engine, "trace", None)
-        return None if trace is None else trace(sequences, temperature)
+        return None if trace is None else trace(sequences, temperature, keep=keep)
 
     def loaded_model_path(self) -> bool:
         """Whether the engine loaded `model_path` itself when it started (not an attached

@@ -219,10 +219,11 @@ class LayerComparison:
     unmatched: list[str]
     """Ops one side alone recorded (`one_sided`)."""
     redecode: OpDiff | None
-    """The traced decode's log-probs against those rollout 0 reported for the same tokens: the
-    trace decodes its samples in batches of its own, and where that changes a reduction the
-    engine's side of the comparison is not the rollout's. None where the samples carry no
-    engine log-probs."""
+    """The traced decode's log-probs of every sample of rollout 0 against those the rollout
+    reported for the same tokens: the trace decodes them all in rollout 0's order, and where its
+    batches are not the rollout's (a rollout generated over several calls, refilled groups) and
+    that changes a reduction, the engine's side of the comparison is not the rollout's. None
+    where the samples carry no engine log-probs."""
     scope: dict[str, Any]
     """Samples, positions, sampled tokens, dtypes, layers."""
 
@@ -238,22 +239,27 @@ def compare_layers(driver: Any, count: int) -> LayerComparison:
     driver.start()
     driver.build()
     driver.load_initial_weights()
-    samples = [s for s in driver.loop.take(0).samples if s.response_length > 0][:count]
+    # Every sample is decoded again, in rollout 0's order, so that the engine's batches are
+    # the rollout's where it generated them in one call; the first `count` are recorded.
+    everything = [s for s in driver.loop.take(0).samples if s.response_length > 0]
+    samples = everything[:count]
     if not samples:
         raise ValueError("rollout 0 has no sample with a response to compare")
     sequences = [
         (s.tokens[: s.total_length - s.response_length], s.tokens[-s.response_length :])
-        for s in samples
+        for s in everything
     ]
     engine = driver.actors.engines[0]
-    ours = calls.get(engine.trace_layers.remote(sequences, config.rollout.temperature))
+    temperature = config.rollout.temperature
+    ours = calls.get(engine.trace_layers.remote(sequences, temperature, len(samples)))
     if ours is None:  # `refusal` says this before anything starts
         raise ValueError("the engine cannot trace its layers")
     [theirs] = calls.get([rank.trace_layers.remote(samples) for rank in driver.actors.train])
     num_layers = config.train.model_config().num_layers
-    diffs = compare_traces(ours[0], theirs[0], ours[1], theirs[1], num_layers=num_layers)
+    traced_log_probs = ours[1][: len(samples)]
+    diffs = compare_traces(ours[0], theirs[0], traced_log_probs, theirs[1], num_layers=num_layers)
     unmatched = one_sided(ours[0], theirs[0])
-    reported = [s.rollout_log_probs for s in samples]
+    reported = [s.rollout_log_probs for s in everything]
     redecode = None
     if all(r is not None for r in reported):
         reported_tensors = [torch.tensor(r, dtype=torch.float32) for r in reported]

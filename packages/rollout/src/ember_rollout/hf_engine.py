@@ -612,15 +612,18 @@ class HFEngine(Engine):
         self,
         sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float = 1.0,
+        *,
+        keep: int | None = None,
     ) -> tuple[list[dict[tuple[int, str], torch.Tensor]], list[list[float]]]:
         """Decode each (prompt, response) pair as a rollout decodes, `max_batch_size` at a
         time, taking the response's tokens instead of sampling them, and record what every
-        layer computes (`layer_trace.LayerTrace`).
+        layer computes (`layer_trace.LayerTrace`) for the first `keep` pairs (default: all).
+        Every pair is decoded, so the batches are those a rollout of all of them decodes.
 
         Returns:
-            Per sequence, (layer, op) -> [positions, ...] over the len(prompt) + len(response)
-            - 1 positions forwarded, and the log-prob of each response token at
-            `temperature`, as a rollout reports it.
+            For each kept pair, (layer, op) -> [positions, ...] over the len(prompt) +
+            len(response) - 1 positions forwarded, and for every pair the log-prob of each
+            response token at `temperature`, as a rollout reports it.
         """
         from ember_rollout.layer_trace import LayerTrace
 
@@ -642,42 +645,47 @@ class HFEngine(Engine):
                     f"traced sequence {i}: {len(prompt)} prompt and {len(answer)} response "
                     f"tokens exceed the model's context length {context}"
                 )
-        traces, log_probs = [], []
+        kept = len(sequences) if keep is None else max(0, min(keep, len(sequences)))
+        log_probs: list[list[float]] = []
         size = self.config.max_batch_size
-        for start in range(0, len(sequences), size):
-            chunk = sequences[start : start + size]
-            requests = [
-                GenerateRequest(
-                    input_ids=list(prompt),
-                    # Seeded: the tokens are forced, and the engine's own seed stream is left
-                    # as it was for the rollouts that follow.
-                    sampling=SamplingParams(
-                        temperature=temperature, max_new_tokens=len(answer), seed=0
-                    ),
-                    name=f"traced sequence {start + i}",
-                )
-                for i, (prompt, answer) in enumerate(chunk)
-            ]
-            trace = LayerTrace(self.model, len(chunk))
-            self._trace = trace
-            try:
-                outputs = self._generate_chunk(requests, forced=[answer for _, answer in chunk])
-            finally:
-                self._trace = None
-                trace.close()
-            traces += trace.result()
-            log_probs += [out.output_log_probs for out in outputs]
-        return traces, log_probs
+        trace = LayerTrace(self.model, kept)
+        self._trace = trace
+        try:
+            for start in range(0, len(sequences), size):
+                chunk = sequences[start : start + size]
+                requests = [
+                    GenerateRequest(
+                        input_ids=list(prompt),
+                        # Seeded: the tokens are forced, and the engine's own seed stream is
+                        # left as it was for the rollouts that follow.
+                        sampling=SamplingParams(
+                            temperature=temperature, max_new_tokens=len(answer), seed=0
+                        ),
+                        name=f"traced sequence {start + i}",
+                    )
+                    for i, (prompt, answer) in enumerate(chunk)
+                ]
+                numbers = [i if i < kept else -1 for i in range(start, start + len(chunk))]
+                forced = [answer for _, answer in chunk]
+                outputs = self._generate_chunk(requests, forced=forced, traced=numbers)
+                log_probs += [out.output_log_probs for out in outputs]
+        finally:
+            self._trace = None
+            trace.close()
+        return trace.result(), log_probs
 
     @torch.inference_mode()
     def _generate_chunk(
-        self, requests: list[GenerateRequest], forced: Sequence[Sequence[int]] | None = None
+        self,
+        requests: list[GenerateRequest],
+        forced: Sequence[Sequence[int]] | None = None,
+        traced: Sequence[int] | None = None,
     ) -> list[GenerateOutput]:
         started = time.perf_counter()
         assert self.model is not None and self._info is not None
         rows = [self._new_row(r) for r in requests]
-        for index, (row, answer) in enumerate(zip(rows, forced or (), strict=False)):
-            row.forced, row.traced = list(answer), index
+        for row, answer, number in zip(rows, forced or (), traced or (), strict=False):
+            row.forced, row.traced = list(answer), number
             row.stop_ids, row.max_new_tokens = frozenset(), len(answer)
         capture = None
         if any(r.wants_routed_experts for r in requests) and self._moe_sites:
@@ -744,6 +752,7 @@ class HFEngine(Engine):
                 [
                     (r.traced, b, width - lengths[b] + self._trace.positions(r.traced))
                     for r, b in zip(rows, source, strict=True)
+                    if r.traced >= 0
                 ],
                 len(sequences),
                 width,
