@@ -7,8 +7,9 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -16,6 +17,8 @@ from ember.quiet import VERBOSE_ENV, quiet_libraries
 from ember.startup import mark, mark_process_start
 from ember.upcycle import DEFAULT_EXPERTS, DEFAULT_NOISE, DEFAULT_ROUTER_STD, DEFAULT_TOP_K
 from ember_core.certify import Fault
+
+T = TypeVar("T")
 
 USAGE_ERROR = 2
 RUN_ERROR = 1
@@ -131,11 +134,22 @@ def cmd_certify(args: argparse.Namespace) -> int:
             "fault %r planted: the certificate must fail (ember_core.certify.Fault)", args.plant
         )
     from ember.certify import certify
+
+    rows, driver = _certifying(config, plugins, certify)
+    print(table(rows))
+    path = write_certificate(driver.run_dir, rows, describe_setup(config))
+    print(f"certificate: {path}")
+    return 0 if passed(rows) else RUN_ERROR
+
+
+def _certifying(config: Any, plugins: Any, measure: Callable[[Any], T]) -> tuple[T, Any]:
+    """`measure(driver)` over a `Driver` of `config`, which is shut down afterwards; a failure
+    the driver can name becomes its one line (`RunStopped`)."""
     from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
 
     driver = Driver(config, None, plugins)
     try:
-        rows = certify(driver)
+        return measure(driver), driver
     except Exception as exc:
         line = driver.stopped_by(exc)
         if line is None:
@@ -143,10 +157,6 @@ def cmd_certify(args: argparse.Namespace) -> int:
         raise RunStopped(line) from exc
     finally:
         driver.shutdown()
-    print(table(rows))
-    path = write_certificate(driver.run_dir, rows, describe_setup(config))
-    print(f"certificate: {path}")
-    return 0 if passed(rows) else RUN_ERROR
 
 
 LAYER_SAMPLES = 4
@@ -161,18 +171,7 @@ def certify_layers(config: Any, plugins: Any, count: int) -> int:
     why = refusal(config)
     if why is not None:
         raise ValueError(why)
-    from ember.driver import Driver  # imports Ray: only once the inputs are known to be good
-
-    driver = Driver(config, None, plugins)
-    try:
-        found = compare_layers(driver, count)
-    except Exception as exc:
-        line = driver.stopped_by(exc)
-        if line is None:
-            raise
-        raise RunStopped(line) from exc
-    finally:
-        driver.shutdown()
+    found, driver = _certifying(config, plugins, lambda d: compare_layers(d, count))
     scope = found.scope
     print(
         f"{scope['samples']} samples of rollout 0, {scope['positions']} positions "
