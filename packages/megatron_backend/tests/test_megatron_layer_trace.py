@@ -18,11 +18,12 @@ def test_the_trace_is_the_log_prob_forward_and_matches_transformers_layer_by_lay
 
     from ember_megatron_backend.weights import export_hf_checkpoint
 
-    # One micro-batch, as the trace forwards them.
-    config = backend(micro_batch_size=8, num_steps_per_rollout=1)
+    # Two optimizer steps of micro-batches of 2 (shuffled): the trace runs prepare's plan.
+    config = backend(micro_batch_size=2, num_steps_per_rollout=2, shuffle_mini_batches=True)
     worker = MegatronWorker(config, algorithm(), sampling(0.8))
-    samples = make_samples(2, seed=3, experts=False)
-    traces, log_probs = worker.trace_layers(samples)
+    samples = make_samples(3, seed=3, experts=False)
+    traces, log_probs = worker.trace_layers(0, samples, keep=4)
+    assert len(traces) == 4 and len(log_probs) == len(samples)
     scored = worker.prepare(0, samples).log_probs
     for traced, old in zip(log_probs, scored, strict=True):
         assert torch.equal(traced, old)  # the forward the old log-probs come from
@@ -30,7 +31,7 @@ def test_the_trace_is_the_log_prob_forward_and_matches_transformers_layer_by_lay
     cfg = backend().model_config()
     export_hf_checkpoint(worker.actor, cfg, tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    for sample, trace in zip(samples, traces, strict=True):
+    for sample, trace in zip(samples[:4], traces, strict=True):
         tokens = torch.tensor([sample.tokens[:-1]])
         with torch.no_grad():
             hidden = model(input_ids=tokens, output_hidden_states=True).hidden_states

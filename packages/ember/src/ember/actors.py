@@ -270,10 +270,11 @@ class TrainRank:
         return self.worker.log_probs_at(samples, ids)
 
     def trace_layers(
-        self, samples: list[Sample]
+        self, rollout_id: int, samples: list[Sample], keep: int
     ) -> tuple[list[dict[tuple[int, str], torch.Tensor]], list[torch.Tensor]]:
-        """`MegatronWorker.trace_layers`: every layer of the actor's forward of `samples`."""
-        return self.worker.trace_layers(samples)
+        """`MegatronWorker.trace_layers`: the old-log-prob forward of rollout `rollout_id`'s
+        samples, every layer of the first `keep` recorded."""
+        return self.worker.trace_layers(rollout_id, samples, keep)
 
     def weights_digests(self, dtype: str | None = None) -> dict[str, tuple[list[int], str]]:
         """The shape and SHA-256 (`tensor_digest`) of each tensor of the actor's weights under

@@ -254,10 +254,15 @@ def compare_layers(driver: Any, count: int) -> LayerComparison:
     ours = calls.get(engine.trace_layers.remote(sequences, temperature, len(samples)))
     if ours is None:  # `refusal` says this before anything starts
         raise ValueError("the engine cannot trace its layers")
-    [theirs] = calls.get([rank.trace_layers.remote(samples) for rank in driver.actors.train])
+    # The trainer forwards every sample too, in the micro-batches its old-log-prob pass uses.
+    ranks = driver.actors.train
+    [theirs] = calls.get([rank.trace_layers.remote(0, everything, len(samples)) for rank in ranks])
     num_layers = config.train.model_config().num_layers
     traced_log_probs = ours[1][: len(samples)]
-    diffs = compare_traces(ours[0], theirs[0], traced_log_probs, theirs[1], num_layers=num_layers)
+    trainer_log_probs = theirs[1][: len(samples)]
+    diffs = compare_traces(
+        ours[0], theirs[0], traced_log_probs, trainer_log_probs, num_layers=num_layers
+    )
     unmatched = one_sided(ours[0], theirs[0])
     reported = [s.rollout_log_probs for s in everything]
     redecode = None

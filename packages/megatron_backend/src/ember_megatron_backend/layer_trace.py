@@ -52,22 +52,31 @@ def trace_forward(
     *,
     temperature: float,
     context: Any = None,
+    plan: Sequence[tuple[Sequence[int], Any]] | None = None,
+    keep: int | None = None,
 ) -> tuple[list[dict[tuple[int, str], Tensor]], list[Tensor]]:
-    """One forward of `samples` as one packed micro-batch (the old-log-prob pass's forward),
-    with every layer's ops recorded.
+    """Forward `samples` micro-batch by micro-batch, as the old-log-prob pass does, with every
+    layer's ops recorded for the first `keep` samples.
 
     Args:
         model: The actor (one rank, no pipeline parallelism).
         samples: The samples.
         temperature: The rollout temperature of the log-probs.
-        context: Called with the micro-batch, returns a context manager the forward runs in
+        context: Called with each micro-batch, returns a context manager its forward runs in
             (the plugins' forward context: routing replay among them).
+        plan: (sample indices, padded layout or None) per micro-batch, in order; default one
+            micro-batch of every sample.
+        keep: Samples whose ops are kept (default: all).
 
     Returns:
-        Per sample, (layer, op) -> [T_i - 1, ...] over the positions that predict a token, in
-        `ember_rollout.layer_trace`'s names (the final norm's layer is the number of layers;
-        `experts` as sorted ids), and the sampled tokens' log-probs.
+        For each of the first `keep` samples, (layer, op) -> [T_i - 1, ...] over the positions
+        that predict a token, in `ember_rollout.layer_trace`'s names (the final norm's layer is
+        the number of layers; `experts` as sorted ids); and every sample's log-probs.
+
+    Raises:
+        ValueError: A norm is fused into the next linear layer (Transformer Engine's spec).
     """
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.moe.router import TopKRouter
 
     from ember_megatron_backend.batches import pack_micro_batch
@@ -78,7 +87,7 @@ def trace_forward(
     last: dict[tuple[int, str], Tensor] = {}
     handles = []
 
-    def keep(layer: int, op: str):
+    def keep_output(layer: int, op: str):
         def hook(module: Any, args: Any, output: Any) -> None:
             last[(layer, op)] = _output(output).detach().clone()  # later ops add in place
 
@@ -99,8 +108,6 @@ def trace_forward(
 
         return hook
 
-    from megatron.core.transformer.identity_op import IdentityOp
-
     for layer in decoder.layers:
         index = layer.layer_number - 1
         norms = ("input_layernorm", "pre_mlp_layernorm")
@@ -112,31 +119,49 @@ def trace_forward(
                 "separate norms only"
             )
         for op, name in _SUBMODULES.items():
-            handles.append(getattr(layer, name).register_forward_hook(keep(index, op)))
+            handles.append(getattr(layer, name).register_forward_hook(keep_output(index, op)))
         projection = layer.self_attention.linear_proj
         handles.append(projection.register_forward_pre_hook(keep_input(index, "attention_core")))
         router = getattr(layer.mlp, "router", None)
         if isinstance(router, TopKRouter):
             handles.append(router.register_forward_hook(route(index)))
-        handles.append(layer.register_forward_hook(keep(index, "layer")))
+        handles.append(layer.register_forward_hook(keep_output(index, "layer")))
     num_layers = inner.config.num_layers
-    handles.append(decoder.final_layernorm.register_forward_hook(keep(num_layers, "final_norm")))
-    mb = pack_micro_batch(model, list(samples), list(range(len(samples))))
+    final = decoder.final_layernorm.register_forward_hook(keep_output(num_layers, "final_norm"))
+    handles.append(final)
+    kept = len(samples) if keep is None else keep
+    traces: list[dict[tuple[int, str], Tensor]] = [{} for _ in range(min(kept, len(samples)))]
+    log_probs: list[Tensor | None] = [None] * len(samples)
     try:
-        with torch.no_grad(), context(mb) if context is not None else contextlib.nullcontext():
-            out = score_batch(
-                model, mb.packed, mb.layout, window=mb.window, role="actor", temperature=temperature
-            )
+        for indices, layout in plan or [(range(len(samples)), None)]:
+            mb = pack_micro_batch(model, list(samples), list(indices), layout)
+            with torch.no_grad(), context(mb) if context is not None else contextlib.nullcontext():
+                out = score_batch(
+                    model,
+                    mb.packed,
+                    mb.layout,
+                    window=mb.window,
+                    role="actor",
+                    temperature=temperature,
+                )
+            for i, values in zip(mb.indices, out.log_probs, strict=True):
+                log_probs[i] = values.detach().cpu()
+            starts = mb.packed.cu_seqlens.tolist()
+            for key, value in last.items():
+                # [S, B, ...] or [S * B, ...]: row s * B + b, as the routers see them.
+                rows = value.reshape(-1, value.shape[-1])
+                if key[1] == "experts":
+                    rows = rows.sort(dim=-1).values
+                stream = router_rows_to_stream(rows.cpu(), mb.packed, mb.layout)
+                for k, i in enumerate(mb.indices):
+                    if i < kept:
+                        length = samples[i].total_length - 1
+                        traces[i][key] = stream[starts[k] : starts[k] + length]
+            last.clear()
     finally:
         for handle in handles:
             handle.remove()
-    starts = mb.packed.cu_seqlens.tolist()
-    traces: list[dict[tuple[int, str], Tensor]] = [{} for _ in samples]
-    for key, value in last.items():
-        rows = value.reshape(-1, value.shape[-1])  # [S, B, ...] or [S * B, ...]: row s * B + b
-        if key[1] == "experts":
-            rows = rows.sort(dim=-1).values
-        stream = router_rows_to_stream(rows.cpu(), mb.packed, mb.layout)
-        for i, sample in enumerate(samples):
-            traces[i][key] = stream[starts[i] : starts[i] + sample.total_length - 1]
-    return traces, [lp.detach().cpu() for lp in out.log_probs]
+    missing = [i for i, values in enumerate(log_probs) if values is None]
+    if missing:
+        raise ValueError(f"the plan leaves samples {missing[:5]} out")
+    return traces, log_probs  # type: ignore[return-value]

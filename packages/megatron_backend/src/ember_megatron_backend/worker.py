@@ -278,21 +278,7 @@ class MegatronWorker:
                 "from other weights (ember.config.check_dump_audit refuses one)"
             )
         score_actor = not self.algorithm.use_rollout_log_probs or audit
-        steps = plan_steps(
-            samples,
-            self.config.num_steps_per_rollout,
-            micro_batch_size=self.config.micro_batch_size,
-            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
-            group=dp_group,
-            strict_counts=ps.get_expert_model_parallel_world_size() > 1,
-            order=(
-                shuffled_order(len(samples), self.config.seed, rollout_id)
-                if self.config.shuffle_mini_batches
-                else None
-            ),
-            by_length=self.config.micro_batches_by_length,
-        )
-        layouts = plan_layouts(self.actor, samples, steps, dp_group)
+        steps, layouts = self._plan(rollout_id, samples)
         routing = None
         if has_experts and score_actor:
             routing = torch.zeros(len(samples), 4, dtype=torch.float64)
@@ -455,24 +441,62 @@ class MegatronWorker:
             self.actor, samples, ids, temperature=self.sampling.temperature, context=context
         )
 
+    def _plan(
+        self, rollout_id: int, samples: Sequence[Sample]
+    ) -> tuple[list[list[list[int]]], list[list[Any]] | None]:
+        """The optimizer steps' micro-batches of `samples` (sample indices) and their padded
+        layouts, as `prepare` scores and `train` trains them (collective over data parallel)."""
+        from megatron.core import parallel_state as ps
+
+        dp_group = ps.get_data_parallel_group()
+        steps = plan_steps(
+            samples,
+            self.config.num_steps_per_rollout,
+            micro_batch_size=self.config.micro_batch_size,
+            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
+            group=dp_group,
+            strict_counts=ps.get_expert_model_parallel_world_size() > 1,
+            order=(
+                shuffled_order(len(samples), self.config.seed, rollout_id)
+                if self.config.shuffle_mini_batches
+                else None
+            ),
+            by_length=self.config.micro_batches_by_length,
+        )
+        return steps, plan_layouts(self.actor, samples, steps, dp_group)
+
     def trace_layers(
-        self, samples: Sequence[Sample]
+        self, rollout_id: int, samples: Sequence[Sample], keep: int
     ) -> tuple[list[dict[tuple[int, str], Tensor]], list[Tensor]]:
-        """The actor's forward of `samples` as one micro-batch, every layer's ops recorded, at
-        the rollout temperature, inside the plugins' old-log-prob forward context (routing
-        replay among them): `layer_trace.trace_forward`. One rank without pipeline stages."""
+        """The old-log-prob forward of rollout `rollout_id`'s `samples`, micro-batch by
+        micro-batch as `prepare` runs it, at the rollout temperature, inside the plugins'
+        forward context (routing replay among them), with every layer's ops recorded for the
+        first `keep` samples: `layer_trace.trace_forward`. One rank without pipeline stages.
+
+        Returns:
+            The traces of the first `keep` samples, and every sample's log-probs (those
+            `prepare` computes, bit for bit).
+        """
         from ember_megatron_backend.layer_trace import trace_forward
 
         if dist.get_world_size() > 1:
             raise ValueError(
                 "the layer trace runs on one training rank (train.parallel: every size 1)"
             )
+        steps, layouts = self._plan(rollout_id, samples)
+        plan = [mb for step in steps for mb in step]
+        flat = [layout for step in layouts for layout in step] if layouts else [None] * len(plan)
 
         def context(mb: Any) -> Any:
             return self.plugins.forward_context(Role.ACTOR, Phase.LOG_PROB, mb)
 
         return trace_forward(
-            self.actor, samples, temperature=self.sampling.temperature, context=context
+            self.actor,
+            samples,
+            temperature=self.sampling.temperature,
+            context=context,
+            plan=list(zip(plan, flat, strict=True)),
+            keep=keep,
         )
 
     def log_rollout_data(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
