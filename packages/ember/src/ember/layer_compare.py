@@ -1,12 +1,13 @@
 """`ember certify --layers`: the engine's decode path against the trainer's forward, layer by
 layer and op by op, bitwise and by magnitude, and the first op where the two part.
 
-The engine decodes each sampled sequence again as a rollout decodes it (prefill of the prompt,
-then one token per step from its KV cache, the sequences batched as the engine batches them),
-taking the sampled tokens instead of drawing new ones (`HFEngine.trace`); the trainer runs its
-old-log-prob forward of the same samples (`MegatronWorker.trace_layers`). Both record every
-decoder layer's input norm, attention, pre-MLP norm, router logits and chosen experts (MoE
-layers), MLP and output, then the final norm; the sampled tokens' log-probs close the list.
+The engine decodes every sample of rollout 0 again as a rollout decodes it (prefill of the
+prompts, then one token per step from its KV cache, in the rollout's order and batches), taking
+the sampled tokens instead of drawing new ones (`HFEngine.trace`); the trainer runs its
+old-log-prob pass over the same samples in `prepare`'s micro-batches
+(`MegatronWorker.trace_layers`). Both record, for the first N samples, every decoder layer's
+input norm, attention, pre-MLP norm, router logits and chosen experts (MoE layers), MLP and
+output, then the final norm; the sampled tokens' log-probs close the list.
 """
 
 from __future__ import annotations
