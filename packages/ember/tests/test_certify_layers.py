@@ -133,8 +133,11 @@ def test_the_default_run_names_the_first_op_where_engine_and_trainer_part(tmp_pa
     assert again["positions"] > document["setup"]["response_tokens"]  # all 8 samples
     assert again["equal"] == again["positions"] and again["max_abs"] == 0.0
     assert "the engine's decode again against rollout 0's log-probs" in run.stdout
-    # Both sides start from the same embedding, normed alike; the float32 figures stay small.
-    assert ops[(0, "input_norm")]["equal"] == ops[(0, "input_norm")]["positions"]
+    # Both sides start from the same embedding, normed alike to within float32 rounding (bit for
+    # bit on an AMD EPYC; two RMSNorm kernels need not agree to the bit on every processor); the
+    # float32 figures stay small.
+    assert ops[(0, "input_norm")]["max_abs"] < 1e-5
+    assert ops[(0, "input_norm")]["positions"] == document["setup"]["positions"]
     assert all(op["max_abs"] is None or op["max_abs"] < 1e-4 for op in document["ops"])
     assert ops[(layers, "log_probs")]["positions"] == document["setup"]["response_tokens"]
     first = document["first_difference"]

@@ -784,6 +784,7 @@ class HFEngine(Engine):
         draw carry the weight version in force during that pass."""
         model, device, gate = self.model, self._device, self._gate
         live = list(range(len(rows)))  # batch slot -> row index
+        forcing = any(row.forced is not None for row in rows)  # `trace` only
         with gate.step() as epoch:
             logits_BV, mask, last_positions, cache = self._prefill(rows, capture)
             version = self.weight_version
@@ -795,7 +796,7 @@ class HFEngine(Engine):
             active = [s for s, i in enumerate(live) if rows[i].finish is None]
             sampled_from = filter_log_probs(log_probs[active], top_k[active], top_p[active])
             tokens = sample_tokens(sampled_from, [rows[live[s]].generator for s in active])
-            for j, s in enumerate(active):
+            for j, s in enumerate(active if forcing else ()):
                 row = rows[live[s]]
                 if row.forced is not None:
                     tokens[j] = row.forced[len(row.output_ids)]
