@@ -252,6 +252,16 @@ class SamplingConfig:
     one between decode steps, SGLang servers paused in place around each update (launched
     without the radix cache; attached ones must run with --disable-radix-cache)."""
 
+    true_on_policy: bool = False
+    """The embedded engine and the trainer compute with the same batch-invariant kernels
+    (`ember_core.exact`: linear layers, RMSNorm, attention), so the engine samples with exactly
+    the log-probs the trainer computes for the same weights: 0 difference, bit for bit, not a
+    small one. Needs `engine.kind: hf`, the same dtype on both sides (`engine.hf.dtype`,
+    `train.dtype`) and no model parallelism; the engine's packed linear layers and
+    `engine.hf.attn_implementation` give way to the mode's kernels. Each side checks at start
+    that this machine's matrix products are batch-invariant and refuses to run if not.
+    docs/true-on-policy.md has what it costs."""
+
     def __post_init__(self) -> None:
         check(self.rollout_batch_size >= 1, "rollout_batch_size", self.rollout_batch_size, ">= 1")
         check(

@@ -633,6 +633,8 @@ class RolloutEngine:
         engine = build_engine(engine_config, plugins=self.plugins)
         if self.partial_rollouts:  # engines of `PARTIAL_ROLLOUT_ENGINES` only
             engine.partial_rollouts = True
+        if self.config.rollout.true_on_policy:  # the embedded engine only (`check_true_on_policy`)
+            engine.true_on_policy = True
         return engine
 
     def launch(self, source: str) -> None:

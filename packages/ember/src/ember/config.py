@@ -518,6 +518,7 @@ def load_config(
     resolve_tis(run_config.algorithm, run_config.rollout)
     check_engine_log_probs(run_config)
     check_partial_rollouts(run_config)
+    check_true_on_policy(run_config)
     weight_transport(run_config)
     from ember.layout import plan_layout
 
@@ -587,6 +588,50 @@ def check_partial_rollouts(config: RunConfig) -> None:
             "set rollout.partial_rollouts=false (rollouts ahead then finish before each push) "
             f"or engine.kind={PARTIAL_ROLLOUT_ENGINES[0]}"
         )
+
+
+def check_true_on_policy(config: RunConfig) -> None:
+    """Refuse `rollout.true_on_policy` where engine and trainer cannot run the same kernels.
+
+    Raises:
+        ValueError: One line naming the keys and values.
+    """
+    if not config.rollout.true_on_policy:
+        return
+    engine, train = config.engine, config.train
+    why = None
+    if engine.kind != "hf":
+        why = (
+            f"engine.kind={engine.kind}: only the embedded engine (hf) runs the trainer's "
+            "batch-invariant kernels"
+        )
+    elif engine.hf.dtype != train.dtype:
+        why = (
+            f"engine.hf.dtype={engine.hf.dtype} with train.dtype={train.dtype}: the two sides "
+            "compute bit for bit alike only in one dtype; set both to float32 or bfloat16"
+        )
+    else:
+        parallel = train.parallel
+        split = {
+            name: getattr(parallel, name)
+            for name in (
+                "tensor_parallel",
+                "pipeline_parallel",
+                "expert_parallel",
+                "context_parallel",
+            )
+            if getattr(parallel, name) != 1
+        }
+        if split:
+            named = ", ".join(f"train.parallel.{k}={v}" for k, v in split.items())
+            why = f"{named}: the mode runs the model whole on each rank (layout 1)"
+        elif train.model_config().is_moe:
+            why = (
+                f"train.model={train.model_config().family}: mixture-of-experts layers have no "
+                "batch-invariant kernel yet; dense models only"
+            )
+    if why is not None:
+        raise ValueError(f"rollout.true_on_policy=true with {why}")
 
 
 def check_debug_halves(config: RunConfig, plugins: EmberPlugins | None = None) -> None:

@@ -647,6 +647,9 @@ def _sdpa_attention() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SDPAttention(DotProductAttention):
+        exact = False
+        """Compute with `ember_core.exact.attention` (set by `exact_megatron`)."""
+
         def __init__(
             self,
             *args: Any,
@@ -680,6 +683,8 @@ def _sdpa_attention() -> type:
                 scale *= self.layer_number  # the local softmax multiplies the divisor back
             # [s, b, heads, d] -> [b, heads, s, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            if self.exact:  # `rollout.true_on_policy` (`true_on_policy.exact_megatron`)
+                return self._exact(q, k, v, attention_mask, scale)
             context = F.scaled_dot_product_attention(
                 q,
                 k,
@@ -693,6 +698,23 @@ def _sdpa_attention() -> type:
             )
             # [b, heads, s, d] -> [s, b, heads * d]
             return context.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
+
+        def _exact(
+            self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, scale: float
+        ) -> Tensor:
+            from ember_core import exact
+
+            width = q.shape[2]
+            causal = torch.ones(width, width, dtype=torch.bool, device=q.device).triu(1)
+            masks = None if attention_mask is None else attention_mask.reshape(-1, width, width)
+            if masks is not None and not torch.equal(masks, causal.expand_as(masks)):
+                raise ValueError(
+                    "rollout.true_on_policy: attention takes right-padded samples under one "
+                    "causal mask"
+                )
+            starts = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+            context = exact.attention(q, k, v, key_starts=starts, scale=scale)
+            return context.permute(2, 0, 1, 3).reshape(width, q.shape[0], -1)
 
     _SDPA_ATTENTION = SDPAttention
     return SDPAttention

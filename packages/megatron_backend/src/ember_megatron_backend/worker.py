@@ -192,13 +192,21 @@ class MegatronWorker:
         return ref
 
     def _build(self, role: Role) -> Any:
-        return build_model(
+        model = build_model(
             self.model_config,
             critic=role == Role.CRITIC,
             dtype=self.config.torch_dtype,
             seed=self.config.seed,
             adjust_config=lambda tc: self.plugins.model_config(role, tc),
         )
+        if self.sampling.true_on_policy and role != Role.CRITIC:
+            from ember_core import exact
+            from ember_megatron_backend.true_on_policy import exact_megatron, linear_shapes
+
+            exact_megatron(model)
+            parameter = next(model.parameters())
+            exact.check_linear(linear_shapes(model), parameter.dtype, parameter.device)
+        return model
 
     @staticmethod
     def _parallel_layout() -> dict[str, int]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from ember_core import exact
 from ember_rollout.config import HFEngineConfig
 from ember_rollout.engine import (
     ENGINES,
@@ -170,6 +171,7 @@ class HFEngine(Engine):
         model: nn.Module | None = None,
         seed: int = 0,
         partial_rollouts: bool = False,
+        true_on_policy: bool = False,
     ) -> None:
         """Create the engine; the model is loaded by `start()` unless given.
 
@@ -181,11 +183,15 @@ class HFEngine(Engine):
             partial_rollouts: Take weight updates while `generate` runs, between decode steps
                 (`rollout.partial_rollouts`; see the class docstring). Set it before the first
                 `generate`.
+            true_on_policy: Compute with the batch-invariant kernels the trainer also runs
+                (`rollout.true_on_policy`, `ember_rollout.true_on_policy`); linear weights
+                are then never packed. Set it before the model loads.
         """
         self.config = config or HFEngineConfig()
         self.model = model
         self._seeds = random.Random(seed)
         self.partial_rollouts = partial_rollouts
+        self.true_on_policy = true_on_policy
         self._lock = asyncio.Lock()
         self._gate = WeightGate()
         self._warned_fields: set[str] = set()
@@ -235,11 +241,17 @@ class HFEngine(Engine):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = model.to(device)
-        if cfg.pack_linears:
+        if cfg.pack_linears and not self.true_on_policy:
             pack_linears(model, batch_hint=cfg.max_batch_size)
         self._adopt(model)
 
     def _adopt(self, model: nn.Module) -> None:
+        if self.true_on_policy:
+            from ember_rollout.true_on_policy import exact_model, linear_shapes
+
+            exact_model(model)
+            parameter = next(model.parameters())
+            exact.check_linear(linear_shapes(model), parameter.dtype, parameter.device)
         self.model = model.eval()
         self._info = model_info(model)
         self._moe_sites = find_routers(model)
