@@ -22,6 +22,8 @@ whichever batch it sits in:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -43,15 +45,24 @@ def key_span(position: torch.Tensor | int) -> torch.Tensor | int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` whose rows do not depend on how many rows come with them (differentiable)."""
+    """`F.linear` whose rows do not depend on how many rows come with them (differentiable).
+
+    Fewer than `ROW_TILE` rows are padded with zero rows, and a weight of fewer than
+    `ROW_TILE` outputs with zero outputs (a product with one output column is a matrix-vector
+    product, whose sums follow the row count).
+    """
     rows = x.reshape(-1, x.shape[-1])
-    short = ROW_TILE - rows.shape[0]
-    if short > 0:
-        rows = torch.cat([rows, rows.new_zeros(short, rows.shape[1])])
+    num_rows, outputs = rows.shape[0], weight.shape[0]
+    if num_rows < ROW_TILE:
+        rows = torch.cat([rows, rows.new_zeros(ROW_TILE - num_rows, rows.shape[1])])
+    if outputs < ROW_TILE:
+        weight = torch.cat([weight, weight.new_zeros(ROW_TILE - outputs, weight.shape[1])])
+        if bias is not None:
+            bias = torch.cat([bias, bias.new_zeros(ROW_TILE - outputs)])
     out = F.linear(rows, weight, bias)
-    if short > 0:
-        out = out[: ROW_TILE - short]
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    if num_rows < ROW_TILE or outputs < ROW_TILE:
+        out = out[:num_rows, :outputs]
+    return out.reshape(*x.shape[:-1], outputs)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,18 +154,99 @@ def attention(
 
 
 def check_linear(shapes: set[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> None:
-    """Check that `linear` gives each row the same bits alone as in a large batch, for the
-    [in, out] weight shapes a model uses; raise `ExactModeError` naming the first that does not.
-    """
+    """Check that `linear` gives each row the same bits whatever rows come with it, for the
+    [in, out] weight shapes a model uses: every row count up to a tile and some above, the first
+    and the last rows of a larger batch, and the batch shuffled. Raise `ExactModeError` naming the first
+    shape and row count that differ."""
     generator = torch.Generator().manual_seed(0)
     for n_in, n_out in sorted(shapes):
         weight = torch.randn(n_out, n_in, generator=generator).to(dtype=dtype, device=device)
-        x = torch.randn(200, n_in, generator=generator).to(dtype=dtype, device=device)
+        x = torch.randn(3 * ROW_TILE, n_in, generator=generator).to(dtype=dtype, device=device)
         full = linear(x, weight)
-        for rows in (1, 3, ROW_TILE, ROW_TILE + 1, 2 * ROW_TILE + 5):
-            if not torch.equal(linear(x[-rows:], weight), full[-rows:]):
+        shuffle = torch.randperm(len(x), generator=generator).to(device)
+        checks = [(len(x), torch.equal(linear(x[shuffle], weight), full[shuffle]))]
+        for rows in (*range(1, ROW_TILE + 2), 2 * ROW_TILE - 1, 2 * ROW_TILE + 1):
+            checks.append((rows, torch.equal(linear(x[:rows], weight), full[:rows])))
+            checks.append((rows, torch.equal(linear(x[-rows:], weight), full[-rows:])))
+        for rows, same in checks:
+            if not same:
                 raise ExactModeError(
-                    f"rollout.true_on_policy: on this machine a {rows}-row product with a "
-                    f"[{n_out}, {n_in}] {dtype} weight on {device} is not the same bits as the "
-                    "same rows in a 200-row batch; the kernels are not batch-invariant here"
+                    f"rollout.true_on_policy: on this machine {rows} rows times a "
+                    f"[{n_out}, {n_in}] {dtype} weight on {device} are not the same bits as "
+                    f"those rows among {len(x)}; its matrix products are not batch-invariant"
                 )
+
+
+def route(
+    logits: torch.Tensor,
+    topk: int,
+    *,
+    score: str,
+    norm_topk_prob: bool,
+    scaling: float = 1.0,
+    expert_bias: torch.Tensor | None = None,
+    num_groups: int = 0,
+    group_topk: int = 0,
+) -> torch.Tensor:
+    """The experts a router picks from its fp32 `logits` [T, E]: ids [T, topk].
+
+    "softmax": the top-k of the softmax. "sigmoid": the top-k of sigmoid(logits) + `expert_bias`
+    among the best `group_topk` of `num_groups` groups (each scored by its two best experts),
+    as DeepSeek-V3 and GLM-4.5 route. `norm_topk_prob` and `scaling` only weigh (`route_weights`).
+    """
+    if score == "softmax":
+        return torch.topk(logits.softmax(-1), topk, dim=-1).indices
+    choice = logits.sigmoid()
+    if expert_bias is not None:
+        choice = choice + expert_bias.float()
+    if num_groups and group_topk:
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, num_groups, experts // num_groups)
+        best = torch.topk(grouped.topk(2, dim=-1).values.sum(-1), group_topk, dim=-1).indices
+        keep = torch.zeros(tokens, num_groups, dtype=torch.bool, device=logits.device)
+        keep.scatter_(1, best, True)
+        keep = keep[:, :, None].expand_as(grouped).reshape(tokens, experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    return torch.topk(choice, topk, dim=-1).indices
+
+
+def route_weights(
+    logits: torch.Tensor, ids: torch.Tensor, *, score: str, norm_topk_prob: bool, scaling: float
+) -> torch.Tensor:
+    """The weights [T, k] (fp32) of experts `ids` from the router's fp32 `logits` [T, E]: the
+    softmax (or sigmoid) at the ids, renormalised over them under `norm_topk_prob` (the sigmoid's
+    with 1e-20 in the sum), times `scaling`. The same for chosen and replayed ids."""
+    if score == "softmax":
+        weights = logits.softmax(-1).gather(1, ids)
+        if norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+    else:
+        weights = logits.sigmoid().gather(1, ids)
+        if norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling if scaling != 1.0 else weights
+
+
+def experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: Sequence[torch.Tensor],
+    down: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """Routed SwiGLU experts, summed per token in ascending expert order (differentiable).
+
+    Args:
+        x: Tokens [T, H].
+        ids: Each token's experts [T, k] (any order).
+        weights: Their weights [T, k]; cast to x's dtype before they multiply.
+        gate_up: Per expert, the [2F, H] weight of its gate (first F rows) and up projections.
+        down: Per expert, the [H, F] weight of its down projection.
+    """
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        tokens, slots = (ids == expert).nonzero(as_tuple=True)
+        gate, up = linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, down[expert])
+        out = out.index_add(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
+    return out

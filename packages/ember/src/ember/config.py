@@ -625,11 +625,6 @@ def check_true_on_policy(config: RunConfig) -> None:
         if split:
             named = ", ".join(f"train.parallel.{k}={v}" for k, v in split.items())
             why = f"{named}: the mode runs the model whole on each rank (layout 1)"
-        elif train.model_config().is_moe:
-            why = (
-                f"train.model={train.model_config().family}: mixture-of-experts layers have no "
-                "batch-invariant kernel yet; dense models only"
-            )
     if why is not None:
         raise ValueError(f"rollout.true_on_policy=true with {why}")
 

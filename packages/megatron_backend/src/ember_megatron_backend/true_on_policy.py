@@ -35,6 +35,120 @@ class ExactRMSNorm(nn.RMSNorm):
         return exact.rms_norm(x, self.weight, eps)
 
 
+_EXACT_CLASSES: dict[type, type] = {}
+
+
+def _exact_class(cls: type, methods: dict[str, Any]) -> type:
+    if cls not in _EXACT_CLASSES:
+        _EXACT_CLASSES[cls] = type(f"Exact{cls.__name__}", (cls,), methods)
+    return _EXACT_CLASSES[cls]
+
+
+def _router_gating(self: Any, input: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits [tokens, E] from the weight as the engine holds it (rounded to the
+    activations' dtype), through `exact.linear`."""
+    rows = input.reshape(-1, input.shape[-1])
+    return exact.linear(rows.float(), self.weight.to(rows.dtype).float())
+
+
+def _router_rule(self: Any) -> dict[str, Any]:
+    config = self.config
+    return {
+        "score": self.score_function,
+        "norm_topk_prob": self.score_function == "sigmoid" or not config.moe_router_pre_softmax,
+        "scaling": config.moe_router_topk_scaling_factor or 1.0,
+    }
+
+
+def _router_routing(
+    self: Any, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`exact.route` and `exact.route_weights` for the experts chosen, or replayed where
+    megatron-core's `RouterReplay` replays: probs [tokens, E] (zero off the chosen experts) and
+    the routing map."""
+    config = self.config
+    logits = logits.view(-1, config.num_moe_experts)
+    rule = _router_rule(self)
+    # The engine holds the bias as a buffer of the model's dtype.
+    bias = None if self.expert_bias is None else self.expert_bias.to(config.params_dtype)
+
+    def choose(scores: torch.Tensor, topk: int, num_groups=None, group_topk=None):
+        ids = exact.route(
+            logits,
+            topk,
+            score=rule["score"],
+            norm_topk_prob=rule["norm_topk_prob"],
+            expert_bias=bias,
+            num_groups=num_groups or 0,
+            group_topk=group_topk or 0,
+        )
+        return None, ids
+
+    groups = (config.moe_router_num_groups, config.moe_router_group_topk)
+    if self.router_replay is not None:
+        _, ids = self.router_replay.get_replay_topk(logits, self.topk, *groups, choose)
+    else:
+        _, ids = choose(logits, self.topk, *groups)
+    weights = exact.route_weights(logits, ids, **rule)
+    probs = torch.zeros_like(logits).scatter(1, ids, weights)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, True)
+    return probs, routing_map
+
+
+def _moe_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    intermediate_tensors: Any = None,
+    padding_mask: Any = None,
+) -> tuple[torch.Tensor, None]:
+    """The MoE layer through `exact.experts`: route, then every routed expert of every token
+    summed in ascending expert order, then the shared experts added."""
+    shared = self.shared_experts_compute(hidden_states)
+    probs, routing_map = self.route(hidden_states, padding_mask)
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+    ids = routing_map.nonzero()[:, 1].view(rows.shape[0], -1)  # ascending per token
+    local = self.experts.local_experts
+    out = exact.experts(
+        rows,
+        ids,
+        probs.gather(1, ids),
+        [e.linear_fc1.weight for e in local],
+        [e.linear_fc2.weight for e in local],
+    ).view_as(hidden_states)
+    return (out if shared is None else out + shared), None
+
+
+def _shared_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Shared experts, their sigmoid gate (Qwen2-MoE) through `exact.linear`."""
+    from megatron.core.transformer.mlp import MLP
+
+    output, _ = MLP.forward(self, hidden_states)
+    if self.use_shared_expert_gate:
+        output = output * torch.sigmoid(exact.linear(hidden_states, self.gate_weight))
+    return output
+
+
+def _check_moe(name: str, layer: Any) -> None:
+    config = layer.config
+    why = None
+    if layer.router.is_aux_loss_enabled() or config.moe_z_loss_coeff:
+        why = "an auxiliary or z-loss on the router (model.moe_aux_loss_coeff)"
+    elif config.moe_expert_capacity_factor is not None:
+        why = "token dropping (moe_expert_capacity_factor)"
+    elif config.moe_input_jitter_eps:
+        why = "router input jitter"
+    elif layer.router.routing_type != "aux_loss" and layer.router.routing_type != "none":
+        why = f"routing_type={layer.router.routing_type}"
+    elif not hasattr(layer.experts, "local_experts") or config.num_moe_experts != len(
+        layer.experts.local_experts
+    ):
+        why = "experts split over ranks or grouped in one weight"
+    elif config.activation_func is not torch.nn.functional.silu or not config.gated_linear_unit:
+        why = "experts other than SwiGLU"
+    if why is not None:
+        raise ValueError(f"rollout.true_on_policy: {name} has {why}, which this mode does not run")
+
+
 def exact_megatron(model: nn.Module) -> nn.Module:
     """Make `model`'s linear layers, RMSNorms and attention core the batch-invariant kernels.
 
@@ -42,12 +156,24 @@ def exact_megatron(model: nn.Module) -> nn.Module:
         ValueError: A layer or setting this mode has no batch-invariant kernel for, named.
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     from ember_megatron_backend.model import _sdpa_attention
 
     attention = _sdpa_attention()
     for name, module in model.named_modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        if isinstance(module, MoELayer):
+            _check_moe(name, module)
+            module.__class__ = _exact_class(type(module), {"forward": _moe_forward})
+        elif isinstance(module, SharedExpertMLP):
+            module.__class__ = _exact_class(type(module), {"forward": _shared_forward})
+        elif isinstance(module, TopKRouter):
+            module.__class__ = _exact_class(
+                type(module), {"gating": _router_gating, "routing": _router_routing}
+            )
+        elif isinstance(module, ColumnParallelLinear | RowParallelLinear):
             if module.tp_group is not None and module.tp_group.size() > 1:
                 raise ValueError(
                     f"rollout.true_on_policy: {name} is split over {module.tp_group.size()} "

@@ -26,19 +26,6 @@ class ExactLinear(nn.Linear):
         return exact.linear(input, self.weight, self.bias)
 
 
-def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return exact.rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-_NORM_CLASSES: dict[type, type] = {}
-
-
-def _exact_norm_class(cls: type) -> type:
-    if cls not in _NORM_CLASSES:
-        _NORM_CLASSES[cls] = type(f"Exact{cls.__name__}", (cls,), {"forward": _norm_forward})
-    return _NORM_CLASSES[cls]
-
-
 def exact_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -75,6 +62,86 @@ def exact_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+_CLASSES: dict[type, type] = {}
+
+
+def _exact_class(cls: type, methods: dict[str, object]) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Exact{cls.__name__}", (cls,), methods)
+    return _CLASSES[cls]
+
+
+def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return exact.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _router_forward(
+    self: nn.Module, hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 logits, fp32 weights, ids) by `exact.route` and `exact.route_weights`."""
+    rows = hidden_states.reshape(-1, self.weight.shape[1])
+    logits = exact.linear(rows.float(), self.weight.to(rows.dtype).float())
+    score = self.ember_router_scores
+    norm = getattr(self, "norm_topk_prob", True)  # Mixtral's router always renormalises
+    bias = getattr(self, "e_score_correction_bias", None)
+    ids = exact.route(
+        logits,
+        self.top_k,
+        score=score,
+        norm_topk_prob=norm,
+        expert_bias=None if bias is None else bias.to(rows.dtype),
+        num_groups=getattr(self, "num_group", 0) or 0,
+        group_topk=getattr(self, "topk_group", 0) or 0,
+    )
+    scaling = float(getattr(self, "routed_scaling_factor", 1.0) or 1.0)
+    weights = exact.route_weights(logits, ids, score=score, norm_topk_prob=norm, scaling=scaling)
+    return logits, weights, ids
+
+
+def _experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    return exact.experts(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj
+    )
+
+
+def _exact_moe(model: nn.Module) -> None:
+    """Routers and experts of every MoE layer through `exact.route`/`route_weights`/`experts`."""
+    from ember_rollout.families import FAMILIES
+    from ember_rollout.models import find_routers
+
+    sites = find_routers(model)
+    if not sites:
+        return
+    config = getattr(model.config, "text_config", None) or model.config
+    family = FAMILIES.get(getattr(config, "model_type", ""))
+    if family is None:
+        raise ValueError(
+            f"rollout.true_on_policy: the MoE routers of {', '.join(FAMILIES)} are known; the "
+            f"model's model_type is {getattr(config, 'model_type', None)!r}"
+        )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"rollout.true_on_policy: experts with hidden_act={config.hidden_act!r}; SwiGLU only"
+        )
+    for site in sites:
+        router, experts = site.router, site.experts
+        if not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj"):
+            raise ValueError(
+                f"rollout.true_on_policy: layer {site.layer}'s experts hold no fused "
+                "gate_up_proj/down_proj weights"
+            )
+        router.__class__ = _exact_class(
+            type(router),
+            {"forward": _router_forward, "ember_router_scores": family.router_scores},
+        )
+        experts.__class__ = _exact_class(type(experts), {"forward": _experts_forward})
+
+
 def exact_model(model: nn.Module) -> nn.Module:
     """Make `model`'s linear layers, RMSNorms and attention the batch-invariant kernels.
 
@@ -84,6 +151,7 @@ def exact_model(model: nn.Module) -> nn.Module:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, exact_attention)
+    _exact_moe(model)
     for name, module in model.named_modules():
         cls = type(module)
         if isinstance(module, nn.Linear):
@@ -91,7 +159,7 @@ def exact_model(model: nn.Module) -> nn.Module:
                 raise ValueError(f"rollout.true_on_policy: {name} is a {cls.__name__}")
             module.__class__ = ExactLinear
         elif cls.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.__class__ = _exact_norm_class(cls)
+            module.__class__ = _exact_class(cls, {"forward": _norm_forward})
         elif isinstance(module, nn.LayerNorm | nn.Conv1d | nn.Conv2d):
             raise ValueError(f"rollout.true_on_policy: {name} is a {cls.__name__}")
     model.set_attn_implementation(ATTENTION)
