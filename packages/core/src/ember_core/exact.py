@@ -155,9 +155,9 @@ def attention(
 
 def check_linear(shapes: set[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> None:
     """Check that `linear` gives each row the same bits whatever rows come with it, for the
-    [in, out] weight shapes a model uses: every row count up to a tile and some above, the first
-    and the last rows of a larger batch, and the batch shuffled. Raise `ExactModeError` naming the first
-    shape and row count that differ."""
+    [in, out] weight shapes a model uses: every row count up to a tile and some above, the
+    first and the last rows of a larger batch, and the batch shuffled. Raise `ExactModeError`
+    naming the first shape and row count that differ."""
     generator = torch.Generator().manual_seed(0)
     for n_in, n_out in sorted(shapes):
         weight = torch.randn(n_out, n_in, generator=generator).to(dtype=dtype, device=device)
