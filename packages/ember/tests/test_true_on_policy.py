@@ -124,7 +124,18 @@ def _differences(worker, samples) -> tuple[int, int, float]:
 
 @pytest.mark.slow  # ~5 s a case on 2 shared cores: a worker, an export and 24 decode steps
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-dense"])
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "tiny-llama",
+        "tiny-dense",
+        "tiny-moe",
+        "tiny-qwen2-moe",
+        "tiny-mixtral",
+        "tiny-deepseek-v3",
+        "tiny-glm4-moe",
+    ],
+)
 def test_the_engines_log_probs_are_the_trainers_bit_for_bit(trainers, preset, dtype):
     worker, path = trainers(preset, dtype)
     samples = _rollouts(_engine(path, dtype, true_on_policy=True))
@@ -182,9 +193,10 @@ def test_true_on_policy_refuses_settings_the_two_sides_cannot_match_in(overrides
 
 
 @pytest.mark.parametrize(
-    ("preset", "dtype"), [("tiny-dense", "float32"), ("tiny-llama", "bfloat16")]
+    ("preset", "dtype"),
+    [("tiny-dense", "float32"), ("tiny-llama", "bfloat16"), ("tiny-moe", "bfloat16")],
 )
-def test_a_dense_model_with_one_dtype_on_both_sides_loads(preset, dtype):
+def test_a_model_with_one_dtype_on_both_sides_loads(preset, dtype):
     config, _ = load_config(
         "default",
         overrides=[
@@ -200,4 +212,3 @@ def test_a_dense_model_with_one_dtype_on_both_sides_loads(preset, dtype):
         dtype,
         dtype,
     )
-    assert not config.train.model_config().is_moe

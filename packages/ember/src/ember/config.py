@@ -624,7 +624,7 @@ def check_true_on_policy(config: RunConfig) -> None:
         }
         if split:
             named = ", ".join(f"train.parallel.{k}={v}" for k, v in split.items())
-            why = f"{named}: the mode runs the model whole on each rank (layout 1)"
+            why = f"{named}: the mode runs the model whole on each rank (layout 1); set it to 1"
     if why is not None:
         raise ValueError(f"rollout.true_on_policy=true with {why}")
 
