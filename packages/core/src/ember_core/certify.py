@@ -162,9 +162,24 @@ def reference_source(
     return source
 
 
-def mismatch_ceiling(engine_dtype: str | None, trainer_dtype: str | None) -> MismatchBars:
+EXACT_BARS = MismatchBars(
+    mean=0.0,
+    max=0.0,
+    kl_mean=0.0,
+    kl_max=0.0,
+    why="rollout.true_on_policy: the engine and the trainer run the same batch-invariant kernels",
+)
+"""Under `rollout.true_on_policy`: no difference at all (docs/true-on-policy.md)."""
+
+
+def mismatch_ceiling(
+    engine_dtype: str | None, trainer_dtype: str | None, *, exact: bool = False
+) -> MismatchBars:
     """The bars (`MismatchBars`) of a setup whose engine computes in `engine_dtype` (None:
-    unknown, an attached server's) and trainer in `trainer_dtype` (None: float32)."""
+    unknown, an attached server's) and trainer in `trainer_dtype` (None: float32); `exact`
+    (`rollout.true_on_policy`) bars every difference."""
+    if exact:
+        return EXACT_BARS
     if engine_dtype == "float32" and trainer_dtype in (None, "float32"):
         return FP32_BARS
     sides = f"engine dtype {engine_dtype or 'unknown'}, trainer dtype {trainer_dtype or 'float32'}"

@@ -468,7 +468,9 @@ class Certifier:
         """The reference's own checkpoint, where it is not the actor's start (row 6)."""
         self.readable = config.engine.kind == "hf"
         """The engine's tensors can be read (the embedded engine; not an SGLang server)."""
-        self.bars = mismatch_ceiling(engine_dtype(config), config.train.dtype)
+        self.bars = mismatch_ceiling(
+            engine_dtype(config), config.train.dtype, exact=config.rollout.true_on_policy
+        )
         self.k = min(TOP_K, self.model.vocab_size)
 
     def rows(self) -> list[Row]:

@@ -23,9 +23,10 @@ class KLCheckerConfig:
     0.1)."""
     train_rollout_logprob_max_abs_diff_threshold: float | None = None
     """Largest rollout/train_rollout_logprob_max_abs_diff (the per-token maximum of |trainer -
-    engine| log-prob at audits) that passes; null: 5e-4 when the engine (the embedded one, or
-    launched SGLang servers) and the trainer both compute in float32, 2.0 otherwise (the
-    per-token bars of `ember certify`, measured on SmolLM2: docs/certify.md)."""
+    engine| log-prob at audits) that passes; null: 0 under `rollout.true_on_policy`, 5e-4 when
+    the engine (the embedded one, or launched SGLang servers) and the trainer both compute in
+    float32, 2.0 otherwise (the per-token bars of `ember certify`, measured on SmolLM2:
+    docs/certify.md)."""
     recorded_routing_agreement_min: float = 0.5
     """Smallest rollout/routing_agreement that passes at audits under routing replay: the
     share of (token, MoE layer) routings where the trainer's own top-k expert set, before

@@ -572,7 +572,8 @@ def max_ceiling(config: Any, section: KLCheckerConfig) -> tuple[float, str]:
     if section.train_rollout_logprob_max_abs_diff_threshold is not None:
         value = section.train_rollout_logprob_max_abs_diff_threshold
         return value, f"{SECTION}.train_rollout_logprob_max_abs_diff_threshold={value:g}"
-    bars = mismatch_ceiling(engine_dtype(config), _get(_get(config, "train"), "dtype"))
+    exact = bool(_get(_get(config, "rollout"), "true_on_policy"))
+    bars = mismatch_ceiling(engine_dtype(config), _get(_get(config, "train"), "dtype"), exact=exact)
     return bars.max, bars.why
 
 
