@@ -105,6 +105,43 @@ def test_a_planted_fault_fails_its_row(tmp_path, fault, dtype):
     assert distribution["detail"] == "engine and trainer replay the rollout's experts"
 
 
+EXACT_ROWS = ("2", "3", "7.2", "7.3")
+"""The rows that compare the engine's log-probs with the trainer's: exactly 0 under
+`rollout.true_on_policy`."""
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("plant", [False, True], ids=["exact", "ordinary-kernel"])
+def test_true_on_policy_certifies_zero_difference_and_an_ordinary_kernel_fails_it(
+    tmp_path, dtype, plant
+):
+    """Every row applies (R3, a reference, temperature 0.7); the rows comparing engine and
+    trainer measure exactly 0, and with the engine's attention swapped back to SDPA
+    (`--plant ordinary-kernel`) they fail while every other row holds."""
+    planted = ["--plant", Fault.ORDINARY_KERNEL.value] if plant else []
+    mode = ["--set", "rollout.true_on_policy=true"]
+    run, document = certify(tmp_path, *planted, *mode, *EVERY_ROW, *DTYPES[dtype])
+    rows = {r["row"]: r for r in document["rows"]}
+    verdicts = {row: r["verdict"] for row, r in rows.items()}
+    if not plant:
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        for row in EXACT_ROWS:
+            assert rows[row]["measured"].startswith("mean 0.00e+00, max 0.00e+00"), run.stdout
+        assert "mean <= 0, max <= 0 (rollout.true_on_policy" in rows["2"]["bar"]
+        # R3 off or on, the routers choose as the engine did: agreement without replay is 1.
+        assert rows["4"]["measured"].startswith("without replay 1.0000"), run.stdout
+        assert set(verdicts.values()) == {PASS}, run.stdout
+        return
+    assert run.returncode == RUN_ERROR, run.stdout[-3000:] + run.stderr[-3000:]
+    assert {row for row, v in verdicts.items() if v == FAIL} == set(EXACT_ROWS), run.stdout
+
+
+def test_the_ordinary_kernel_plant_needs_the_mode(tmp_path):
+    run, document = certify(tmp_path, "--plant", Fault.ORDINARY_KERNEL.value)
+    assert run.returncode != 0 and not document
+    assert "set rollout.true_on_policy=true" in run.stdout + run.stderr
+
+
 def test_a_reduced_matrix_writes_its_table(tmp_path):
     """Two setups of `--matrix`: a dense model under TP 2 and an MoE model under EP 2."""
     out = tmp_path / "certification.md"

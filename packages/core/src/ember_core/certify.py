@@ -99,6 +99,11 @@ class Fault(enum.StrEnum):
     STALE_VERSION = "stale-version"
     """The engine takes the pushed weights but keeps its old weight version: "weight version"
     after the update fails."""
+    ORDINARY_KERNEL = "ordinary-kernel"
+    """Under `rollout.true_on_policy`, the embedded engine's attention is transformers' SDPA
+    again instead of the batch-invariant kernel the trainer runs: "sampled tokens" fails, and
+    so do the distribution rows and both after the update (every row barring any difference).
+    """
 
 
 def planted(fault: Fault) -> bool:

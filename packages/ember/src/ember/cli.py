@@ -117,7 +117,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(given)}: options of --matrix")
     from ember.certify import describe_setup, passed, run_overrides, table, write_certificate
     from ember.config import check_inputs, load_config
-    from ember_core.certify import PLANT_ENV
+    from ember_core.certify import PLANT_ENV, Fault
 
     config, _ = load_config(args.config, overrides=args.set, plugins=args.plugins)
     data = run_overrides(config)
@@ -128,6 +128,11 @@ def cmd_certify(args: argparse.Namespace) -> int:
     mark("driver", "config loaded and checked")
     if args.layers:
         return certify_layers(config, plugins, args.samples or LAYER_SAMPLES)
+    if args.plant == Fault.ORDINARY_KERNEL and not config.rollout.true_on_policy:
+        raise ValueError(
+            f"--plant {args.plant}: swaps a kernel of rollout.true_on_policy back; set "
+            "rollout.true_on_policy=true"
+        )
     if args.plant:
         os.environ[PLANT_ENV] = args.plant
         logging.getLogger("ember").warning(

@@ -601,9 +601,16 @@ def check_true_on_policy(config: RunConfig) -> None:
     engine, train = config.engine, config.train
     why = None
     if engine.kind != "hf":
+        # sglang 0.5.23: --enable-deterministic-inference makes a server batch-invariant with
+        # its own Triton/DeepGEMM kernels, CUDA only (srt/batch_invariant_ops/
+        # batch_invariant_ops.py 252-340, 1010-1036), which sum in other orders than the
+        # trainer's; megatron-core 0.16.1's batch-invariant mode imports Transformer Engine
+        # unconditionally (transformer/custom_layers/batch_invariant_kernels.py 524-533) and
+        # leaves the local attention's baddbmm and RMSNorm alone (952-965).
         why = (
             f"engine.kind={engine.kind}: only the embedded engine (hf) runs the trainer's "
-            "batch-invariant kernels"
+            "batch-invariant kernels; SGLang's deterministic inference is batch-invariant with "
+            "kernels of its own, not the trainer's (docs/true-on-policy.md, the GPU path)"
         )
     elif engine.hf.dtype != train.dtype:
         why = (

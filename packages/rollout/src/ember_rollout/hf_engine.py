@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ember_core import exact
+from ember_core.certify import Fault, planted
 from ember_rollout.config import HFEngineConfig
 from ember_rollout.engine import (
     ENGINES,
@@ -250,6 +251,8 @@ class HFEngine(Engine):
             from ember_rollout.true_on_policy import exact_model, linear_shapes
 
             exact_model(model)
+            if planted(Fault.ORDINARY_KERNEL):  # `ember certify --plant`: its rows must fail
+                model.set_attn_implementation("sdpa")
             parameter = next(model.parameters())
             exact.check_linear(linear_shapes(model), parameter.dtype, parameter.device)
         self.model = model.eval()
