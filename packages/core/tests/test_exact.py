@@ -120,7 +120,7 @@ def test_rms_norm_is_the_formula_with_the_weight_in_the_input_dtype(x_dtype, w_d
 
 # -- attention -----------------------------------------------------------------------------------
 
-BATCH, HEADS, KV_HEADS, LENGTH, DIM = 3, 6, 2, 70, 16
+BATCH, HEADS, KV_HEADS, LENGTH, DIM = 3, 6, 2, 150, 16
 
 
 def _qkv(dtype: torch.dtype, *, dim_v: int = DIM, seed: int = 3):
@@ -190,7 +190,7 @@ def test_a_decode_step_gives_the_full_forwards_bits_at_every_position(dtype, dim
 def test_a_left_padded_prefill_gives_the_full_forwards_bits_and_zeros_at_padding(dtype, dim_v):
     q, k, v = _qkv(dtype, dim_v=dim_v)
     full = _full(q, k, v)
-    lengths = [LENGTH, 37, 5]  # the full row, one ending mid key block, one shorter than a block
+    lengths = [LENGTH, 101, 5]  # the full row, one ending mid key block, one shorter than a block
     width = LENGTH + 2
     g = torch.Generator().manual_seed(5)
     q_p = torch.randn(BATCH, HEADS, width, DIM, generator=g).to(dtype)
@@ -225,7 +225,8 @@ def test_attention_is_causal_attention_up_to_rounding(dtype, dim_v):
 
 
 def test_key_span_grows_in_whole_blocks_past_the_query():
-    assert [key_span(p) for p in (0, 15, 16, 31, 32, 69)] == [16, 16, 32, 32, 48, 80]
+    b = exact.KEY_BLOCK
+    assert [key_span(p) for p in (0, b - 1, b, 2 * b - 1, 2 * b)] == [b, b, 2 * b, 2 * b, 3 * b]
     positions = torch.arange(200)
     spans = key_span(positions)
     assert bool((spans > positions).all()) and bool((spans % exact.KEY_BLOCK == 0).all())

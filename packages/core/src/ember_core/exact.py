@@ -26,13 +26,15 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 ROW_TILE = 16
 """Rows per product: the fewest rows every GEMM of both sides sees."""
 
-KEY_BLOCK = ROW_TILE
+KEY_BLOCK = 4 * ROW_TILE
 """Attention spans grow in blocks of this many keys (a multiple of `ROW_TILE`, so that one
-tile of consecutive query positions shares one span)."""
+tile of consecutive query positions shares one span). Larger blocks score more masked keys;
+smaller ones split a decode batch into more products (one per span its rows reach)."""
 
 
 class ExactModeError(RuntimeError):
@@ -49,7 +51,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Fewer than `ROW_TILE` rows are padded with zero rows, and a weight of fewer than
     `ROW_TILE` outputs with zero outputs (a product with one output column is a matrix-vector
-    product, whose sums follow the row count).
+    product, whose sums follow the row count). fp32 weights on CPU multiply through oneDNN's
+    packed kernel, packed once per weight version (`packed_weight`): it is batch-invariant from
+    `ROW_TILE` rows on too, and spares a decode step the repacking every `F.linear` call does.
     """
     rows = x.reshape(-1, x.shape[-1])
     num_rows, outputs = rows.shape[0], weight.shape[0]
@@ -59,10 +63,68 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight = torch.cat([weight, weight.new_zeros(ROW_TILE - outputs, weight.shape[1])])
         if bias is not None:
             bias = torch.cat([bias, bias.new_zeros(ROW_TILE - outputs)])
-    out = F.linear(rows, weight, bias)
+        out = F.linear(rows, weight, bias)
+    elif _packs(weight, rows):
+        out = _PackedProduct.apply(rows, weight, bias, packed_weight(weight))
+    else:
+        out = F.linear(rows, weight, bias)
     if num_rows < ROW_TILE or outputs < ROW_TILE:
         out = out[:num_rows, :outputs]
     return out.reshape(*x.shape[:-1], outputs)
+
+
+def _packs(weight: torch.Tensor, rows: torch.Tensor) -> bool:
+    return (
+        weight.dtype == torch.float32
+        and rows.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and _PACKING
+    )
+
+
+_PACKING = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_reorder_linear_weight"
+)
+_PACKED: dict[tuple, tuple[StorageWeakRef, int, torch.Tensor]] = {}
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of an fp32 CPU `weight` [out, in], made again after any write to it.
+
+    Kept per place in memory (storage, offset, shape, strides) with the version counter torch
+    bumps on every in-place write (an optimizer step, a weight load's `copy_`); a storage that
+    was freed, or a place now holding another tensor, is packed anew.
+    """
+    storage = weight.untyped_storage()
+    key = (storage._cdata, weight.storage_offset(), tuple(weight.shape), weight.stride())
+    found = _PACKED.get(key)
+    if found is not None and not found[0].expired() and found[1] == weight._version:
+        return found[2]
+    if len(_PACKED) > 4096:  # entries of freed weights: drop them
+        for stale in [k for k, v in _PACKED.items() if v[0].expired()]:
+            del _PACKED[stale]
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4 * ROW_TILE)
+    _PACKED[key] = (StorageWeakRef(storage), weight._version, packed)
+    return packed
+
+
+class _PackedProduct(torch.autograd.Function):
+    """rows @ weight.T (+ bias) through a packed weight; gradients by plain matrix products."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, packed):  # type: ignore[override]
+        ctx.save_for_backward(rows, weight)
+        ctx.with_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        rows, weight = ctx.saved_tensors
+        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if ctx.with_bias and ctx.needs_input_grad[2] else None
+        return grad_rows, grad_weight, grad_bias, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,7 +144,9 @@ def attention(
     The Q queries are the last Q entries of the W along the keys; sequence b starts at
     `key_starts[b]` (left padding before it), so the query at entry w sits at position
     `w - key_starts[b]` and is scored against the keys of positions [0, `key_span`(position)),
-    those past it masked. Queries before the start (padding) come out zero.
+    those past it masked. Queries before the start (padding) come out zero. What the masked
+    places hold never reaches the result (their scores are -inf, their weights exactly 0), as
+    long as it is finite.
 
     Args:
         q: Queries [B, H, Q, D].
@@ -102,55 +166,65 @@ def attention(
     positions = torch.arange(width - num_q, width, device=device) - starts[:, None]  # [B, Q]
     out = q.new_zeros(batch, heads, num_q, dim_v)
     blocks = torch.where(positions >= 0, positions // KEY_BLOCK, -1)
+    aligned = bool((starts == 0).all())  # keys at their positions: slices, not gathers
     for block in blocks.unique().tolist():
         if block < 0:
             continue
         span = (block + 1) * KEY_BLOCK
         rows_b, rows_q = (blocks == block).nonzero(as_tuple=True)  # this block's queries
         seqs, seq_of = rows_b.unique(return_inverse=True)
-        # Keys of each sequence at positions [0, span); zeros past the cache's end.
-        idx = starts[seqs, None] + torch.arange(span, device=device)
-        inside = (idx < width)[:, None, :, None]
-        idx = idx.clamp(max=width - 1)
-        keys = k[seqs[:, None], :, idx].permute(0, 2, 1, 3) * inside
-        values = v[seqs[:, None], :, idx].permute(0, 2, 1, 3) * inside
+        keys, values = _span(k, seqs, starts, span, aligned), _span(v, seqs, starts, span, aligned)
         pos = positions[rows_b, rows_q]
         picked = q[rows_b, :, rows_q]  # [n, H, D]
         if num_q == 1:
-            # A decode step, one query per sequence: its key head's `group` heads fill a tile.
-            rows = picked.reshape(len(seqs), kv_heads, group, dim)
+            # A decode step, one query per sequence: its key head's `group` heads share a tile.
+            tile_rows, where = group, None
+            rows = picked.view(len(seqs), kv_heads, group, dim)
             rows_pos = pos[:, None, None].expand(-1, kv_heads, group)
-            where = None
         else:
-            # A tile holds one head's queries at the block's KEY_BLOCK positions.
-            rows = q.new_zeros(len(seqs), kv_heads, group * KEY_BLOCK, dim)
-            rows_pos = positions.new_zeros(len(seqs), kv_heads, group * KEY_BLOCK)
+            # A tile holds one head's queries at ROW_TILE consecutive positions.
+            tile_rows = group * KEY_BLOCK
             where = (
                 torch.arange(group, device=device) * KEY_BLOCK + (pos - block * KEY_BLOCK)[:, None]
             )
-            rows[seq_of[:, None], :, where] = picked.reshape(-1, kv_heads, group, dim).transpose(
-                1, 2
-            )
+            rows = q.new_zeros(len(seqs), kv_heads, tile_rows, dim)
+            rows_pos = positions.new_zeros(len(seqs), kv_heads, tile_rows)
+            rows[seq_of[:, None], :, where] = picked.view(-1, kv_heads, group, dim).transpose(1, 2)
             rows_pos[seq_of[:, None], :, where] = pos[:, None, None]
-        used = rows.shape[2]
-        tiles = -(-used // ROW_TILE)
-        if tiles * ROW_TILE > used:
-            fill = tiles * ROW_TILE - used
-            rows = torch.cat([rows, rows.new_zeros(*rows.shape[:2], fill, dim)], dim=2)
-            rows_pos = torch.cat([rows_pos, rows_pos.new_zeros(*rows_pos.shape[:2], fill)], dim=2)
-        q_t = rows.reshape(-1, ROW_TILE, dim)
+        tiles = -(-tile_rows // ROW_TILE)
+        q_t = q.new_zeros(len(seqs), kv_heads, tiles * ROW_TILE, dim)
+        q_t[:, :, :tile_rows] = rows
+        pos_t = positions.new_zeros(len(seqs), kv_heads, tiles * ROW_TILE)
+        pos_t[:, :, :tile_rows] = rows_pos
         k_t = keys[:, :, None].expand(-1, -1, tiles, -1, -1).reshape(-1, span, dim)
         v_t = values[:, :, None].expand(-1, -1, tiles, -1, -1).reshape(-1, span, dim_v)
-        scores = torch.bmm(q_t.contiguous(), k_t.transpose(1, 2)).float() * scale
-        allowed = torch.arange(span, device=device) <= rows_pos.reshape(-1, ROW_TILE, 1)
-        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(q.dtype)
-        ctx = torch.bmm(weights, v_t.contiguous()).reshape(len(seqs), kv_heads, -1, dim_v)
+        scores = torch.bmm(q_t.view(-1, ROW_TILE, dim), k_t.transpose(1, 2)).float() * scale
+        allowed = torch.arange(span, device=device) <= pos_t.view(-1, ROW_TILE, 1)
+        weights = scores.masked_fill_(~allowed, float("-inf")).softmax(-1).to(q.dtype)
+        ctx = torch.bmm(weights, v_t).view(len(seqs), kv_heads, -1, dim_v)
         if where is None:
-            out[rows_b, :, rows_q] = ctx[:, :, :used].reshape(len(seqs), heads, dim_v)
+            out[rows_b, :, rows_q] = ctx[:, :, :tile_rows].reshape(len(seqs), heads, dim_v)
         else:
             back = ctx[seq_of[:, None], :, where]  # [n, group, Hkv, Dv]
             out[rows_b, :, rows_q] = back.transpose(1, 2).reshape(-1, heads, dim_v)
     return out
+
+
+def _span(
+    x: torch.Tensor, seqs: torch.Tensor, starts: torch.Tensor, span: int, aligned: bool
+) -> torch.Tensor:
+    """[n, Hkv, span, D]: the keys (or values) of `seqs` at positions [0, span); past the
+    cache's end, whatever finite value is at hand (those places are masked)."""
+    width = x.shape[2]
+    if aligned:
+        taken = x[seqs, :, : min(span, width)]
+        if span > width:
+            taken = torch.cat(
+                [taken, taken.new_zeros(*taken.shape[:2], span - width, x.shape[3])], 2
+            )
+        return taken.contiguous()
+    idx = (starts[seqs, None] + torch.arange(span, device=x.device)).clamp(max=width - 1)
+    return x[seqs[:, None], :, idx].permute(0, 2, 1, 3).contiguous()
 
 
 def check_linear(shapes: set[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> None:
