@@ -30,6 +30,7 @@ PARTS = [
     "critic",
     "export",
     "r3",
+    "true_on_policy",
     "offload_checkpoint",
     "ipc",
     "broadcast_hf",
@@ -102,6 +103,10 @@ def test_cpu_dry_run_passes_every_part_with_its_figures(tmp_path):
             assert step["train/loss"] == pytest.approx(
                 step["train/pg_loss"] + 0.1 * step["train/kl_loss"], rel=1e-5, abs=1e-9
             )
+
+    exact = figures["true_on_policy"]
+    assert exact["dtype"] == "float32" and exact["response_tokens"] > 0
+    assert exact["differing_log_probs"] == 0 and exact["max_abs_logprob_diff"] == 0.0
 
     critic = figures["critic"]
     assert critic["max_abs_value_diff"] == 0.0 and critic["mean_abs_value"] > 0

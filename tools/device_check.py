@@ -16,6 +16,9 @@ does not stop the others; its traceback goes into the JSON):
   scores them with the r3_routing plugin off and on: routing agreement without replay, with
   replay (scoring and a training step, both must be exactly 1), and the train-rollout log-prob
   gap without and with replay (measured, not judged: `tools/bench_r3.py` defines the figures);
+- true_on_policy: the trainer and the embedded engine under `rollout.true_on_policy`, in
+  Megatron's dtype: the sampled tokens' log-probs, engine against trainer (equal bit for bit on
+  the CPU; on a GPU the mismatch measured, or the mode's refusal of the device's kernels);
 - offload_checkpoint, ipc, broadcast_hf: what a colocated run hands between the trainer and
   the engines (offload, checkpoint while offloaded, load bit for bit; a weight bucket as CUDA
   IPC handles opened in a second process; a gloo broadcast into the hf engine), described in
@@ -347,9 +350,17 @@ def part_export(part: Part, sizes: Sizes) -> None:
     part.expect(at_most(mean, sizes.logprob_tolerance), f"mean log-prob gap {mean}")
 
 
-def engine_rollouts(sizes: Sizes, path: str, plugins: Any) -> tuple[list[Any], float]:
-    """One toy-task rollout from the bf16 hf engine serving `path`, through the rollout
-    pipeline (rewards, and routed experts checked and stored by the plugin); its seconds."""
+def engine_rollouts(
+    sizes: Sizes,
+    path: str,
+    plugins: Any,
+    *,
+    dtype: str = "bfloat16",
+    true_on_policy: bool = False,
+) -> tuple[list[Any], float]:
+    """One toy-task rollout from the hf engine serving `path` (bf16 unless `dtype` says), under
+    `rollout.true_on_policy` where asked, through the rollout pipeline (rewards, and routed
+    experts checked and stored by the plugin); its seconds."""
     from ember_core.config import SamplingConfig
     from ember_rollout import (
         DataConfig,
@@ -361,7 +372,7 @@ def engine_rollouts(sizes: Sizes, path: str, plugins: Any) -> tuple[list[Any], f
     )
     from ember_rollout.hf_engine import HFEngine
 
-    config = HFEngineConfig(model_path=path, dtype="bfloat16", device=sizes.device)
+    config = HFEngineConfig(model_path=path, dtype=dtype, device=sizes.device)
     sections = RolloutSections(
         engine=EngineConfig(kind="hf", hf=config),
         data=DataConfig(toy=ToyTaskConfig(num_prompts=sizes.prompts)),
@@ -373,7 +384,7 @@ def engine_rollouts(sizes: Sizes, path: str, plugins: Any) -> tuple[list[Any], f
     )
 
     async def rollout() -> Any:
-        async with HFEngine(config) as engine:
+        async with HFEngine(config, true_on_policy=true_on_policy) as engine:
             generator = RolloutGenerator.from_config(
                 engine=engine, sampling=sampling, sections=sections, plugins=plugins
             )
@@ -451,6 +462,55 @@ def part_r3(part: Part, sizes: Sizes) -> None:
     part.expect(finite(without, with_replay), f"gaps {without}, {with_replay}")
 
 
+def part_true_on_policy(part: Part, sizes: Sizes) -> None:
+    """`rollout.true_on_policy` on the check's device: the trainer (Megatron, `sizes.dtype`)
+    and the embedded engine serving its export in the same dtype both run `ember_core.exact`;
+    the sampled tokens' log-probs, engine against the trainer's old log-probs. On the CPU they
+    must be equal bit for bit. On a GPU this records what a run gets: the mismatch, or the
+    mode's refusal where the device's products are not batch-invariant (`exact.check_linear`);
+    the kernels are cuBLAS's, not the CPU's the mode was measured with."""
+    import torch
+
+    from ember_core.config import AlgorithmConfig, SamplingConfig
+    from ember_core.exact import ExactModeError
+    from ember_core.plugins import EmberPlugins
+    from ember_megatron_backend.config import BackendConfig
+    from ember_megatron_backend.worker import MegatronWorker
+    from ember_rollout.tokenizer import save_toy_tokenizer
+
+    ensure_distributed()
+    train = BackendConfig(model_overrides=sizes.model_overrides, dtype=sizes.dtype)
+    sampling = SamplingConfig(true_on_policy=True)
+    try:
+        worker = MegatronWorker(train, AlgorithmConfig(), sampling, with_ref=False)
+    except ExactModeError as exc:
+        part.record(refused=str(exc))
+        part.expect(sizes.device != "cpu", f"the mode refused the CPU: {exc}")
+        return
+    with tempfile.TemporaryDirectory(prefix="ember-device-check-") as tmp:
+        worker.export_hf(tmp, dtype=getattr(torch, sizes.dtype))
+        save_toy_tokenizer(tmp)
+        samples, seconds = engine_rollouts(
+            sizes, tmp, EmberPlugins(), dtype=sizes.dtype, true_on_policy=True
+        )
+    trained = worker.prepare(0, samples).log_probs
+    engine = [torch.tensor(s.rollout_log_probs, dtype=t.dtype) for s, t in zip(samples, trained)]
+    differ = sum(int((e != t.cpu()).sum()) for e, t in zip(engine, trained, strict=True))
+    tokens = sum(e.numel() for e in engine)
+    largest = max(float((e - t.cpu()).abs().max()) for e, t in zip(engine, trained, strict=True))
+    part.record(
+        dtype=sizes.dtype,
+        samples=len(samples),
+        response_tokens=tokens,
+        differing_log_probs=differ,
+        max_abs_logprob_diff=largest,
+        generate_seconds=seconds,
+    )
+    part.expect(tokens > 0, "no response tokens to compare")
+    if sizes.device == "cpu":
+        part.expect(differ == 0, f"{differ} of {tokens} log-probs differ, by up to {largest}")
+
+
 def _handoff_parts() -> dict[str, Callable[[Part, Sizes], None]]:
     import device_check_parts as parts
 
@@ -477,6 +537,7 @@ PARTS: dict[str, Callable[[Part, Sizes], None]] = {
     "critic": part_critic,
     "export": part_export,
     "r3": part_r3,
+    "true_on_policy": part_true_on_policy,
     **_handoff_parts(),
     **_model_parts(),
 }

@@ -257,7 +257,7 @@ class SamplingConfig:
     (`ember_core.exact`: linear layers, RMSNorm, attention), so the engine samples with exactly
     the log-probs the trainer computes for the same weights: 0 difference, bit for bit, not a
     small one. Needs `engine.kind: hf`, the same dtype on both sides (`engine.hf.dtype`,
-    `train.dtype`) and no model parallelism; the engine's packed linear layers and
+    `train.dtype`) and no model parallelism; `engine.hf.pack_linears` and
     `engine.hf.attn_implementation` give way to the mode's kernels. Each side checks at start
     that this machine's matrix products are batch-invariant and refuses to run if not.
     docs/true-on-policy.md has what it costs."""

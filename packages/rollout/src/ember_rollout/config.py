@@ -111,7 +111,8 @@ class HFEngineConfig:
     device: str = "cpu"
     """torch device: cpu, cuda, cuda:N, or auto (cuda when available)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """transformers attention kernel."""
+    """transformers attention kernel; under `rollout.true_on_policy`, the mode's own
+    (`ember_core.exact.attention`) instead."""
     max_batch_size: int = 64
     """Most sequences decoded together; larger request lists are split into chunks."""
     num_threads: int | None = None
@@ -122,7 +123,9 @@ class HFEngineConfig:
     """fp32 on CPU: multiply with linear weights packed once for oneDNN (packed again after each
     weight load) instead of repacked by every call, for weights of 2^17 elements or more (about
     384 x 384; smaller ones gain nothing); one more copy of those weights in memory. Other
-    dtypes, devices and smaller layers run as is (`ember_rollout.packed_linear`)."""
+    dtypes, devices and smaller layers run as is (`ember_rollout.packed_linear`). Not read under
+    `rollout.true_on_policy`, whose kernels pack every fp32 CPU weight themselves
+    (`ember_core.exact.linear`)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the built-in model (used when model_path is None)."""
 
