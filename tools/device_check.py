@@ -494,7 +494,10 @@ def part_true_on_policy(part: Part, sizes: Sizes) -> None:
             sizes, tmp, EmberPlugins(), dtype=sizes.dtype, true_on_policy=True
         )
     trained = worker.prepare(0, samples).log_probs
-    engine = [torch.tensor(s.rollout_log_probs, dtype=t.dtype) for s, t in zip(samples, trained)]
+    engine = [
+        torch.tensor(s.rollout_log_probs, dtype=t.dtype)
+        for s, t in zip(samples, trained, strict=True)
+    ]
     differ = sum(int((e != t.cpu()).sum()) for e, t in zip(engine, trained, strict=True))
     tokens = sum(e.numel() for e in engine)
     largest = max(float((e - t.cpu()).abs().max()) for e, t in zip(engine, trained, strict=True))
