@@ -125,6 +125,11 @@ def test_mismatch_bars_are_by_dtype():
     assert FP32_BARS.max < 2**-10 and LOW_PRECISION_BARS.mean == 0.1
     for bars in (FP32_BARS, LOW_PRECISION_BARS):
         assert bars.mean <= bars.max and bars.kl_mean <= bars.kl_max
+    # Under rollout.true_on_policy every difference fails, whatever the dtypes.
+    for engine, trainer in (("float32", "float32"), ("bfloat16", "bfloat16")):
+        exact = mismatch_ceiling(engine, trainer, exact=True)
+        assert (exact.mean, exact.max, exact.kl_mean, exact.kl_max) == (0, 0, 0, 0)
+        assert "rollout.true_on_policy" in exact.why
 
 
 def test_routing_row():

@@ -7,6 +7,7 @@ import math
 import pickle
 
 import pytest
+import torch
 
 from ember_ci_kl_checker import Check, KLCheckerConfig, KLCheckError
 from ember_ci_kl_checker import plugin as checker_plugin
@@ -176,6 +177,7 @@ def test_no_audit_is_asked_for_when_the_checker_is_off(host, ci_test, disable):
     assert not any(host.audit_rollout(i) for i in range(101))
 
 
+MISMATCH_MAX = "rollout/train_rollout_logprob_max_abs_diff"
 SGLANG_FP32 = {"kind": "sglang", "sglang": {"dtype": "float32"}}
 ATTACHED_FP32 = {"kind": "sglang", "sglang": {"dtype": "float32", "urls": ["http://h:1"]}}
 
@@ -215,6 +217,25 @@ def test_the_per_token_ceiling_fits_the_dtypes(host, engine, trainer, ceiling):
         {"ci_kl_checker": KLCheckerConfig(train_rollout_logprob_max_abs_diff_threshold=1e-3)},
     )
     host.after_log_rollout_data(0, off)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_under_true_on_policy_any_per_token_difference_fails_an_audit(host, dtype):
+    config = {
+        "ci": {"test": True},
+        "train": {"dtype": dtype},
+        "engine": {"kind": "hf", "hf": {"dtype": dtype}},
+        "rollout": {"true_on_policy": True},
+        "plugins": host.enabled,
+    }
+    host.configure(config, {"ci_kl_checker": KLCheckerConfig()})
+    host.after_log_rollout_data(0, {**ON_POLICY_ROLLOUT, MISMATCH_MAX: 0.0})
+    smallest = {**ON_POLICY_ROLLOUT, MISMATCH_MAX: float(torch.finfo(torch.float32).tiny)}
+    with pytest.raises(KLCheckError) as info:
+        host.after_log_rollout_data(0, smallest)
+    assert info.value.check == Check.TRAIN_ROLLOUT_MISMATCH_MAX
+    ceiling, why = checker_plugin.max_ceiling(config, KLCheckerConfig())
+    assert ceiling == 0.0 and why.startswith("rollout.true_on_policy")
 
 
 @pytest.mark.parametrize("value", [1e-8, 3e-7, -2e-5, math.nan])
