@@ -149,6 +149,49 @@ def test_the_engines_log_probs_are_the_trainers_bit_for_bit(trainers, preset, dt
     assert differ == 0, f"{differ} of {total} log-probs differ, by up to {largest}"
 
 
+@pytest.mark.slow  # as above, and a training step
+def test_after_a_training_step_the_engine_given_the_new_weights_still_agrees_bit_for_bit(
+    distributed, tmp_path
+):
+    """The trainer's packed weights follow its optimizer (which may write without bumping the
+    weights' version counters), and the engine's follow a weight load: after one step both
+    compute with the new weights, and still alike."""
+    from ember_core.config import AlgorithmConfig, SamplingConfig
+    from ember_megatron_backend.config import BackendConfig, OptimizerConfig
+    from ember_megatron_backend.weights import export_hf_checkpoint
+    from ember_megatron_backend.worker import MegatronWorker
+
+    config = BackendConfig(
+        model="tiny-moe",
+        model_overrides={"init_method_std": 0.1},
+        optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0),
+        micro_batch_size=3,
+        num_steps_per_rollout=1,
+    )
+    sampling = SamplingConfig(temperature=TEMPERATURE, n_samples_per_prompt=2, true_on_policy=True)
+    worker = MegatronWorker(config, AlgorithmConfig(), sampling)
+    export_hf_checkpoint(worker.actor, config.model_config(), tmp_path / "before")
+    engine = _engine(tmp_path / "before", "float32", true_on_policy=True)
+    samples = _rollouts(engine)
+    for sample in samples:  # each group's two answers rewarded apart: advantages, a step
+        sample.reward = float(sample.index % 2)
+    before = worker.prepare(0, samples)
+    worker.train(0, before)
+    after = worker.prepare(1, samples).log_probs
+    assert all(not torch.equal(a, b) for a, b in zip(after, before.log_probs, strict=True))
+    # The new weights into the same engine, as a push loads them (in place).
+    export_hf_checkpoint(worker.actor, config.model_config(), tmp_path / "after")
+    from transformers import AutoModelForCausalLM
+
+    new = AutoModelForCausalLM.from_pretrained(tmp_path / "after", dtype=torch.float32)
+    with torch.no_grad():
+        for param, value in zip(engine.model.parameters(), new.parameters(), strict=True):
+            param.copy_(value)
+    samples = _rollouts(engine)
+    differ, total, largest = _differences(worker, samples)
+    assert differ == 0, f"{differ} of {total} log-probs differ, by up to {largest}"
+
+
 @pytest.mark.slow  # as above
 def test_with_the_engines_ordinary_kernels_the_log_probs_are_not_the_trainers(trainers):
     """The planted fault: the engine left on its ordinary kernels (the trainer still exact).

@@ -46,14 +46,23 @@ def key_span(position: torch.Tensor | int) -> torch.Tensor | int:
     return (position // KEY_BLOCK + 1) * KEY_BLOCK
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    cached: bool = True,
+) -> torch.Tensor:
     """`F.linear` whose rows do not depend on how many rows come with them (differentiable).
 
     Fewer than `ROW_TILE` rows are padded with zero rows, and a weight of fewer than
     `ROW_TILE` outputs with zero outputs (a product with one output column is a matrix-vector
     product, whose sums follow the row count). fp32 weights on CPU multiply through oneDNN's
-    packed kernel, packed once per weight version (`packed_weight`): it is batch-invariant from
-    `ROW_TILE` rows on too, and spares a decode step the repacking every `F.linear` call does.
+    packed kernel, which is batch-invariant from `ROW_TILE` rows on too and spares a decode
+    step the repacking every `F.linear` call does: packed once per weight version
+    (`packed_weight`) where `cached`, else at every call. A caller whose weights change without
+    torch's version counter seeing it (an optimizer that writes through `.data`, as
+    megatron-core's setups can) passes `cached=False`.
     """
     rows = x.reshape(-1, x.shape[-1])
     num_rows, outputs = rows.shape[0], weight.shape[0]
@@ -65,7 +74,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             bias = torch.cat([bias, bias.new_zeros(ROW_TILE - outputs)])
         out = F.linear(rows, weight, bias)
     elif _packs(weight, rows):
-        out = _PackedProduct.apply(rows, weight, bias, packed_weight(weight))
+        packed = packed_weight(weight) if cached else _pack(weight)
+        out = _PackedProduct.apply(rows, weight, bias, packed)
     else:
         out = F.linear(rows, weight, bias)
     if num_rows < ROW_TILE or outputs < ROW_TILE:
@@ -103,10 +113,14 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     if len(_PACKED) > 4096:  # entries of freed weights: drop them
         for stale in [k for k, v in _PACKED.items() if v[0].expired()]:
             del _PACKED[stale]
-    with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4 * ROW_TILE)
+    packed = _pack(weight)
     _PACKED[key] = (StorageWeakRef(storage), weight._version, packed)
     return packed
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4 * ROW_TILE)
 
 
 class _PackedProduct(torch.autograd.Function):
@@ -307,6 +321,8 @@ def experts(
     weights: torch.Tensor,
     gate_up: Sequence[torch.Tensor],
     down: Sequence[torch.Tensor],
+    *,
+    cached: bool = True,
 ) -> torch.Tensor:
     """Routed SwiGLU experts, summed per token in ascending expert order (differentiable).
 
@@ -316,11 +332,12 @@ def experts(
         weights: Their weights [T, k]; cast to x's dtype before they multiply.
         gate_up: Per expert, the [2F, H] weight of its gate (first F rows) and up projections.
         down: Per expert, the [H, F] weight of its down projection.
+        cached: As `linear`'s.
     """
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():
         tokens, slots = (ids == expert).nonzero(as_tuple=True)
-        gate, up = linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-        y = linear(F.silu(gate) * up, down[expert])
+        gate, up = linear(x[tokens], gate_up[expert], cached=cached).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, down[expert], cached=cached)
         out = out.index_add(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
     return out

@@ -24,7 +24,8 @@ from ember_core import exact
 
 
 def _exact_forward_impl(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, **_: Any):
-    return exact.linear(input, weight, bias)
+    # Packed at every call: the optimizer's updates need not bump the weight's version counter.
+    return exact.linear(input, weight, bias, cached=False)
 
 
 class ExactRMSNorm(nn.RMSNorm):
@@ -48,7 +49,7 @@ def _router_gating(self: Any, input: torch.Tensor) -> torch.Tensor:
     """fp32 router logits [tokens, E] from the weight as the engine holds it (rounded to the
     activations' dtype), through `exact.linear`."""
     rows = input.reshape(-1, input.shape[-1])
-    return exact.linear(rows.float(), self.weight.to(rows.dtype).float())
+    return exact.linear(rows.float(), self.weight.to(rows.dtype).float(), cached=False)
 
 
 def _router_rule(self: Any) -> dict[str, Any]:
@@ -114,6 +115,7 @@ def _moe_forward(
         probs.gather(1, ids),
         [e.linear_fc1.weight for e in local],
         [e.linear_fc2.weight for e in local],
+        cached=False,
     ).view_as(hidden_states)
     return (out if shared is None else out + shared), None
 
@@ -124,7 +126,8 @@ def _shared_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
 
     output, _ = MLP.forward(self, hidden_states)
     if self.use_shared_expert_gate:
-        output = output * torch.sigmoid(exact.linear(hidden_states, self.gate_weight))
+        gate = exact.linear(hidden_states, self.gate_weight, cached=False)
+        output = output * torch.sigmoid(gate)
     return output
 
 
