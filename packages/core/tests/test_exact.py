@@ -18,8 +18,8 @@ from ember_core import exact
 from ember_core.exact import ExactModeError, check_linear, key_span
 
 DTYPES = [torch.float32, torch.bfloat16]
-SHAPES = [(64, 96), (96, 256)]
-"""[in, out] weight shapes."""
+SHAPES = [(64, 96), (96, 256), (256, 512)]
+"""[in, out] weight shapes; the last is large enough for the packed kernel."""
 
 
 @pytest.fixture(autouse=True)
@@ -291,3 +291,104 @@ def test_the_exact_kernels_import_without_transformers_or_megatron():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- packed weights -------------------------------------------------------------------------------
+
+
+def test_the_packed_product_differentiates_as_f_linear():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 256, generator=g, requires_grad=True)
+    weight = torch.randn(512, 256, generator=g, requires_grad=True)  # packed
+    bias = torch.randn(512, generator=g, requires_grad=True)
+    upstream = torch.randn(40, 512, generator=g)
+    grads = []
+    for fn in (exact.linear, F.linear):
+        out = fn(x, weight, bias)
+        grads.append(torch.autograd.grad(out, (x, weight, bias), upstream))
+    for ours, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_weight_is_packed_again_after_each_write():
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(512, 256, generator=g)  # large enough to be packed
+    assert weight.numel() >= exact.PACK_MIN_ELEMENTS
+    x = torch.randn(20, 256, generator=g)
+    first = exact.linear(x, weight)
+    assert exact.packed_weight(weight) is exact.packed_weight(weight)  # kept while unchanged
+    with torch.no_grad():
+        weight.mul_(2)  # in place: the version counter moves
+    torch.testing.assert_close(exact.linear(x, weight), 2 * first)
+    weight.data = torch.randn(512, 256, generator=g)  # another storage
+    assert torch.equal(exact.linear(x, weight), exact.linear(x, weight.clone()))
+    view = torch.randn(4, 512, 256, generator=g)[1]  # a fused experts tensor's expert
+    before = exact.linear(x, view)
+    with torch.no_grad():
+        view.add_(1)
+    assert not torch.equal(exact.linear(x, view), before)
+    # A write through `.data` escapes the counter: callers whose weights change that way pack
+    # at every call, which sees it.
+    weight.data.add_(1)
+    assert torch.equal(exact.linear(x, weight, cached=False), exact.linear(x, weight.clone()))
+
+
+def test_a_weight_made_in_inference_mode_is_packed_for_the_call():
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(512, 256, generator=g).bfloat16()
+    x = torch.randn(20, 256, generator=g)
+    with torch.inference_mode():  # the engine's decode: a router's fp32 copy of a bf16 weight
+        out = exact.linear(x, base.float())
+    assert torch.equal(out, exact.linear(x, base.float().clone()))
+
+
+# -- routing and experts ------------------------------------------------------------------------
+
+
+def test_softmax_routing_picks_the_top_k_and_weighs_them_renormalised_or_not():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5], [3.0, 0.0, 0.5, 0.2]])
+    ids = exact.route(logits, 2, score="softmax", norm_topk_prob=True)
+    assert ids.tolist() == [[1, 3], [0, 2]]
+    probs = logits.softmax(-1)
+    weights = exact.route_weights(logits, ids, score="softmax", norm_topk_prob=False, scaling=1.0)
+    assert torch.equal(weights, probs.gather(1, ids))
+    normed = exact.route_weights(logits, ids, score="softmax", norm_topk_prob=True, scaling=1.0)
+    torch.testing.assert_close(normed.sum(-1), torch.ones(2))
+
+
+def test_sigmoid_routing_chooses_with_the_bias_among_the_best_groups_and_weighs_without_it():
+    logits = torch.tensor([[2.0, 1.9, -3.0, 0.0, 1.0, -1.0, 0.5, 0.4]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0])
+    # Groups of 2: without a limit expert 7 (biased) and expert 0 win.
+    assert sorted(exact.route(logits, 2, score="sigmoid", norm_topk_prob=True, expert_bias=bias)
+                  .tolist()[0]) == [0, 7]  # fmt: skip
+    # One of four groups kept, each scored by its two best experts: {0, 1}.
+    limited = exact.route(
+        logits, 2, score="sigmoid", norm_topk_prob=True, num_groups=4, group_topk=1
+    )
+    assert sorted(limited.tolist()[0]) == [0, 1]
+    ids = torch.tensor([[0, 7]])
+    weights = exact.route_weights(logits, ids, score="sigmoid", norm_topk_prob=True, scaling=2.5)
+    expected = logits.sigmoid().gather(1, ids)
+    torch.testing.assert_close(weights, 2.5 * expected / (expected.sum() + 1e-20))
+
+
+def test_experts_sum_each_tokens_experts_as_a_loop_over_them_would():
+    g = torch.Generator().manual_seed(8)
+    tokens, hidden, ffn, num = 21, 32, 24, 4
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(num, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    gate_up = [torch.randn(2 * ffn, hidden, generator=g) for _ in range(num)]
+    down = [torch.randn(hidden, ffn, generator=g) for _ in range(num)]
+    out = exact.experts(x, ids, weights, gate_up, down)
+    expected = torch.zeros_like(x)
+    for t in range(tokens):
+        for slot in range(2):
+            e = int(ids[t, slot])
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            expected[t] += weights[t, slot] * (down[e] @ (F.silu(gate) * up))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    # One token alone gets the bits it gets among all (its experts' products are padded).
+    alone = exact.experts(x[5:6], ids[5:6], weights[5:6], gate_up, down)
+    assert torch.equal(alone[0], out[5])

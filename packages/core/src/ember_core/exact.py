@@ -8,14 +8,19 @@ shape, so the same row comes out a few ulps apart. The functions here fix every 
 decides a reduction order, and both sides call them, so a token's numbers are the same bits
 whichever batch it sits in:
 
-- `linear`: never fewer than `ROW_TILE` rows reach the GEMM (fewer are padded with zeros).
-  Measured (torch 2.14, fp32 and bf16): a row of a product with at least 16 rows is the same
-  bits whatever the other rows are and wherever the row sits; below that (1-11 rows on a 2-core
-  AMD EPYC, 1-8 on a Xeon) it is not. `check_linear` verifies this where a run starts.
+- `linear`: never fewer than `ROW_TILE` rows (nor outputs) reach the GEMM (fewer are padded
+  with zeros). Measured (torch 2.14): a row of a product with at least 16 rows is the same bits
+  whatever the other rows are and wherever the row sits, in fp32 and bf16, with MKL's kernel
+  and with oneDNN's packed one; below that fp32 rows differ (1-3, 5-7 and 9-11 rows on a 2-core
+  AMD EPYC with 2 threads; a Xeon's equal only from 16 rows on). `check_linear` verifies this
+  where a run starts.
 - `attention`: the scores and the weighted sum of one query are products of exactly
   `ROW_TILE` query rows with the keys of its sequence up to a length that depends only on the
   query's position (`key_span`), masked past the query; the softmax runs over that same span.
-  A decode step pads its query to a tile, a training forward cuts its queries into tiles.
+  A decode step pads its query to a tile, a training forward cuts its queries into tiles. The
+  trainer's copies of each block's keys and values per tile, kept for the backward, grow with
+  the sequence's length times its spans: fine for RL answers of hundreds of tokens, heavy for
+  thousands.
 - `rms_norm`: one formula (transformers' RMSNorm: fp32 mean of squares, the normalised value
   cast back before the weight multiplies it).
 """
@@ -57,8 +62,8 @@ def linear(
 
     Fewer than `ROW_TILE` rows are padded with zero rows, and a weight of fewer than
     `ROW_TILE` outputs with zero outputs (a product with one output column is a matrix-vector
-    product, whose sums follow the row count). fp32 weights on CPU multiply through oneDNN's
-    packed kernel, which is batch-invariant from `ROW_TILE` rows on too and spares a decode
+    product, whose sums follow the row count). fp32 weights on CPU of `PACK_MIN_ELEMENTS` or
+    more multiply through oneDNN's packed kernel, which is batch-invariant from `ROW_TILE` rows on too and spares a decode
     step the repacking every `F.linear` call does: packed once per weight version
     (`packed_weight`) where `cached`, else at every call. A caller whose weights change without
     torch's version counter seeing it (an optimizer that writes through `.data`, as
@@ -74,7 +79,8 @@ def linear(
             bias = torch.cat([bias, bias.new_zeros(ROW_TILE - outputs)])
         out = F.linear(rows, weight, bias)
     elif _packs(weight, rows):
-        packed = packed_weight(weight) if cached else _pack(weight)
+        # An inference tensor has no version counter to key a packing on.
+        packed = packed_weight(weight) if cached and not weight.is_inference() else _pack(weight)
         out = _PackedProduct.apply(rows, weight, bias, packed)
     else:
         out = F.linear(rows, weight, bias)
@@ -83,11 +89,19 @@ def linear(
     return out.reshape(*x.shape[:-1], outputs)
 
 
+PACK_MIN_ELEMENTS = 1 << 17
+"""fp32 CPU weights of at least this many elements go through oneDNN's packed kernel, smaller
+ones through `F.linear` (MKL), on both sides alike (the choice depends on the weight alone):
+oneDNN's call costs more than a small weight's repacking saves (as `ember_rollout.packed_linear`
+measured for the engine's default kernels)."""
+
+
 def _packs(weight: torch.Tensor, rows: torch.Tensor) -> bool:
     return (
         weight.dtype == torch.float32
         and rows.dtype == torch.float32
         and weight.device.type == "cpu"
+        and weight.numel() >= PACK_MIN_ELEMENTS
         and _PACKING
     )
 
@@ -96,23 +110,30 @@ _PACKING = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_reorder_linear_weight"
 )
 _PACKED: dict[tuple, tuple[StorageWeakRef, int, torch.Tensor]] = {}
+_sweep_at = 4096
+"""Entries at which the next miss drops those of freed storages (then twice what is left)."""
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy of an fp32 CPU `weight` [out, in], made again after any write to it.
+    """oneDNN's packed copy of an fp32 CPU `weight` [out, in], made again after a write to it.
 
     Kept per place in memory (storage, offset, shape, strides) with the version counter torch
-    bumps on every in-place write (an optimizer step, a weight load's `copy_`); a storage that
-    was freed, or a place now holding another tensor, is packed anew.
+    bumps on every in-place write to the tensor or a view of it (`copy_` of a weight load,
+    an optimizer's in-place update of the parameter itself); a storage that was freed, or a
+    place now holding another tensor, is packed anew. A write through `.data` (another tensor
+    object on the same storage) bumps no counter the packing sees: weights written that way
+    go through `linear(..., cached=False)`.
     """
+    global _sweep_at
     storage = weight.untyped_storage()
     key = (storage._cdata, weight.storage_offset(), tuple(weight.shape), weight.stride())
     found = _PACKED.get(key)
     if found is not None and not found[0].expired() and found[1] == weight._version:
         return found[2]
-    if len(_PACKED) > 4096:  # entries of freed weights: drop them
+    if len(_PACKED) >= _sweep_at:  # entries of freed storages: drop them
         for stale in [k for k, v in _PACKED.items() if v[0].expired()]:
             del _PACKED[stale]
+        _sweep_at = max(4096, 2 * len(_PACKED))
     packed = _pack(weight)
     _PACKED[key] = (StorageWeakRef(storage), weight._version, packed)
     return packed

@@ -625,9 +625,10 @@ def check_true_on_policy(config: RunConfig) -> None:
                 "tensor_parallel",
                 "pipeline_parallel",
                 "expert_parallel",
+                "expert_tensor_parallel",
                 "context_parallel",
             )
-            if getattr(parallel, name) != 1
+            if getattr(parallel, name) not in (1, None)  # expert_tensor_parallel None: the TP
         }
         if split:
             named = ", ".join(f"train.parallel.{k}={v}" for k, v in split.items())

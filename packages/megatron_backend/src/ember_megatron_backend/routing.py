@@ -139,8 +139,13 @@ class RoutingRecorder:
 
 
 def natural_routing(router: Any, hidden: Tensor) -> Tensor:
-    """The routing map [tokens, E] the router would choose from its own logits, no replay."""
+    """The routing map [tokens, E] the router would choose from its own logits, no replay
+    (under `rollout.true_on_policy`, the mode's own choice: `exact.route`)."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    own = getattr(router, "natural_routing", None)
+    if own is not None:
+        return own(hidden)
 
     config = router.config
     logits = router.gating(hidden).view(-1, config.num_moe_experts)

@@ -61,39 +61,50 @@ def _router_rule(self: Any) -> dict[str, Any]:
     }
 
 
+def _router_choice(self: Any, logits: torch.Tensor) -> torch.Tensor:
+    """The experts [tokens, k] `exact.route` picks from fp32 `logits` [tokens, E]."""
+    config = self.config
+    # The engine holds the bias as a buffer of the model's dtype.
+    bias = None if self.expert_bias is None else self.expert_bias.to(config.params_dtype)
+    rule = _router_rule(self)
+    return exact.route(
+        logits,
+        self.topk,
+        score=rule["score"],
+        norm_topk_prob=rule["norm_topk_prob"],
+        expert_bias=bias,
+        num_groups=config.moe_router_num_groups or 0,
+        group_topk=config.moe_router_group_topk or 0,
+    )
+
+
 def _router_routing(
     self: Any, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`exact.route` and `exact.route_weights` for the experts chosen, or replayed where
-    megatron-core's `RouterReplay` replays: probs [tokens, E] (zero off the chosen experts) and
-    the routing map."""
+    megatron-core's `RouterReplay` replays (its record action records `exact.route`'s
+    choice): probs [tokens, E] (zero off the chosen experts) and the routing map."""
     config = self.config
     logits = logits.view(-1, config.num_moe_experts)
-    rule = _router_rule(self)
-    # The engine holds the bias as a buffer of the model's dtype.
-    bias = None if self.expert_bias is None else self.expert_bias.to(config.params_dtype)
-
-    def choose(scores: torch.Tensor, topk: int, num_groups=None, group_topk=None):
-        ids = exact.route(
-            logits,
-            topk,
-            score=rule["score"],
-            norm_topk_prob=rule["norm_topk_prob"],
-            expert_bias=bias,
-            num_groups=num_groups or 0,
-            group_topk=group_topk or 0,
-        )
-        return None, ids
-
-    groups = (config.moe_router_num_groups, config.moe_router_group_topk)
     if self.router_replay is not None:
-        _, ids = self.router_replay.get_replay_topk(logits, self.topk, *groups, choose)
+        groups = (config.moe_router_num_groups, config.moe_router_group_topk)
+        _, ids = self.router_replay.get_replay_topk(
+            logits, self.topk, *groups, lambda *_: (None, _router_choice(self, logits))
+        )
     else:
-        _, ids = choose(logits, self.topk, *groups)
-    weights = exact.route_weights(logits, ids, **rule)
+        ids = _router_choice(self, logits)
+    weights = exact.route_weights(logits, ids, **_router_rule(self))
     probs = torch.zeros_like(logits).scatter(1, ids, weights)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, True)
     return probs, routing_map
+
+
+def _router_natural(self: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The routing map [tokens, E] of this router's own choice, without replay
+    (`routing.natural_routing`): `exact.route`'s, the choice the mode routes with."""
+    logits = self.gating(hidden).view(-1, self.config.num_moe_experts)
+    ids = _router_choice(self, logits)
+    return torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, True)
 
 
 def _moe_forward(
@@ -132,24 +143,59 @@ def _shared_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _check_moe(name: str, layer: Any) -> None:
+    """Refuse, naming the megatron-core setting and its value, what the exact MoE path does
+    not run as megatron-core would."""
     config = layer.config
-    why = None
-    if layer.router.is_aux_loss_enabled() or config.moe_z_loss_coeff:
-        why = "an auxiliary or z-loss on the router (model.moe_aux_loss_coeff)"
-    elif config.moe_expert_capacity_factor is not None:
-        why = "token dropping (moe_expert_capacity_factor)"
-    elif config.moe_input_jitter_eps:
-        why = "router input jitter"
-    elif layer.router.routing_type != "aux_loss" and layer.router.routing_type != "none":
-        why = f"routing_type={layer.router.routing_type}"
-    elif not hasattr(layer.experts, "local_experts") or config.num_moe_experts != len(
-        layer.experts.local_experts
-    ):
-        why = "experts split over ranks or grouped in one weight"
-    elif config.activation_func is not torch.nn.functional.silu or not config.gated_linear_unit:
-        why = "experts other than SwiGLU"
-    if why is not None:
-        raise ValueError(f"rollout.true_on_policy: {name} has {why}, which this mode does not run")
+    settings = {
+        "moe_aux_loss_coeff": (config.moe_aux_loss_coeff, layer.router.is_aux_loss_enabled()),
+        "moe_z_loss_coeff": (config.moe_z_loss_coeff, bool(config.moe_z_loss_coeff)),
+        "moe_expert_capacity_factor": (
+            config.moe_expert_capacity_factor,
+            config.moe_expert_capacity_factor is not None,
+        ),
+        "moe_input_jitter_eps": (config.moe_input_jitter_eps, bool(config.moe_input_jitter_eps)),
+        "moe_router_load_balancing_type": (
+            layer.router.routing_type,
+            layer.router.routing_type not in ("aux_loss", "none"),
+        ),
+        "moe_router_force_load_balancing": (
+            config.moe_router_force_load_balancing,
+            bool(config.moe_router_force_load_balancing),
+        ),
+        "moe_router_dtype": (
+            config.moe_router_dtype,
+            config.moe_router_dtype not in (None, "fp32"),
+        ),
+        "moe_shared_expert_overlap": (
+            config.moe_shared_expert_overlap,
+            bool(config.moe_shared_expert_overlap),
+        ),
+        "add_bias_linear": (config.add_bias_linear, bool(config.add_bias_linear)),
+        "recompute_modules": (
+            config.recompute_modules,
+            bool(
+                config.recompute_granularity == "selective"
+                and "moe" in (config.recompute_modules or ())
+            ),
+        ),
+        "activation_func": (
+            getattr(config.activation_func, "__name__", config.activation_func),
+            config.activation_func is not torch.nn.functional.silu or not config.gated_linear_unit,
+        ),
+    }
+    for key, (value, refused) in settings.items():
+        if refused:
+            raise ValueError(
+                f"rollout.true_on_policy: {name} runs with megatron-core's {key}={value!r}, which "
+                "the mode's MoE path does not compute (docs/true-on-policy.md)"
+            )
+    local = getattr(layer.experts, "local_experts", None)
+    if local is None or len(local) != config.num_moe_experts:
+        raise ValueError(
+            f"rollout.true_on_policy: {name} holds {len(local or ())} of "
+            f"{config.num_moe_experts} experts as separate modules; the mode needs every expert "
+            "on this rank (train.parallel.expert_parallel=1) in its own module"
+        )
 
 
 def exact_megatron(model: nn.Module) -> nn.Module:
@@ -174,7 +220,12 @@ def exact_megatron(model: nn.Module) -> nn.Module:
             module.__class__ = _exact_class(type(module), {"forward": _shared_forward})
         elif isinstance(module, TopKRouter):
             module.__class__ = _exact_class(
-                type(module), {"gating": _router_gating, "routing": _router_routing}
+                type(module),
+                {
+                    "gating": _router_gating,
+                    "routing": _router_routing,
+                    "natural_routing": _router_natural,
+                },
             )
         elif isinstance(module, ColumnParallelLinear | RowParallelLinear):
             if module.tp_group is not None and module.tp_group.size() > 1:

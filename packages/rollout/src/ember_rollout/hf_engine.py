@@ -185,8 +185,9 @@ class HFEngine(Engine):
                 (`rollout.partial_rollouts`; see the class docstring). Set it before the first
                 `generate`.
             true_on_policy: Compute with the batch-invariant kernels the trainer also runs
-                (`rollout.true_on_policy`, `ember_rollout.true_on_policy`); linear weights
-                are then never packed. Set it before the model loads.
+                (`rollout.true_on_policy`, `ember_rollout.true_on_policy`), whose linear
+                layers pack their weights themselves (`config.pack_linears` is not read).
+                Set it before the model loads.
         """
         self.config = config or HFEngineConfig()
         self.model = model

@@ -47,7 +47,8 @@ def exact_attention(
     batch, _, num_q, dim = query.shape
     width = key.shape[2]
     if position_ids is None:
-        position_ids = torch.arange(width - num_q, width, device=query.device).expand(batch, -1)
+        position_ids = torch.arange(width - num_q, width, device=query.device)
+    position_ids = position_ids.expand(batch, -1)  # one row of ids for the whole batch
     last = position_ids[:, -1].to(torch.long)
     starts = width - 1 - last
     expected = torch.arange(width - num_q, width, device=query.device) - starts[:, None]
@@ -80,7 +81,8 @@ def _router_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 logits, fp32 weights, ids) by `exact.route` and `exact.route_weights`."""
     rows = hidden_states.reshape(-1, self.weight.shape[1])
-    logits = exact.linear(rows.float(), self.weight.to(rows.dtype).float())
+    # A temporary fp32 copy below fp32 (the trainer's is too): packed at each call, not kept.
+    logits = exact.linear(rows.float(), self.weight.to(rows.dtype).float(), cached=False)
     score = self.ember_router_scores
     norm = getattr(self, "norm_topk_prob", True)  # Mixtral's router always renormalises
     bias = getattr(self, "e_score_correction_bias", None)
