@@ -63,8 +63,9 @@ def linear(
     Fewer than `ROW_TILE` rows are padded with zero rows, and a weight of fewer than
     `ROW_TILE` outputs with zero outputs (a product with one output column is a matrix-vector
     product, whose sums follow the row count). fp32 weights on CPU of `PACK_MIN_ELEMENTS` or
-    more multiply through oneDNN's packed kernel, which is batch-invariant from `ROW_TILE` rows on too and spares a decode
-    step the repacking every `F.linear` call does: packed once per weight version
+    more multiply through oneDNN's packed kernel, which is batch-invariant from `ROW_TILE` rows
+    on too and spares a decode step the repacking every `F.linear` call does: packed once per
+    weight version
     (`packed_weight`) where `cached`, else at every call. A caller whose weights change without
     torch's version counter seeing it (an optimizer that writes through `.data`, as
     megatron-core's setups can) passes `cached=False`.
