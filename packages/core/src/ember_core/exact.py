@@ -62,8 +62,8 @@ def linear(
 
     Fewer than `ROW_TILE` rows are padded with zero rows, and a weight of fewer than
     `ROW_TILE` outputs with zero outputs (a product with one output column is a matrix-vector
-    product, whose sums follow the row count). fp32 weights on CPU of `PACK_MIN_ELEMENTS` or
-    more multiply through oneDNN's packed kernel, which is batch-invariant from `ROW_TILE` rows
+    product, whose sums follow the row count). fp32 weights on CPU of `PACK_MIN_INPUTS` inputs
+    or more multiply through oneDNN's packed kernel, which is batch-invariant from `ROW_TILE` rows
     on too and spares a decode step the repacking every `F.linear` call does: packed once per
     weight version
     (`packed_weight`) where `cached`, else at every call. A caller whose weights change without
@@ -90,11 +90,13 @@ def linear(
     return out.reshape(*x.shape[:-1], outputs)
 
 
-PACK_MIN_ELEMENTS = 1 << 17
-"""fp32 CPU weights of at least this many elements go through oneDNN's packed kernel, smaller
-ones through `F.linear` (MKL), on both sides alike (the choice depends on the weight alone):
-oneDNN's call costs more than a small weight's repacking saves (as `ember_rollout.packed_linear`
-measured for the engine's default kernels)."""
+PACK_MIN_INPUTS = 256
+"""fp32 CPU weights of at least this many inputs (columns) go through oneDNN's packed kernel,
+narrower ones through `F.linear` (MKL), on both sides alike. The choice depends on the inputs
+alone, so the trainer's fused QKV and gate/up weights take the kernel the engine's separate
+ones take (their columns are the same dot products). oneDNN's call costs more than a small
+weight's repacking saves (as `ember_rollout.packed_linear` measured for the engine's default
+kernels): the tiny presets (64 wide) stay on MKL, SmolLM2 (576) is packed."""
 
 
 def _packs(weight: torch.Tensor, rows: torch.Tensor) -> bool:
@@ -102,7 +104,7 @@ def _packs(weight: torch.Tensor, rows: torch.Tensor) -> bool:
         weight.dtype == torch.float32
         and rows.dtype == torch.float32
         and weight.device.type == "cpu"
-        and weight.numel() >= PACK_MIN_ELEMENTS
+        and weight.shape[1] >= PACK_MIN_INPUTS
         and _PACKING
     )
 
@@ -266,8 +268,11 @@ def _span(
 def check_linear(shapes: set[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> None:
     """Check that `linear` gives each row the same bits whatever rows come with it, for the
     [in, out] weight shapes a model uses: every row count up to a tile and some above, the
-    first and the last rows of a larger batch, and the batch shuffled. Raise `ExactModeError`
-    naming the first shape and row count that differ."""
+    first and the last rows of a larger batch, the batch shuffled, and half the weight's
+    outputs against the same columns of the whole. Raise `ExactModeError` naming the first
+    shape and row count that differ. Attention's batched products are not checked here (their
+    shapes are fixed by the tiles); engine and trainer must run on the same kind of device and
+    processor, which neither side can see from its own process."""
     generator = torch.Generator().manual_seed(0)
     for n_in, n_out in sorted(shapes):
         weight = torch.randn(n_out, n_in, generator=generator).to(dtype=dtype, device=device)
@@ -275,6 +280,10 @@ def check_linear(shapes: set[tuple[int, int]], dtype: torch.dtype, device: torch
         full = linear(x, weight)
         shuffle = torch.randperm(len(x), generator=generator).to(device)
         checks = [(len(x), torch.equal(linear(x[shuffle], weight), full[shuffle]))]
+        # A fused weight's slice against the separate weight (the trainer's fused QKV and
+        # gate/up products, the engine's separate ones): the same columns, the same bits.
+        half = max(n_out // 2, 1)
+        checks.append((len(x), torch.equal(linear(x, weight[:half].clone()), full[:, :half])))
         for rows in (*range(1, ROW_TILE + 2), 2 * ROW_TILE - 1, 2 * ROW_TILE + 1):
             checks.append((rows, torch.equal(linear(x[:rows], weight), full[:rows])))
             checks.append((rows, torch.equal(linear(x[-rows:], weight), full[-rows:])))
