@@ -11,7 +11,9 @@ prints, per mode, the mean over seeds of:
 - seconds per iteration (`perf/iteration_time`, the first iteration left out as warm-up), of
   the rollout phase's generation (`perf/rollout_time_s`) and of training (`perf/train_time`),
   and the ratio of the mode's to the default's, per seed and of the means (target <= 1.3 on
-  the real model's dense example, examples/smollm2-arith.yaml);
+  the real model's dense example, examples/smollm2-arith.yaml); and the response tokens
+  generated per second, since the two modes sample different answers (lengths included) once
+  their numbers part;
 - learning: the mean reward of the first and the last 5 rollouts, and the largest
   |trainer - engine| log-prob the run saw (`rollout/train_rollout_logprob_max_abs_diff`, which
   is 0 in the mode), with every seed's figures beside the mean.
@@ -33,9 +35,11 @@ MISMATCH = "rollout/train_rollout_logprob_max_abs_diff"
 def summary(records: list[dict]) -> dict[str, float]:
     rewards = [r["rollout/rewards"] for r in records]
     mismatch = [r[MISMATCH] for r in records if MISMATCH in r]
+    tokens = [r["rollout/response_len_mean"] * r["rollout/num_samples"] for r in records[1:]]
     return {
         "s/iter": mean(records, "perf/iteration_time"),
         "generation s": mean(records, "perf/rollout_time_s"),
+        "gen tokens/s": statistics.mean(tokens) / mean(records, "perf/rollout_time_s"),
         "train s": mean(records, "perf/train_time"),
         "reward first": statistics.mean(rewards[:WINDOW]),
         "reward last": statistics.mean(rewards[-WINDOW:]),
@@ -70,7 +74,7 @@ def main() -> None:
         for k in keys:
             print(f"{'':<18}{k}: " + ", ".join(f"{r[k]:.4g}" for r in rows))
     base, exact = found["default"], found["true on-policy"]
-    for key in ("s/iter", "generation s", "train s"):
+    for key in ("s/iter", "generation s", "train s", "gen tokens/s"):
         ratio = statistics.mean(r[key] for r in exact) / statistics.mean(r[key] for r in base)
         per_seed = ", ".join(f"{e[key] / b[key]:.2f}" for e, b in zip(exact, base, strict=True))
         print(f"{key}: true on-policy / default = {ratio:.2f}x (per seed {per_seed})")

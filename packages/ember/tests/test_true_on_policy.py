@@ -16,6 +16,10 @@ import torch
 from ember.config import load_config
 
 TEMPERATURE = 0.8
+WIDE = {"hidden_size": 288, "ffn_hidden_size": 320, "moe_ffn_hidden_size": 256}
+"""A preset@wide: every weight at least `exact.PACK_MIN_INPUTS` wide, so that fp32 products go
+through oneDNN's packed kernel on both sides, the trainer's fused QKV and gate/up weights
+against the engine's separate ones (the tiny presets, 64 and 96 wide, take MKL's)."""
 PROMPT_LENGTHS = (3, 7, 12, 19, 26)
 NEW_TOKENS = 24
 
@@ -47,11 +51,12 @@ def trainers(distributed, tmp_path_factory):
 
     def get(preset: str, dtype: str):
         if (preset, dtype) not in built:
+            name, _, wide = preset.partition("@")
             config = BackendConfig(
-                model=preset,
+                model=name,
                 dtype=dtype,
                 # Weights far from uniform: log-probs spread over several nats, not all ~log(V).
-                model_overrides={"init_method_std": 0.1},
+                model_overrides={"init_method_std": 0.1, **(WIDE if wide else {})},
                 optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
                 micro_batch_size=3,  # batches unlike the engine's: 10 samples as 3+3+3+1
             )
@@ -76,8 +81,9 @@ def _engine(path, dtype: str, *, true_on_policy: bool):
     return HFEngine(model=model.eval(), true_on_policy=true_on_policy)
 
 
-def _rollouts(engine):
-    """Two samples of each of five prompts of different lengths, as `Sample`s."""
+def _rollouts(engine, *, experts: bool = False):
+    """Two samples of each of five prompts of different lengths, as `Sample`s; with the
+    experts the engine routed each position to where `experts` (R3's request)."""
     from ember_core.types import Sample
     from ember_rollout.engine import GenerateRequest, SamplingParams
 
@@ -90,6 +96,7 @@ def _rollouts(engine):
                 temperature=TEMPERATURE, max_new_tokens=NEW_TOKENS, seed=2 * p + copy
             ),
             name=f"prompt{p}.{copy}",
+            fields={"return_routed_experts": True} if experts else {},
         )
         for p, prompt in enumerate(prompts)
         for copy in range(2)
@@ -103,6 +110,7 @@ def _rollouts(engine):
             group_index=i // 2,
             reward=0.5,
             rollout_log_probs=out.output_log_probs,
+            rollout_routed_experts=out.routed_experts,
         )
         for i, (request, out) in enumerate(zip(requests, outputs, strict=True))
     ]
@@ -134,6 +142,8 @@ def _differences(worker, samples) -> tuple[int, int, float]:
         "tiny-mixtral",
         "tiny-deepseek-v3",
         "tiny-glm4-moe",
+        "tiny-llama@wide",
+        "tiny-moe@wide",
     ],
 )
 def test_the_engines_log_probs_are_the_trainers_bit_for_bit(trainers, preset, dtype):
@@ -147,6 +157,70 @@ def test_the_engines_log_probs_are_the_trainers_bit_for_bit(trainers, preset, dt
     assert len({lp for s in samples for lp in s.rollout_log_probs}) > 20
     differ, total, largest = _differences(worker, samples)
     assert differ == 0, f"{differ} of {total} log-probs differ, by up to {largest}"
+
+
+MOE_PRESETS = ["tiny-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-glm4-moe"]
+
+
+@pytest.mark.slow  # as above
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("preset", MOE_PRESETS)
+def test_under_r3_the_trainer_replays_the_engines_experts_and_still_agrees_bit_for_bit(
+    distributed, tmp_path, preset, dtype
+):
+    """R3 on: the trainer's forward replays the experts the engine recorded while sampling
+    (megatron-core's RouterReplay, weighed by `exact.route_weights`); they are the experts its
+    own routing picks, and the log-probs are the engine's bit for bit."""
+    from dataclasses import dataclass, field
+
+    from ember_core.config import AlgorithmConfig, CIConfig, SamplingConfig
+    from ember_core.plugins import EmberPlugins
+    from ember_megatron_backend.config import BackendConfig, OptimizerConfig
+    from ember_megatron_backend.weights import export_hf_checkpoint
+    from ember_megatron_backend.worker import MegatronWorker
+    from ember_r3_routing import R3RoutingConfig
+    from ember_r3_routing import plugin as r3_plugin
+
+    @dataclass(kw_only=True, slots=True)
+    class RunConfig:  # the parts of a run config the plugin reads
+        train: BackendConfig
+        algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+        plugins: list[str] = field(default_factory=lambda: ["r3_routing"])
+        ci: CIConfig = field(default_factory=CIConfig)
+
+    config = BackendConfig(
+        model=preset,
+        dtype=dtype,
+        model_overrides={"init_method_std": 0.1},
+        optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
+        micro_batch_size=3,
+    )
+    plugins = EmberPlugins()
+    plugins.register(r3_plugin, "r3_routing")
+    try:
+        plugins.configure(RunConfig(train=config), {"r3_routing": R3RoutingConfig()})
+        sampling = SamplingConfig(
+            temperature=TEMPERATURE, n_samples_per_prompt=2, true_on_policy=True
+        )
+        worker = MegatronWorker(config, AlgorithmConfig(), sampling, plugins)
+        export_hf_checkpoint(worker.actor, config.model_config(), tmp_path)
+        samples = _rollouts(_engine(tmp_path, dtype, true_on_policy=True), experts=True)
+        assert all(s.rollout_routed_experts is not None for s in samples)
+        batch = worker.prepare(0, samples)
+        metrics = worker.log_rollout_data(0, batch)
+        assert metrics["rollout/replay_agreement"] == 1.0  # the forward replayed them
+        assert metrics["rollout/routing_agreement"] == 1.0  # and would have chosen them
+        differ = sum(
+            int((torch.tensor(s.rollout_log_probs, dtype=lp.dtype) != lp).sum())
+            for s, lp in zip(samples, batch.log_probs, strict=True)
+        )
+        assert differ == 0
+    finally:
+        plugins.unregister("r3_routing")
+        r3_plugin._config = None
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
 
 
 @pytest.mark.slow  # as above, and a training step
@@ -166,7 +240,7 @@ def test_after_a_training_step_the_engine_given_the_new_weights_still_agrees_bit
         model_overrides={"init_method_std": 0.1},
         optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0),
         micro_batch_size=3,
-        num_steps_per_rollout=1,
+        num_steps_per_rollout=2,
     )
     sampling = SamplingConfig(temperature=TEMPERATURE, n_samples_per_prompt=2, true_on_policy=True)
     worker = MegatronWorker(config, AlgorithmConfig(), sampling)
@@ -176,7 +250,10 @@ def test_after_a_training_step_the_engine_given_the_new_weights_still_agrees_bit
     for sample in samples:  # each group's two answers rewarded apart: advantages, a step
         sample.reward = float(sample.index % 2)
     before = worker.prepare(0, samples)
-    worker.train(0, before)
+    steps = worker.train(0, before)
+    # The second step's forward runs on the weights the first one wrote: its log-probs are no
+    # longer the old ones (with stale packings they would be, and ppo_kl exactly 0).
+    assert steps[0]["train/ppo_kl"] == 0.0 and steps[1]["train/ppo_kl"] != 0.0
     after = worker.prepare(1, samples).log_probs
     assert all(not torch.equal(a, b) for a, b in zip(after, before.log_probs, strict=True))
     # The new weights into the same engine, as a push loads them (in place).

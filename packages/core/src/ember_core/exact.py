@@ -142,6 +142,12 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def forget_packed() -> None:
+    """Drop every packed copy (`packed_weight`): for an owner of weights that change without
+    bumping their version counters, before the next products with them."""
+    _PACKED.clear()
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4 * ROW_TILE)

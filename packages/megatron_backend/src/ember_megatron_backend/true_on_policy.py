@@ -7,10 +7,15 @@
   through `exact.linear` (its ``_forward_impl``; layout 1 only: no tensor-parallel reduction);
 - every torch ``RMSNorm`` normalises with `exact.rms_norm` (the engine's formula);
 - the local attention core (``SDPAttention``, right-padded samples under one causal mask)
-  runs `exact.attention`.
+  runs `exact.attention`;
+- MoE layers route (`TopKRouter`'s gating and routing, `RouterReplay` included), run their
+  experts and Qwen2-MoE's shared-expert gate through `exact.route`, `route_weights`, `experts`
+  and `linear`.
 
 Parameters, names and gradients are megatron-core's own: the kernels are torch ops autograd
-differentiates, and megatron-core's DDP hooks see the same gradients arrive.
+differentiates, and megatron-core's DDP hooks see the same gradients arrive. The packed copies
+of the weights (`exact.packed_weight`) are dropped by the worker whenever the weights may have
+changed (`MegatronWorker._weights_changed`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from ember_core import exact
 
 
 def _exact_forward_impl(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, **_: Any):
-    # Packed at every call: the optimizer's updates need not bump the weight's version counter.
-    return exact.linear(input, weight, bias, cached=False)
+    # The packings are dropped after each optimizer step (`MegatronWorker._weights_changed`):
+    # its updates need not bump the weights' version counters.
+    return exact.linear(input, weight, bias)
 
 
 class ExactRMSNorm(nn.RMSNorm):
@@ -126,7 +132,6 @@ def _moe_forward(
         probs.gather(1, ids),
         [e.linear_fc1.weight for e in local],
         [e.linear_fc2.weight for e in local],
-        cached=False,
     ).view_as(hidden_states)
     return (out if shared is None else out + shared), None
 
@@ -137,7 +142,7 @@ def _shared_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
 
     output, _ = MLP.forward(self, hidden_states)
     if self.use_shared_expert_gate:
-        gate = exact.linear(hidden_states, self.gate_weight, cached=False)
+        gate = exact.linear(hidden_states, self.gate_weight)
         output = output * torch.sigmoid(gate)
     return output
 

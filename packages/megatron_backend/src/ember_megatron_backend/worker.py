@@ -191,6 +191,16 @@ class MegatronWorker:
         ref.eval()
         return ref
 
+    def _weights_changed(self) -> None:
+        """Under `rollout.true_on_policy`: drop the packed copies of the weights
+        (`exact.packed_weight`), which the optimizer's writes need not announce (megatron-core's
+        write through `.data`): called where a pass may follow a change, at the start of
+        `prepare`, `trace_layers` and `train` and after every optimizer step."""
+        if self.sampling.true_on_policy:
+            from ember_core import exact
+
+            exact.forget_packed()
+
     def _build(self, role: Role) -> Any:
         model = build_model(
             self.model_config,
@@ -244,6 +254,7 @@ class MegatronWorker:
             ValueError: naming the sample for an inconsistent or unscored sample, a group split
                 across ranks, or TIS without rollout log-probs.
         """
+        self._weights_changed()
         from megatron.core import parallel_state as ps
 
         # What generation freed (in one process, the engine's decoding) goes back first.
@@ -487,6 +498,7 @@ class MegatronWorker:
         """
         from ember_megatron_backend.layer_trace import trace_forward
 
+        self._weights_changed()
         if dist.get_world_size() > 1:
             raise ValueError(
                 "the layer trace runs on one training rank (train.parallel: every size 1)"
@@ -546,6 +558,7 @@ class MegatronWorker:
         """
         from megatron.core import parallel_state as ps
 
+        self._weights_changed()
         dp_group = ps.get_data_parallel_group()
         dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
         reduction = self.algorithm.loss_reduction
@@ -584,6 +597,7 @@ class MegatronWorker:
                 step_samples = [i for mb in batch.steps[step_id] for i in mb]
                 metrics.update(routing_means(counts, step_samples, dp_group))
             result = self.actor_optimizer.step(self.accumulated_step)
+            self._weights_changed()
             metrics["train/grad_norm"], metrics["train/lr"] = result.grad_norm, result.lr
             metrics["train/skipped_step"] = float(result.skipped)
             if self.critic_optimizer is not None:
