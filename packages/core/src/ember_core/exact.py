@@ -214,7 +214,7 @@ def attention(
     for block in blocks.unique().tolist():
         if block < 0:
             continue
-        span = (block + 1) * KEY_BLOCK
+        span = key_span(block * KEY_BLOCK)
         rows_b, rows_q = (blocks == block).nonzero(as_tuple=True)  # this block's queries
         seqs, seq_of = rows_b.unique(return_inverse=True)
         keys, values = _span(k, seqs, starts, span, aligned), _span(v, seqs, starts, span, aligned)

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ember_core import exact
+
 ROUTED_EXPERTS_KEY = "routed_experts"
 """Key of the encoded experts in `meta_info`."""
 ROUTED_EXPERTS_DTYPE_KEY = "routed_experts_dtype"
@@ -204,17 +206,16 @@ def replay_routing(model: nn.Module, experts: torch.Tensor) -> Iterator[None]:
                     f"experts to replay cover {ids.shape[0]}"
                 )
             forced = ids[:, layer].to(chosen.device)
-            if family.router_scores == "sigmoid":
-                forced_weights = logits.float().sigmoid().gather(1, forced)
-                if router.norm_topk_prob:
-                    forced_weights = forced_weights / (
-                        forced_weights.sum(dim=-1, keepdim=True) + 1e-20
-                    )
-                forced_weights = forced_weights * router.routed_scaling_factor
-            else:
-                forced_weights = torch.softmax(logits.float(), dim=-1).gather(1, forced)
-                if getattr(router, "norm_topk_prob", True):
-                    forced_weights = forced_weights / forced_weights.sum(dim=-1, keepdim=True)
+            sigmoid = family.router_scores == "sigmoid"
+            forced_weights = exact.route_weights(
+                logits.float(),
+                forced,
+                score=family.router_scores,
+                norm_topk_prob=router.norm_topk_prob
+                if sigmoid
+                else getattr(router, "norm_topk_prob", True),
+                scaling=float(router.routed_scaling_factor) if sigmoid else 1.0,
+            )
             return logits, forced_weights.to(weights.dtype), forced.to(chosen.dtype)
 
         return replace
