@@ -186,6 +186,69 @@ def test_a_decode_step_gives_the_full_forwards_bits_at_every_position(dtype, dim
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_decode_step_with_more_heads_per_key_head_than_a_tile_gives_the_full_forwards_bits(
+    dtype,
+):
+    """18 query heads share each key head: a decode step fills two tiles, the second padded."""
+    g = torch.Generator().manual_seed(7)
+    q = _randn(2, 36, 80, DIM, dtype=dtype, generator=g)
+    k = _randn(2, 2, 80, DIM, dtype=dtype, generator=g)
+    v = _randn(2, 2, 80, DIM, dtype=dtype, generator=g)
+    full = _full(q, k, v)
+    for position in (0, 40, 63, 64, 79):
+        positions = torch.tensor([[position], [79 - position]])
+        out = exact.attention(
+            torch.stack([q[b, :, p] for b, p in enumerate(positions[:, 0].tolist())])[:, :, None],
+            k,
+            v,
+            key_starts=torch.zeros(2, dtype=torch.long),
+            scale=DIM**-0.5,
+            positions=positions,
+        )
+        for b, p in enumerate(positions[:, 0].tolist()):
+            assert torch.equal(out[b, :, 0], full[b, :, p]), (b, p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ["one block", "blocks apart"])
+def test_a_decode_step_over_keys_at_their_positions_gives_the_full_forwards_bits(dtype, rows):
+    """The engine's `PositionCache`: row b's key of position p at index p of a buffer longer
+    than any row (the rest finite garbage), key starts 0, each query's position given. Rows in
+    one key block read one view of the buffer, rows in different blocks their own copies."""
+    q, k, v = _qkv(dtype)
+    full = _full(q, k, v)
+    g = torch.Generator().manual_seed(6)
+    capacity = LENGTH + exact.KEY_BLOCK
+    seen = set()
+    for step in range(LENGTH):
+        if rows == "one block":  # different positions, one block
+            base = step // exact.KEY_BLOCK * exact.KEY_BLOCK
+            positions = [
+                min(base + (step + 5 * b) % exact.KEY_BLOCK, LENGTH - 1) for b in range(BATCH)
+            ]
+        else:
+            positions = [(step + 23 * b) % LENGTH for b in range(BATCH)]
+        k_c = torch.randn(BATCH, KV_HEADS, capacity, DIM, generator=g).to(dtype)
+        v_c = torch.randn(BATCH, KV_HEADS, capacity, DIM, generator=g).to(dtype)
+        for b, p in enumerate(positions):
+            k_c[b, :, : p + 1] = k[b, :, : p + 1]
+            v_c[b, :, : p + 1] = v[b, :, : p + 1]
+        q_c = torch.stack([q[b, :, p] for b, p in enumerate(positions)])[:, :, None]
+        out = exact.attention(
+            q_c,
+            k_c,
+            v_c,
+            key_starts=torch.zeros(BATCH, dtype=torch.long),
+            scale=DIM**-0.5,
+            positions=torch.tensor(positions)[:, None],
+        )
+        for b, p in enumerate(positions):
+            assert torch.equal(out[b, :, 0], full[b, :, p]), (b, p)
+            seen.add((b, p))
+    assert len(seen) > BATCH * LENGTH // 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim_v", [DIM, 24], ids=["Dv=D", "Dv!=D"])
 def test_a_left_padded_prefill_gives_the_full_forwards_bits_and_zeros_at_padding(dtype, dim_v):
     q, k, v = _qkv(dtype, dim_v=dim_v)

@@ -7,7 +7,9 @@ imported from GGUF, and a real MoE made from it by sparse upcycling.
   engine: the actor replays exactly the experts the engine chose, `train/ppo_kl` is exactly 0
   at every audit, the per-token maximum |trainer - engine| log-prob is under 1e-4 (fp32 on
   both sides); with the embedded engine, a reference that is not the model its
-  `train.ref_load` holds then stops the run at rollout 0.
+  `train.ref_load` holds then stops the run at rollout 0;
+- under `rollout.true_on_policy` the engine's log-probs are the trainer's bit for bit, dense and
+  upcycled, fp32 and bf16, and the seed scenario sees exactly 0 at every audit.
 
 The import and the upcycling happen once per module (about a minute each on two cores).
 """
@@ -25,6 +27,14 @@ from unittest import mock
 
 import pytest
 from test_e2e import ember, records
+from test_true_on_policy import (
+    NEW_TOKENS,
+    TEMPERATURE,
+    _differences,
+    _engine,
+    _rollouts,
+    distributed,  # noqa: F401 (a fixture: megatron-core's process group)
+)
 
 from ember_core.certify import PLANT_ENV, Fault
 from ember_rollout import sglang_cpu
@@ -226,3 +236,56 @@ def test_the_dense_example_trains_on_the_real_sglang_server_with_pushed_tied_wei
     assert "update_weights_from_distributed" in log.read_text()
     config = json.loads((run_dir / "hf_init" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+
+
+# -- rollout.true_on_policy on the real model ----------------------------------------------------
+
+
+@pytest.mark.usefixtures("distributed")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("which", ["dense", "upcycled"])
+def test_true_on_policy_the_engine_samples_with_the_trainers_log_probs_bit_for_bit(
+    smollm2, moe, which, dtype
+):
+    """SmolLM2 and its upcycled MoE under `rollout.true_on_policy`, R3 off: megatron-core's
+    model loaded from the checkpoint and the embedded engine serving the same checkpoint give
+    every sampled token the same log-prob bits (the MoE's routers choose alike on both sides)."""
+    from ember_core.config import AlgorithmConfig, SamplingConfig
+    from ember_megatron_backend.config import BackendConfig
+    from ember_megatron_backend.worker import MegatronWorker
+
+    path = smollm2 if which == "dense" else moe[0]
+    config = BackendConfig(hf_load=str(path), dtype=dtype, micro_batch_size=3)
+    sampling = SamplingConfig(temperature=TEMPERATURE, n_samples_per_prompt=2, true_on_policy=True)
+    worker = MegatronWorker(config, AlgorithmConfig(), sampling)
+    samples = _rollouts(_engine(path, dtype, true_on_policy=True))
+    assert sum(s.response_length for s in samples) >= 5 * NEW_TOKENS
+    assert len({lp for s in samples for lp in s.rollout_log_probs}) > 20
+    differ, total, largest = _differences(worker, samples)
+    assert differ == 0, f"{differ} of {total} log-probs differ, by up to {largest}"
+
+
+def test_true_on_policy_seed_scenario_on_the_upcycled_moe_is_exact_at_every_audit(moe, tmp_path):
+    """The seed scenario (R3 and the CI checks) in the mode: the engine and the trainer, which
+    replays the engine's experts, agree exactly at both audits, and the checker holds them to
+    that (its ceiling is 0 in the mode)."""
+    model, _ = moe
+    run_dir = tmp_path / "run"
+    run = ember(
+        *seed_scenario(model, "--set", "rollout.true_on_policy=true"),
+        run_dir=run_dir,
+        timeout=1500,
+        short=False,
+        here=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rollouts = records(run_dir, "rollout")
+    assert [r.get("rollout/audit") for r in rollouts] == [1.0, 1.0]
+    for r in rollouts:
+        assert r["rollout/replay_agreement"] == 1.0
+        assert r["rollout/train_rollout_logprob_max_abs_diff"] == 0.0
+    output = run.stderr + run.stdout
+    for rollout_id in (0, 1):
+        assert re.search(
+            rf"audit rollout {rollout_id}\b[^\n]*: train_rollout_mismatch_max passed: ", output
+        )

@@ -14,13 +14,15 @@ whichever batch it sits in:
   and with oneDNN's packed one; below that fp32 rows differ (1-3, 5-7 and 9-11 rows on a 2-core
   AMD EPYC with 2 threads; a Xeon's equal only from 16 rows on). `check_linear` verifies this
   where a run starts.
-- `attention`: the scores and the weighted sum of one query are products of exactly
-  `ROW_TILE` query rows with the keys of its sequence up to a length that depends only on the
-  query's position (`key_span`), masked past the query; the softmax runs over that same span.
-  A decode step pads its query to a tile, a training forward cuts its queries into tiles. The
-  trainer's copies of each block's keys and values per tile, kept for the backward, grow with
-  the sequence's length times its spans: fine for RL answers of hundreds of tokens, heavy for
-  thousands.
+- `attention`: a query is scored against the keys of its sequence up to a length that
+  depends only on its position (`key_span`), masked past it, and the softmax runs over that
+  same span; the scores and the weighted sum are products of the query rows with that span.
+  A training forward multiplies the `group` heads of a key head at a block's `KEY_BLOCK`
+  positions at once, a decode step its query's `group` heads padded to a multiple of
+  `ROW_TILE` rows: the same key spans, at least `ROW_TILE` rows, so the same bits by the
+  GEMM's row-invariance (checked once per head layout where a run starts). The engine keeps
+  its keys at their positions (`ember_rollout.true_on_policy.PositionCache`), so a decode
+  step reads them as one view.
 - `rms_norm`: one formula (transformers' RMSNorm: fp32 mean of squares, the normalised value
   cast back before the weight multiplies it).
 """
@@ -82,7 +84,11 @@ def linear(
     elif _packs(weight, rows):
         # An inference tensor has no version counter to key a packing on.
         packed = packed_weight(weight) if cached and not weight.is_inference() else _pack(weight)
-        out = _PackedProduct.apply(rows, weight, bias, packed)
+        inputs = (rows, weight) if bias is None else (rows, weight, bias)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            out = _PackedProduct.apply(rows, weight, bias, packed)
+        else:  # the engine's decode: no graph to record
+            out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     else:
         out = F.linear(rows, weight, bias)
     if num_rows < ROW_TILE or outputs < ROW_TILE:
@@ -181,94 +187,234 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_starts: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_starts: torch.Tensor,
+    scale: float,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention whose every query is reduced the same way in decode and in training.
 
-    The Q queries are the last Q entries of the W along the keys; sequence b starts at
-    `key_starts[b]` (left padding before it), so the query at entry w sits at position
-    `w - key_starts[b]` and is scored against the keys of positions [0, `key_span`(position)),
-    those past it masked. Queries before the start (padding) come out zero. What the masked
-    places hold never reaches the result (their scores are -inf, their weights exactly 0), as
-    long as it is finite.
+    Sequence b's keys start at `key_starts[b]` along W (left padding before it; 0 for keys
+    stored at their positions), so its key of position p sits at `key_starts[b] + p`. The query
+    at position p is scored against the keys of positions [0, `key_span`(p)), those past p
+    masked. Queries at a negative position (padding) come out zero. What the masked places
+    hold never reaches the result (their scores are -inf, their weights exactly 0), as long as
+    it is finite.
 
     Args:
         q: Queries [B, H, Q, D].
         k: Keys [B, Hkv, W, D] (H a multiple of Hkv: each group of H / Hkv consecutive heads
             shares a key head).
         v: Values [B, Hkv, W, Dv].
-        key_starts: [B] where each sequence's first token sits along W.
+        key_starts: [B] where each sequence's first key sits along W.
         scale: Multiplies the scores before the softmax.
+        positions: The queries' positions [B, Q]; by default the queries are the last Q
+            entries along W (position `w - key_starts[b]` for entry w).
 
     Returns:
         [B, H, Q, Dv] in the queries' dtype.
     """
-    batch, heads, num_q, dim = q.shape
-    kv_heads, width, dim_v = k.shape[1], k.shape[2], v.shape[-1]
-    group, device = heads // kv_heads, q.device
+    batch, num_q, width = q.shape[0], q.shape[2], k.shape[2]
+    device = q.device
     starts = key_starts.to(device=device, dtype=torch.long)
-    positions = torch.arange(width - num_q, width, device=device) - starts[:, None]  # [B, Q]
-    out = q.new_zeros(batch, heads, num_q, dim_v)
+    _check_attention(q, k, v)
+    given = positions
+    if positions is None:
+        positions = torch.arange(width - num_q, width, device=device) - starts[:, None]
+    positions = positions.to(device=device, dtype=torch.long).expand(batch, num_q)
+    if num_q == width and given is None and not bool(starts.any()):
+        return _whole(q, k, v, scale)  # a training forward
+    keys = _Keys(k, v, starts)
+    if num_q == 1:  # a decode step
+        return _decode(q, keys, positions[:, 0], scale)
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])
     blocks = torch.where(positions >= 0, positions // KEY_BLOCK, -1)
-    aligned = bool((starts == 0).all())  # keys at their positions: slices, not gathers
     for block in blocks.unique().tolist():
-        if block < 0:
-            continue
-        span = key_span(block * KEY_BLOCK)
-        rows_b, rows_q = (blocks == block).nonzero(as_tuple=True)  # this block's queries
-        seqs, seq_of = rows_b.unique(return_inverse=True)
-        keys, values = _span(k, seqs, starts, span, aligned), _span(v, seqs, starts, span, aligned)
-        pos = positions[rows_b, rows_q]
-        picked = q[rows_b, :, rows_q]  # [n, H, D]
-        if num_q == 1:
-            # A decode step, one query per sequence: its key head's `group` heads share a tile.
-            tile_rows, where = group, None
-            rows = picked.view(len(seqs), kv_heads, group, dim)
-            rows_pos = pos[:, None, None].expand(-1, kv_heads, group)
-        else:
-            # A tile holds one head's queries at ROW_TILE consecutive positions.
-            tile_rows = group * KEY_BLOCK
-            where = (
-                torch.arange(group, device=device) * KEY_BLOCK + (pos - block * KEY_BLOCK)[:, None]
-            )
-            rows = q.new_zeros(len(seqs), kv_heads, tile_rows, dim)
-            rows_pos = positions.new_zeros(len(seqs), kv_heads, tile_rows)
-            rows[seq_of[:, None], :, where] = picked.view(-1, kv_heads, group, dim).transpose(1, 2)
-            rows_pos[seq_of[:, None], :, where] = pos[:, None, None]
-        tiles = -(-tile_rows // ROW_TILE)
-        q_t = q.new_zeros(len(seqs), kv_heads, tiles * ROW_TILE, dim)
-        q_t[:, :, :tile_rows] = rows
-        pos_t = positions.new_zeros(len(seqs), kv_heads, tiles * ROW_TILE)
-        pos_t[:, :, :tile_rows] = rows_pos
-        k_t = keys[:, :, None].expand(-1, -1, tiles, -1, -1).reshape(-1, span, dim)
-        v_t = values[:, :, None].expand(-1, -1, tiles, -1, -1).reshape(-1, span, dim_v)
-        scores = torch.bmm(q_t.view(-1, ROW_TILE, dim), k_t.transpose(1, 2)).float() * scale
-        allowed = torch.arange(span, device=device) <= pos_t.view(-1, ROW_TILE, 1)
-        weights = scores.masked_fill_(~allowed, float("-inf")).softmax(-1).to(q.dtype)
-        ctx = torch.bmm(weights, v_t).view(len(seqs), kv_heads, -1, dim_v)
-        if where is None:
-            out[rows_b, :, rows_q] = ctx[:, :, :tile_rows].reshape(len(seqs), heads, dim_v)
-        else:
-            back = ctx[seq_of[:, None], :, where]  # [n, group, Hkv, Dv]
-            out[rows_b, :, rows_q] = back.transpose(1, 2).reshape(-1, heads, dim_v)
+        if block >= 0:
+            _attend_block(q, keys, positions, blocks, block, scale, out)
     return out
 
 
-def _span(
-    x: torch.Tensor, seqs: torch.Tensor, starts: torch.Tensor, span: int, aligned: bool
+def _whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attention` of whole sequences, every entry a query at its position (a training
+    forward): per key block, the `group` heads of a key head at its `KEY_BLOCK` positions make
+    one product of `group * KEY_BLOCK` rows, sliced from q without gathers."""
+    batch, heads, width, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    out = []
+    for lo in range(0, width, KEY_BLOCK):
+        span, hi = key_span(lo), min(lo + KEY_BLOCK, width)
+        q_b = q[:, :, lo:hi]
+        if hi - lo < KEY_BLOCK:  # the last block's positions past the end: zero queries
+            q_b = F.pad(q_b, (0, 0, 0, KEY_BLOCK - (hi - lo)))
+        k_b, v_b = k[:, :, :span], v[:, :, :span]
+        if span > width:  # keys past the end: masked for every query
+            k_b, v_b = (F.pad(t, (0, 0, 0, span - width)) for t in (k_b, v_b))
+        at = torch.arange(lo, lo + KEY_BLOCK, device=q.device)
+        masked = (torch.arange(span, device=q.device) > at[:, None]).repeat(group, 1)
+        rows = q_b.reshape(batch, kv_heads, group * KEY_BLOCK, dim)
+        ctx = _products(rows, k_b, v_b, masked, scale)
+        out.append(ctx.view(batch, heads, KEY_BLOCK, -1)[:, :, : hi - lo])
+    return torch.cat(out, 2)
+
+
+class _Keys:
+    """The keys and values of `attention`, read span by span."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor):
+        self.k, self.v, self.starts = k, v, starts
+        self.aligned = not bool(starts.any())  # keys at their positions: slices, not gathers
+
+    def span(self, seqs: torch.Tensor | None, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [n, Hkv, span, D] of sequences `seqs` (None: all) at positions
+        [0, span); past the cache's end, whatever finite value is at hand (masked)."""
+        return self._span(self.k, seqs, span), self._span(self.v, seqs, span)
+
+    def _span(self, x: torch.Tensor, seqs: torch.Tensor | None, span: int) -> torch.Tensor:
+        batch, kv_heads, width, dim = x.shape
+        if self.aligned:
+            taken = x[:, :, :span] if seqs is None else x[seqs, :, :span]
+            if span > width:
+                taken = torch.cat([taken, taken.new_zeros(*taken.shape[:2], span - width, dim)], 2)
+            return taken
+        # One gather of whole rows: row (b, h, start_b + p) of the flattened cache.
+        if seqs is None:
+            seqs = torch.arange(batch, device=x.device)
+        at = (self.starts[seqs, None] + torch.arange(span, device=x.device)).clamp(max=width - 1)
+        heads = torch.arange(kv_heads, device=x.device)
+        rows = (seqs[:, None, None] * kv_heads + heads[:, None]) * width + at[:, None]
+        return (
+            x.reshape(-1, dim).index_select(0, rows.view(-1)).view(len(seqs), kv_heads, span, dim)
+        )
+
+
+def _decode(q: torch.Tensor, keys: _Keys, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attention` of one query per sequence [B, H, 1, D]: the `group` heads that share a key
+    head fill tiles of `ROW_TILE` rows, the last one zero-padded."""
+    batch, heads, _, dim = q.shape
+    kv_heads = keys.k.shape[1]
+    group = heads // kv_heads
+    tile_rows = -(-group // ROW_TILE) * ROW_TILE
+    out = q.new_zeros(batch, heads, 1, keys.v.shape[-1])
+    blocks = torch.where(positions >= 0, positions // KEY_BLOCK, -1)
+    present = blocks.unique().tolist()
+    for block in present:
+        if block < 0:
+            continue
+        span = key_span(block * KEY_BLOCK)
+        seqs = None if len(present) == 1 else (blocks == block).nonzero().squeeze(1)
+        k_b, v_b = keys.span(seqs, span)
+        rows = q[:, :, 0] if seqs is None else q[seqs, :, 0]  # [n, H, D]
+        n = rows.shape[0]
+        q_t = q.new_zeros(n, kv_heads, tile_rows, dim)
+        q_t[:, :, :group] = rows.view(n, kv_heads, group, dim)
+        pos = positions if seqs is None else positions[seqs]
+        masked = torch.arange(span, device=q.device) > pos[:, None]  # [n, span]
+        ctx = _products(q_t, k_b, v_b, masked[:, None, None, :], scale)  # [n, Hkv, tile_rows, Dv]
+        ctx = ctx[:, :, :group].reshape(n, heads, 1, -1)
+        if seqs is None:
+            out = ctx
+        else:
+            out[seqs] = ctx
+    return out
+
+
+def _attend_block(
+    q: torch.Tensor,
+    keys: _Keys,
+    positions: torch.Tensor,
+    blocks: torch.Tensor,
+    block: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """`attention` of the queries in key block `block`, written into `out`: laid out as
+    `_whole` lays out a block (the `group` heads of a key head at the block's `KEY_BLOCK`
+    positions, one product of `group * KEY_BLOCK` rows), the positions no query holds zero."""
+    heads, dim = q.shape[1], q.shape[3]
+    kv_heads = keys.k.shape[1]
+    group, device = heads // kv_heads, q.device
+    span = key_span(block * KEY_BLOCK)
+    rows_b, rows_q = (blocks == block).nonzero(as_tuple=True)  # this block's queries
+    seqs, seq_of = rows_b.unique(return_inverse=True)
+    k_b, v_b = keys.span(None if len(seqs) == q.shape[0] else seqs, span)
+    pos = positions[rows_b, rows_q]
+    picked = q[rows_b, :, rows_q]  # [n, H, D]
+    where = torch.arange(group, device=device) * KEY_BLOCK + (pos - block * KEY_BLOCK)[:, None]
+    q_t = q.new_zeros(len(seqs), kv_heads, group * KEY_BLOCK, dim)
+    pos_t = positions.new_full((len(seqs), kv_heads, group * KEY_BLOCK), span)
+    q_t[seq_of[:, None], :, where] = picked.view(-1, kv_heads, group, dim).transpose(1, 2)
+    pos_t[seq_of[:, None], :, where] = pos[:, None, None]
+    masked = torch.arange(span, device=device) > pos_t[..., None]
+    ctx = _products(q_t, k_b, v_b, masked, scale)  # [n, Hkv, group * KEY_BLOCK, Dv]
+    back = ctx[seq_of[:, None], :, where]  # [n, group, Hkv, Dv]
+    out[rows_b, :, rows_q] = back.transpose(1, 2).reshape(len(rows_b), heads, -1)
+
+
+def _products(
+    rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """[n, Hkv, span, D]: the keys (or values) of `seqs` at positions [0, span); past the
-    cache's end, whatever finite value is at hand (those places are masked)."""
-    width = x.shape[2]
-    if aligned:
-        taken = x[seqs, :, : min(span, width)]
-        if span > width:
-            taken = torch.cat(
-                [taken, taken.new_zeros(*taken.shape[:2], span - width, x.shape[3])], 2
+    """Softmax attention of query rows [n, Hkv, R, D] (R a multiple of `ROW_TILE`) over the
+    keys and values [n, Hkv, span, D] of their sequence, one product per key head; `masked`
+    (broadcast to [n, Hkv, R, span]) marks the keys a row does not see."""
+    scores = torch.matmul(rows, k.transpose(2, 3)).float() * scale
+    weights = scores.masked_fill_(masked, float("-inf")).softmax(-1).to(rows.dtype)
+    return torch.matmul(weights, v)
+
+
+_ATTENTION_CHECKED: set[tuple] = set()
+
+
+def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Once per head layout, dtype and device: check that a decode step gives each query the
+    bits the forward of its whole sequence gives it. The two multiply by the same key spans, but
+    with other numbers of query rows (a decode step's padded group of heads, a forward's
+    `group * KEY_BLOCK` rows), which the GEMM's row-invariance from `ROW_TILE` rows on makes
+    equal (as `check_linear` checks for the linear layers).
+
+    Raises:
+        ExactModeError: A position whose decode step differs, named.
+    """
+    heads, kv_heads, dim, dim_v = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+    key = (heads, kv_heads, dim, dim_v, q.dtype, q.device)
+    if key in _ATTENTION_CHECKED:
+        return
+    _ATTENTION_CHECKED.add(key)
+    generator = torch.Generator().manual_seed(0)
+    width = 8 * KEY_BLOCK
+    zeros = torch.zeros(2, dtype=torch.long, device=q.device)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(2, *shape, generator=generator).to(dtype=q.dtype, device=q.device)
+
+    q_r, k_r, v_r = (
+        draw(heads, width, dim),
+        draw(kv_heads, width, dim),
+        draw(kv_heads, width, dim_v),
+    )
+    with torch.no_grad():
+        full = attention(q_r, k_r, v_r, key_starts=zeros, scale=dim**-0.5)
+        ends = [p for lo in range(0, width, KEY_BLOCK) for p in (lo, lo + KEY_BLOCK - 1)]
+        for p in sorted({*range(2 * KEY_BLOCK + 1), *ends}):
+            step = attention(
+                q_r[:, :, p : p + 1],
+                k_r,
+                v_r,
+                key_starts=zeros,
+                scale=dim**-0.5,
+                positions=torch.full((2, 1), p, device=q.device),
             )
-        return taken.contiguous()
-    idx = (starts[seqs, None] + torch.arange(span, device=x.device)).clamp(max=width - 1)
-    return x[seqs[:, None], :, idx].permute(0, 2, 1, 3).contiguous()
+            if not torch.equal(step[:, :, 0], full[:, :, p]):
+                raise ExactModeError(
+                    f"rollout.true_on_policy: on this machine a decode step's attention at "
+                    f"position {p} ({heads} heads over {kv_heads} key heads of {dim}, "
+                    f"{q.dtype} on {q.device}) is not the bits of the whole sequence's forward; "
+                    "its batched matrix products are not row-invariant"
+                )
 
 
 def check_linear(shapes: set[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> None:

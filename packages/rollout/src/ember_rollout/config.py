@@ -124,8 +124,8 @@ class HFEngineConfig:
     weight load) instead of repacked by every call, for weights of 2^17 elements or more (about
     384 x 384; smaller ones gain nothing); one more copy of those weights in memory. Other
     dtypes, devices and smaller layers run as is (`ember_rollout.packed_linear`). Not read under
-    `rollout.true_on_policy`, whose kernels pack every fp32 CPU weight themselves
-    (`ember_core.exact.linear`)."""
+    `rollout.true_on_policy`, whose kernels pack fp32 CPU weights of 256 inputs or more
+    themselves (`ember_core.exact.linear`)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the built-in model (used when model_path is None)."""
 

@@ -749,7 +749,13 @@ class HFEngine(Engine):
             mask[b, width - lengths[b] :] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
+        if self.true_on_policy:
+            from ember_rollout.true_on_policy import PositionCache
+
+            cache = PositionCache(self._info.num_layers)
+            placed = cache.at(torch.where(mask.bool(), positions, -1))
+        else:
+            cache, placed = DynamicCache(config=model.config), {}
         out = model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -757,6 +763,7 @@ class HFEngine(Engine):
             use_cache=True,
             logits_to_keep=1,
             **{self._cache_kw: cache},
+            **placed,
         )
         if cache.get_seq_length() != width:
             raise EngineError(
@@ -847,12 +854,14 @@ class HFEngine(Engine):
                 else:
                     mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
                     last_positions = last_positions + 1
+                    placed = cache.at(last_positions[:, None]) if self.true_on_policy else {}
                     out = model(
                         input_ids=next_tokens.to(device).unsqueeze(1),
                         attention_mask=mask,
                         position_ids=last_positions.unsqueeze(1),
                         use_cache=True,
                         **{self._cache_kw: cache},
+                        **placed,
                     )
                     logits_BV = out.logits[:, -1]
                     if self._trace is not None:

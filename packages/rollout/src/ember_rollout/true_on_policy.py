@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
 
 from ember_core import exact
 
@@ -24,6 +25,13 @@ class ExactLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return exact.linear(input, self.weight, self.bias)
+
+
+KEY_STARTS = "ember_key_starts"
+"""The forward keyword argument (transformers passes a model's keyword arguments on to its
+attention) that tells `exact_attention` where each row's keys start: `PositionCache.at`'s."""
+
+_PROBE = "ember_probe"
 
 
 def exact_attention(
@@ -39,28 +47,125 @@ def exact_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface over `exact.attention` (registered as `ATTENTION`).
 
-    The queries are the last ones along the cache; each row's first token is found from the
-    position of its last query (rows are left-padded, as the engine batches them).
+    The queries are each row's last tokens, left-padded, their positions counting the row's
+    real tokens. The keys are where the forward's `KEY_STARTS` says (a `PositionCache`'s: at
+    their positions), else laid out as the queries are: each row's last key is its last query.
     """
     if dropout:
         raise ValueError("rollout.true_on_policy: attention dropout is not supported")
+    probe = kwargs.get(_PROBE)
+    if isinstance(probe, list):
+        probe.append(module)
     batch, _, num_q, dim = query.shape
-    width = key.shape[2]
+    device = query.device
     if position_ids is None:
-        position_ids = torch.arange(width - num_q, width, device=query.device)
-    position_ids = position_ids.expand(batch, -1)  # one row of ids for the whole batch
-    last = position_ids[:, -1].to(torch.long)
-    starts = width - 1 - last
-    expected = torch.arange(width - num_q, width, device=query.device) - starts[:, None]
-    real = expected >= 0
-    if not torch.equal(position_ids.to(torch.long)[real], expected[real]):
+        position_ids = torch.arange(key.shape[2] - num_q, key.shape[2], device=device)
+    position_ids = position_ids.to(torch.long).expand(batch, -1)  # one row of ids for all
+    last = position_ids[:, -1]
+    positions = last[:, None] - torch.arange(num_q - 1, -1, -1, device=device)  # < 0: padding
+    real = positions >= 0
+    if not torch.equal(position_ids[real], positions[real]):
         raise ValueError(
             "rollout.true_on_policy: the attention's queries must be each row's last tokens, "
             "left-padded, with position ids counting its real tokens"
         )
+    starts = kwargs.get(KEY_STARTS)
+    if not isinstance(starts, torch.Tensor):
+        starts = key.shape[2] - 1 - last
     scale = dim**-0.5 if scaling is None else scaling
-    out = exact.attention(query, key, value, key_starts=starts, scale=scale)
+    out = exact.attention(query, key, value, key_starts=starts, scale=scale, positions=positions)
     return out.transpose(1, 2).contiguous(), None
+
+
+class PositionCache(Cache):
+    """The engine's KV cache under `rollout.true_on_policy`: row b's key and value of position
+    p at index p of every layer, whatever its padding.
+
+    `exact.attention` reads a query's keys as one slice of positions [0, span); from a cache of
+    left-padded rows (transformers' `DynamicCache`) each row's slice starts elsewhere, and every
+    decode step would gather the whole cache anew. Here the slices of all rows are one view, and
+    a decode step writes just its new entries. Set the new tokens' positions with `at` before
+    each forward and pass its keyword arguments to the forward.
+    """
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[_PositionLayer(self) for _ in range(num_layers)])
+        self.positions: torch.Tensor | None = None
+
+    def at(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The next forward's new tokens are at `positions` [B, Q] (negative: padding, not
+        stored); returns the keyword arguments that forward passes its attention."""
+        self.positions = positions.to(torch.long)
+        return {KEY_STARTS: positions.new_zeros(positions.shape[0], dtype=torch.long)}
+
+
+class _PositionLayer(DynamicLayer):
+    """One layer of a `PositionCache`: keys and values [B, Hkv, capacity, D], grown in whole
+    key blocks (`exact.KEY_BLOCK`) and zero where nothing was written (masked, but finite)."""
+
+    def __init__(self, owner: PositionCache):
+        super().__init__()
+        self.owner = owner
+        self.width = 0
+        """Entries a left-padded cache would hold (transformers' masks and the engine read it)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros(*key_states.shape[:2], 0, key_states.shape[3])
+        self.values = value_states.new_zeros(*value_states.shape[:2], 0, value_states.shape[3])
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        positions = self.owner.positions
+        if positions is None or positions.shape != key_states.shape[::2]:
+            raise ValueError(
+                "rollout.true_on_policy: PositionCache.at must give the positions [batch, "
+                f"new tokens] {tuple(key_states.shape[::2])} before each forward"
+            )
+        needed = (int(positions.max()) // exact.KEY_BLOCK + 1) * exact.KEY_BLOCK
+        if needed > self.keys.shape[2]:
+            self._grow(max(needed, 2 * self.keys.shape[2]))
+        if positions.shape[1] == 1:  # a decode step: every row one token
+            rows, at, new = torch.arange(len(positions)), positions[:, 0], slice(0, 1)
+            self.keys[rows, :, at] = key_states[:, :, 0]
+            self.values[rows, :, at] = value_states[:, :, 0]
+        else:
+            rows, new = (positions >= 0).nonzero(as_tuple=True)
+            at = positions[rows, new]
+            self.keys[rows, :, at] = key_states[rows, :, new]
+            self.values[rows, :, at] = value_states[rows, :, new]
+        self.width += key_states.shape[2]
+        return self.keys[:, :, :needed], self.values[:, :, :needed]
+
+    def _grow(self, capacity: int) -> None:
+        capacity = -(-capacity // exact.KEY_BLOCK) * exact.KEY_BLOCK
+        more = capacity - self.keys.shape[2]
+        self.keys = torch.cat(
+            [self.keys, self.keys.new_zeros(*self.keys.shape[:2], more, self.keys.shape[3])], 2
+        )
+        self.values = torch.cat(
+            [
+                self.values,
+                self.values.new_zeros(*self.values.shape[:2], more, self.values.shape[3]),
+            ],
+            2,
+        )
+
+    def get_seq_length(self) -> int:
+        return self.width
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[indices], self.values[indices]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a PositionCache is not cropped")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a PositionCache is not repeated")
 
 
 _CLASSES: dict[type, type] = {}
@@ -165,7 +270,28 @@ def exact_model(model: nn.Module) -> nn.Module:
         elif isinstance(module, nn.LayerNorm | nn.Conv1d | nn.Conv2d):
             raise ValueError(f"rollout.true_on_policy: {name} is a {cls.__name__}")
     model.set_attn_implementation(ATTENTION)
+    _check_keywords_reach_attention(model)
     return model
+
+
+def _check_keywords_reach_attention(model: nn.Module) -> None:
+    """`PositionCache` tells the attention where its keys are through the forward's keyword
+    arguments: check on one token that they reach every layer's attention.
+
+    Raises:
+        ValueError: A model that does not pass them on, named.
+    """
+    seen: list[nn.Module] = []
+    config = getattr(model.config, "text_config", None) or model.config
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **{_PROBE: seen})
+    if len(seen) != config.num_hidden_layers:
+        raise ValueError(
+            f"rollout.true_on_policy: {type(model).__name__} passes a forward's keyword "
+            f"arguments to the attention of {len(seen)} of its {config.num_hidden_layers} "
+            "layers; the engine tells the attention where its keys are through them"
+        )
 
 
 def linear_shapes(model: nn.Module) -> set[tuple[int, int]]:
