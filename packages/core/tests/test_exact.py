@@ -345,6 +345,32 @@ def test_check_linear_names_the_shape_when_the_kernel_is_not_batch_invariant(mon
     assert "[256, 96]" in message and "torch.float32" in message, message
 
 
+def test_attention_checks_once_per_head_layout_that_a_decode_step_is_the_forwards_bits(
+    monkeypatch,
+):
+    """The first attention of a head layout checks decode steps against the whole sequence's
+    forward: a decode that drifts by one ulp fails it, naming the position and the layout; a
+    layout already checked is not checked again."""
+    monkeypatch.setattr(exact, "_ATTENTION_CHECKED", set())
+    q, k, v = _qkv(torch.float32)
+    exact.attention(q, k, v, key_starts=torch.zeros(BATCH, dtype=torch.long), scale=0.25)
+    assert exact._ATTENTION_CHECKED == {(HEADS, KV_HEADS, DIM, DIM, torch.float32, q.device)}
+
+    decode = exact._decode
+
+    def drifting(*args):
+        out = decode(*args)
+        return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(exact, "_decode", drifting)
+    exact.attention(q, k, v, key_starts=torch.zeros(BATCH, dtype=torch.long), scale=0.25)
+    monkeypatch.setattr(exact, "_ATTENTION_CHECKED", set())
+    with pytest.raises(ExactModeError) as info:
+        exact.attention(q, k, v, key_starts=torch.zeros(BATCH, dtype=torch.long), scale=0.25)
+    message = str(info.value)
+    assert "at position 0 (6 heads over 2 key heads of 16, torch.float32" in message, message
+
+
 def test_the_exact_kernels_import_without_transformers_or_megatron():
     import subprocess
 

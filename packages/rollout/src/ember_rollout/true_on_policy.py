@@ -5,7 +5,8 @@ layer, RMSNorm and attention is the batch-invariant kernel the trainer's forward
 (`ember_megatron_backend.true_on_policy` applies the same kernels to megatron-core's modules):
 a token's hidden states, and so its log-prob, are then the same bits in a decode step of any
 batch and in the trainer's forward of the whole sequence. Nothing else changes: parameters,
-names, state dict and hooks stay, so weight updates and routing capture work as before.
+names, state dict and hooks stay, so weight updates and routing capture work as before. The
+engine decodes with a `PositionCache`, which keeps each row's keys at their positions.
 """
 
 from __future__ import annotations
