@@ -383,38 +383,54 @@ def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     key = (heads, kv_heads, dim, dim_v, q.dtype, q.device)
     if key in _ATTENTION_CHECKED:
         return
-    _ATTENTION_CHECKED.add(key)
+    _ATTENTION_CHECKED.add(key)  # the check's own calls below skip it
+    try:
+        _check_decode_against_forward(heads, kv_heads, dim, dim_v, q.dtype, q.device)
+    except ExactModeError:
+        _ATTENTION_CHECKED.discard(key)  # refused again at the next call
+        raise
+
+
+def _check_decode_against_forward(
+    heads: int, kv_heads: int, dim: int, dim_v: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Two sequences of eight key blocks: the forward over views in megatron-core's layout
+    ([s, b, h, d] permuted), decode steps over keys at their positions in a longer buffer (the
+    engine's `PositionCache`), the two rows at mirrored positions (in one block or in two)."""
     generator = torch.Generator().manual_seed(0)
     width = 8 * KEY_BLOCK
-    zeros = torch.zeros(2, dtype=torch.long, device=q.device)
+    zeros = torch.zeros(2, dtype=torch.long, device=device)
 
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(2, *shape, generator=generator).to(dtype=q.dtype, device=q.device)
+    def draw(num_heads: int, head_dim: int) -> torch.Tensor:
+        drawn = torch.randn(width, 2, num_heads, head_dim, generator=generator)
+        return drawn.to(dtype=dtype, device=device).permute(1, 2, 0, 3)
 
-    q_r, k_r, v_r = (
-        draw(heads, width, dim),
-        draw(kv_heads, width, dim),
-        draw(kv_heads, width, dim_v),
-    )
+    q_r, k_r, v_r = draw(heads, dim), draw(kv_heads, dim), draw(kv_heads, dim_v)
+    k_c = k_r.new_zeros(2, kv_heads, width + KEY_BLOCK, dim)
+    v_c = v_r.new_zeros(2, kv_heads, width + KEY_BLOCK, dim_v)
+    k_c[:, :, :width], v_c[:, :, :width] = k_r, v_r
+    ends = [p for lo in range(0, width, KEY_BLOCK) for p in (lo, lo + KEY_BLOCK - 1)]
     with torch.no_grad():
         full = attention(q_r, k_r, v_r, key_starts=zeros, scale=dim**-0.5)
-        ends = [p for lo in range(0, width, KEY_BLOCK) for p in (lo, lo + KEY_BLOCK - 1)]
         for p in sorted({*range(2 * KEY_BLOCK + 1), *ends}):
+            at = [p, width - 1 - p]
+            span = key_span(max(at))
             step = attention(
-                q_r[:, :, p : p + 1],
-                k_r,
-                v_r,
+                torch.stack([q_r[0, :, at[0]], q_r[1, :, at[1]]])[:, :, None],
+                k_c[:, :, :span],
+                v_c[:, :, :span],
                 key_starts=zeros,
                 scale=dim**-0.5,
-                positions=torch.full((2, 1), p, device=q.device),
+                positions=torch.tensor(at, device=device)[:, None],
             )
-            if not torch.equal(step[:, :, 0], full[:, :, p]):
-                raise ExactModeError(
-                    f"rollout.true_on_policy: on this machine a decode step's attention at "
-                    f"position {p} ({heads} heads over {kv_heads} key heads of {dim}, "
-                    f"{q.dtype} on {q.device}) is not the bits of the whole sequence's forward; "
-                    "its batched matrix products are not row-invariant"
-                )
+            for row, position in enumerate(at):
+                if not torch.equal(step[row, :, 0], full[row, :, position]):
+                    raise ExactModeError(
+                        f"rollout.true_on_policy: on this machine a decode step's attention at "
+                        f"position {position} ({heads} heads over {kv_heads} key heads of {dim}, "
+                        f"{dtype} on {device}) is not the bits of the whole sequence's forward; "
+                        "its batched matrix products are not row-invariant"
+                    )
 
 
 def check_linear(shapes: set[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> None:

@@ -248,14 +248,19 @@ class HFEngine(Engine):
         self._adopt(model)
 
     def _adopt(self, model: nn.Module) -> None:
+        self._position_cache = False
+        """Decode with keys at their positions (`true_on_policy.PositionCache`)."""
         if self.true_on_policy:
-            from ember_rollout.true_on_policy import exact_model, linear_shapes
+            from ember_rollout.true_on_policy import ATTENTION, exact_model, linear_shapes
 
             exact_model(model)
             if planted(Fault.ORDINARY_KERNEL):  # `ember certify --plant`: its rows must fail
                 model.set_attn_implementation("sdpa")
             parameter = next(model.parameters())
             exact.check_linear(linear_shapes(model), parameter.dtype, parameter.device)
+            # The mode's attention reads keys at their positions; a planted ordinary kernel
+            # reads transformers' left-padded cache.
+            self._position_cache = model.config._attn_implementation == ATTENTION
         self.model = model.eval()
         self._info = model_info(model)
         self._moe_sites = find_routers(model)
@@ -749,7 +754,7 @@ class HFEngine(Engine):
             mask[b, width - lengths[b] :] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        if self.true_on_policy:
+        if self._position_cache:
             from ember_rollout.true_on_policy import PositionCache
 
             cache = PositionCache(self._info.num_layers)
@@ -854,7 +859,7 @@ class HFEngine(Engine):
                 else:
                     mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
                     last_positions = last_positions + 1
-                    placed = cache.at(last_positions[:, None]) if self.true_on_policy else {}
+                    placed = cache.at(last_positions[:, None]) if self._position_cache else {}
                     out = model(
                         input_ids=next_tokens.to(device).unsqueeze(1),
                         attention_mask=mask,

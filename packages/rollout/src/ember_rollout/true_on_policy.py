@@ -59,7 +59,12 @@ def exact_attention(
         probe.append(module)
     batch, _, num_q, dim = query.shape
     device = query.device
+    starts = kwargs.get(KEY_STARTS)
     if position_ids is None:
+        if starts is not None:  # keys at their positions: only the ids say where queries are
+            raise ValueError(
+                "rollout.true_on_policy: a forward over a PositionCache passes position_ids"
+            )
         position_ids = torch.arange(key.shape[2] - num_q, key.shape[2], device=device)
     position_ids = position_ids.to(torch.long).expand(batch, -1)  # one row of ids for all
     last = position_ids[:, -1]
@@ -70,7 +75,6 @@ def exact_attention(
             "rollout.true_on_policy: the attention's queries must be each row's last tokens, "
             "left-padded, with position ids counting its real tokens"
         )
-    starts = kwargs.get(KEY_STARTS)
     if not isinstance(starts, torch.Tensor):
         starts = key.shape[2] - 1 - last
     scale = dim**-0.5 if scaling is None else scaling
@@ -103,6 +107,8 @@ class PositionCache(Cache):
 class _PositionLayer(DynamicLayer):
     """One layer of a `PositionCache`: keys and values [B, Hkv, capacity, D], grown in whole
     key blocks (`exact.KEY_BLOCK`) and zero where nothing was written (masked, but finite)."""
+
+    is_croppable = False
 
     def __init__(self, owner: PositionCache):
         super().__init__()
@@ -140,6 +146,8 @@ class _PositionLayer(DynamicLayer):
             self.keys[rows, :, at] = key_states[rows, :, new]
             self.values[rows, :, at] = value_states[rows, :, new]
         self.width += key_states.shape[2]
+        if self is self.owner.layers[-1]:  # the forward's last layer: `at` again before the next
+            self.owner.positions = None
         return self.keys[:, :, :needed], self.values[:, :, :needed]
 
     def _grow(self, capacity: int) -> None:
