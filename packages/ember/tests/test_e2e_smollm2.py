@@ -27,14 +27,7 @@ from unittest import mock
 
 import pytest
 from test_e2e import ember, records
-from test_true_on_policy import (
-    NEW_TOKENS,
-    TEMPERATURE,
-    _differences,
-    _engine,
-    _rollouts,
-    distributed,  # noqa: F401 (a fixture: megatron-core's process group)
-)
+from test_true_on_policy import NEW_TOKENS
 
 from ember_core.certify import PLANT_ENV, Fault
 from ember_rollout import sglang_cpu
@@ -241,7 +234,6 @@ def test_the_dense_example_trains_on_the_real_sglang_server_with_pushed_tied_wei
 # -- rollout.true_on_policy on the real model ----------------------------------------------------
 
 
-@pytest.mark.usefixtures("distributed")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("which", ["dense", "upcycled"])
 def test_true_on_policy_the_engine_samples_with_the_trainers_log_probs_bit_for_bit(
@@ -249,20 +241,24 @@ def test_true_on_policy_the_engine_samples_with_the_trainers_log_probs_bit_for_b
 ):
     """SmolLM2 and its upcycled MoE under `rollout.true_on_policy`, R3 off: megatron-core's
     model loaded from the checkpoint and the embedded engine serving the same checkpoint give
-    every sampled token the same log-prob bits (the MoE's routers choose alike on both sides)."""
-    from ember_core.config import AlgorithmConfig, SamplingConfig
-    from ember_megatron_backend.config import BackendConfig
-    from ember_megatron_backend.worker import MegatronWorker
-
+    every sampled token the same log-prob bits (the MoE's routers choose alike on both sides).
+    Each in a process of its own (true_on_policy_parity.py)."""
     path = smollm2 if which == "dense" else moe[0]
-    config = BackendConfig(hf_load=str(path), dtype=dtype, micro_batch_size=3)
-    sampling = SamplingConfig(temperature=TEMPERATURE, n_samples_per_prompt=2, true_on_policy=True)
-    worker = MegatronWorker(config, AlgorithmConfig(), sampling)
-    samples = _rollouts(_engine(path, dtype, true_on_policy=True))
-    assert sum(s.response_length for s in samples) >= 5 * NEW_TOKENS
-    assert len({lp for s in samples for lp in s.rollout_log_probs}) > 20
-    differ, total, largest = _differences(worker, samples)
-    assert differ == 0, f"{differ} of {total} log-probs differ, by up to {largest}"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("true_on_policy_parity.py")),
+            str(path),
+            dtype,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["response_tokens"] >= 5 * NEW_TOKENS and result["distinct"] > 20, result
+    assert result["differ"] == 0, result
 
 
 def test_true_on_policy_seed_scenario_on_the_upcycled_moe_is_exact_at_every_audit(moe, tmp_path):
