@@ -221,12 +221,11 @@ def attention(
     device = q.device
     starts = key_starts.to(device=device, dtype=torch.long)
     _check_attention(q, k, v)
-    given = positions
     if positions is None:
+        if num_q == width and not bool(starts.any()):
+            return _whole(q, k, v, scale)  # a training forward
         positions = torch.arange(width - num_q, width, device=device) - starts[:, None]
     positions = positions.to(device=device, dtype=torch.long).expand(batch, num_q)
-    if num_q == width and given is None and not bool(starts.any()):
-        return _whole(q, k, v, scale)  # a training forward
     keys = _Keys(k, v, starts)
     if num_q == 1:  # a decode step
         return _decode(q, keys, positions[:, 0], scale)
