@@ -26,6 +26,7 @@ from ember.failures import errors_held_for_start
 from ember.quiet import quiet_libraries, verbose
 from ember.startup import mark, mark_process_start
 from ember_core.certify import Fault, planted
+from ember_core.quant import quantize_named
 from ember_core.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -259,6 +260,13 @@ class TrainRank:
         """The weights a push sends: every one (`ember certify --plant dropped-tensor` leaves
         out the first, to test the check that they arrive)."""
         named = self.worker.hf_weights()
+        spec = self.config.engine.quant_spec()
+        if spec is not None:
+            # Quantized from the trainer's own weights (as `train.qat` fake-quantizes them),
+            # the rest cast to the dtype the engine serves (`_wire_dtype` then casts nothing).
+            from ember.config import served_dtype
+
+            named = quantize_named(named, spec, dtype=served_dtype(self.config))
         if planted(Fault.DROPPED_TENSOR):
             next(named, None)
         return named
@@ -292,7 +300,10 @@ class TrainRank:
 
     def _wire_dtype(self) -> torch.dtype | None:
         """The dtype weights travel in: the embedded engine's own (it casts to it anyway), else
-        the parameters' (SGLang servers start from the trainer's export, in that dtype)."""
+        the parameters' (SGLang servers start from the trainer's export, in that dtype); None
+        for quantized weights, which `_sent_weights` casts itself."""
+        if self.config.engine.quantization is not None:
+            return None
         if self.config.engine.kind == "hf":
             return getattr(torch, self.config.engine.hf.dtype)  # "bfloat16", "float32", ...
         return None

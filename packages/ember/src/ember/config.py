@@ -519,6 +519,7 @@ def load_config(
     check_engine_log_probs(run_config)
     check_partial_rollouts(run_config)
     check_true_on_policy(run_config)
+    check_quantization(run_config)
     weight_transport(run_config)
     from ember.layout import plan_layout
 
@@ -635,6 +636,69 @@ def check_true_on_policy(config: RunConfig) -> None:
             why = f"{named}: the mode runs the model whole on each rank (layout 1); set it to 1"
     if why is not None:
         raise ValueError(f"rollout.true_on_policy=true with {why}")
+
+
+def served_dtype(config: RunConfig) -> torch.dtype:
+    """The dtype the engines compute in: the embedded engine's `engine.hf.dtype`, SGLang's
+    `engine.sglang.dtype` (auto: the trainer's, whose export the servers start from)."""
+    import torch
+
+    engine = config.engine
+    if engine.kind == "hf":
+        name = engine.hf.dtype
+    else:
+        name = engine.sglang.dtype if engine.sglang.dtype != "auto" else config.train.dtype
+    return getattr(torch, name)
+
+
+def check_quantization(config: RunConfig) -> None:
+    """Refuse `engine.quantization` and `train.qat` settings that cannot run, before anything
+    starts: QAT without a scheme, QAT with `rollout.true_on_policy` or a tensor-parallel split
+    of the weights, a quantized engine under true on-policy, and a group size that does not
+    divide one of the model's quantized weights (read from its shape, on the meta device).
+
+    Raises:
+        ValueError: One line naming the keys and, for a shape, the weight.
+    """
+    engine, train = config.engine, config.train
+    spec = engine.quant_spec()
+    if spec is None:
+        if train.qat:
+            raise ValueError(
+                "train.qat=true with engine.quantization=null: QAT trains against the scheme the "
+                "engine serves; set engine.quantization (fp8_block or int4_w4a16)"
+            )
+        return
+    if config.rollout.true_on_policy:
+        raise ValueError(
+            f"engine.quantization={spec.scheme} with rollout.true_on_policy=true: the mode's "
+            "batch-invariant kernels run full-precision weights only; set one of them off"
+        )
+    if train.qat:
+        parallel = train.parallel
+        for key in ("tensor_parallel", "expert_tensor_parallel"):
+            value = getattr(parallel, key)
+            if value not in (1, None):
+                raise ValueError(
+                    f"train.qat=true with train.parallel.{key}={value}: fake quantization needs "
+                    f"each weight whole on its rank; set train.parallel.{key}=1"
+                )
+    from ember_core import quant
+    from ember_megatron_backend.hf_layout import hf_shapes
+
+    shapes = hf_shapes(train.model_config())
+    targets = {n: s for n, s in shapes.items() if quant.is_target(n, spec.targets)}
+    if not targets:
+        raise ValueError(
+            f"engine.quantization_targets={spec.targets}: the model has no "
+            f"{'routed experts' if spec.targets == 'experts' else 'linear projections'} to "
+            "quantize; set engine.quantization_targets=linear"
+        )
+    for name, shape in targets.items():
+        try:
+            quant.check_shape(name, shape, spec)
+        except ValueError as exc:
+            raise ValueError(f"engine.quantization={spec.scheme}: {exc}") from None
 
 
 def check_debug_halves(config: RunConfig, plugins: EmberPlugins | None = None) -> None:

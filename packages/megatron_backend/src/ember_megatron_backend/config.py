@@ -160,6 +160,11 @@ class BackendConfig:
     critic's value layer starts at zero). ``parallel.seed`` drives the runtime streams."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype; bfloat16 keeps fp32 master weights in megatron-core's optimizer (GPU)."""
+    qat: bool = False
+    """Quantization-aware training: the actor's and the reference's forwards multiply with the
+    weights the engine serves under `engine.quantization` (quantized, then dequantized; with
+    fp8_block the inputs too), gradients passed straight through to the full-precision weights
+    (`ember_megatron_backend.qat`). Requires `engine.quantization`."""
 
     def __post_init__(self) -> None:
         if self.model is not None and self.model not in PRESETS:

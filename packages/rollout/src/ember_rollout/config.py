@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ember_core.config import check, from_dict
+
+if TYPE_CHECKING:
+    from ember_core.quant import QuantSpec
 
 __all__ = [
     "DataConfig",
@@ -276,13 +279,57 @@ class EngineConfig:
     """Settings of the hf engine."""
     sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
     """Settings of the sglang engine."""
+    quantization: str | None = None
+    """Serve quantized rollout weights, quantized from the trainer's at every push
+    (`ember_core.quant`, docs/low-precision.md): fp8_block (FP8 e4m3 weights in square blocks
+    of `quantization_group_size`, one scale per block, activations quantized per token in
+    groups of that size: SGLang's W8A8 block FP8), int4_w4a16 (symmetric INT4 weights, one
+    scale per `quantization_group_size` inputs of a row, compressed-tensors' pack-quantized
+    layout), or null (the trainer's weights as they are). The embedded engine emulates both on
+    CPU; log-probs are the quantized engine's own (pair with TIS/MIS, or `train.qat`)."""
+    quantization_group_size: int = 128
+    """FP8 block edge (blocks of N x N) or INT4 group along a row's inputs; it must divide every
+    quantized dimension (FP8: rows and inputs, INT4: inputs)."""
+    quantization_targets: Literal["linear", "experts"] = "linear"
+    """Which weights are quantized: every linear projection of the decoder layers, or only the
+    routed experts'; embeddings, the output layer, norms and routers never are."""
 
     def __post_init__(self) -> None:
+        from ember_core.quant import SCHEMES, TARGETS
+
         from ember_rollout.engine import engine_registry
 
         engines = engine_registry()
         if self.kind not in engines:
             raise ValueError(f"kind={self.kind!r}: expected one of {', '.join(engines.names())}")
+        check(
+            self.quantization is None or self.quantization in SCHEMES,
+            "quantization",
+            self.quantization,
+            f"one of {', '.join(SCHEMES)}, or null",
+        )
+        check(
+            self.quantization_targets in TARGETS,
+            "quantization_targets",
+            self.quantization_targets,
+            f"one of {', '.join(TARGETS)}",
+        )
+        check(
+            isinstance(self.quantization_group_size, int)
+            and self.quantization_group_size >= 8
+            and self.quantization_group_size % 8 == 0,
+            "quantization_group_size",
+            self.quantization_group_size,
+            "a positive multiple of 8 (INT4 packs eight values to an int32)",
+        )
+
+    def quant_spec(self) -> QuantSpec | None:
+        """The scheme the engine serves, or None for full precision."""
+        from ember_core.quant import QuantSpec
+
+        if self.quantization is None:
+            return None
+        return QuantSpec(self.quantization, self.quantization_group_size, self.quantization_targets)
 
 
 # --------------------------------------------------------------------------------------------

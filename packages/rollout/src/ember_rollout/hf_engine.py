@@ -56,6 +56,7 @@ from ember_rollout.weight_receive import (
 
 if TYPE_CHECKING:
     from ember_core.plugins import EmberPlugins
+    from ember_core.quant import QuantSpec
     from ember_rollout.config import EngineConfig
     from ember_rollout.layer_trace import LayerTrace
 
@@ -173,6 +174,7 @@ class HFEngine(Engine):
         seed: int = 0,
         partial_rollouts: bool = False,
         true_on_policy: bool = False,
+        quantization: QuantSpec | None = None,
     ) -> None:
         """Create the engine; the model is loaded by `start()` unless given.
 
@@ -188,12 +190,16 @@ class HFEngine(Engine):
                 (`rollout.true_on_policy`, `ember_rollout.true_on_policy`), whose linear
                 layers pack their weights themselves (`config.pack_linears` is not read).
                 Set it before the model loads.
+            quantization: Serve the model quantized under this scheme
+                (`engine.quantization`; `ember_rollout.quantized`): its target projections are
+                quantized when it is adopted, and weight updates must send them quantized.
         """
         self.config = config or HFEngineConfig()
         self.model = model
         self._seeds = random.Random(seed)
         self.partial_rollouts = partial_rollouts
         self.true_on_policy = true_on_policy
+        self.quantization = quantization
         self._lock = asyncio.Lock()
         self._gate = WeightGate()
         self._warned_fields: set[str] = set()
@@ -211,7 +217,7 @@ class HFEngine(Engine):
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, plugins: EmberPlugins | None = None) -> HFEngine:
-        return cls(config.hf)
+        return cls(config.hf, quantization=config.quant_spec())
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -243,11 +249,20 @@ class HFEngine(Engine):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = model.to(device)
+        if self.quantization is not None:
+            from ember_rollout.quantized import quantize_model
+
+            quantize_model(model, self.quantization)
         if cfg.pack_linears and not self.true_on_policy:
             pack_linears(model, batch_hint=cfg.max_batch_size)
         self._adopt(model)
 
     def _adopt(self, model: nn.Module) -> None:
+        if self.quantization is not None:
+            from ember_rollout.quantized import QuantLinear, QuantExperts, quantize_model
+
+            if not any(isinstance(m, QuantLinear | QuantExperts) for m in model.modules()):
+                quantize_model(model, self.quantization)
         self._position_cache = False
         """Decode with keys at their positions (`true_on_policy.PositionCache`)."""
         if self.true_on_policy:

@@ -207,6 +207,11 @@ def cache_kwarg(model: nn.Module) -> str:
 # Weights by HF checkpoint name
 # --------------------------------------------------------------------------------------------
 
+_QUANTIZED = re.compile(r"\.weight_(?:scale_inv|scale|packed|shape)$")
+"""Checkpoint names of the tensors that hold a quantized weight besides its values."""
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int32, torch.int64)
+"""Dtypes only a quantized weight's tensors have."""
+
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
@@ -324,6 +329,21 @@ def _resolve(
             raise ValueError(
                 f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's "
                 f"{tuple(target.shape)}"
+            )
+        quantized = (
+            _QUANTIZED.search(name) is not None
+            or target.dtype in _QUANTIZED_DTYPES
+            or tensor.dtype in _QUANTIZED_DTYPES
+        )
+        if quantized and target.dtype != tensor.dtype:
+            raise ValueError(
+                f"weight {name!r}: dtype {tensor.dtype} where the engine's quantized model holds "
+                f"{target.dtype} (engine.quantization: the sender must quantize as the engine "
+                "serves, ember_core.quant)"
+            )
+        if name.endswith(".weight_shape") and not torch.equal(tensor.cpu(), target.cpu()):
+            raise ValueError(
+                f"weight {name!r}: {tensor.tolist()} is not the engine's {target.tolist()}"
             )
         return target, tensor
     if not 0 <= expert < target.shape[0]:
