@@ -118,8 +118,8 @@ def check_shape(name: str, shape: tuple[int, ...] | torch.Size, spec: QuantSpec)
     dims = (("output", rows), ("input", cols)) if spec.scheme == "fp8_block" else (("input", cols),)
     for which, size in dims:
         if size % g:
-            divisors = [d for d in range(8, size + 1, 8) if size % d == 0]
-            hint = f" (multiples of 8 that do: {divisors[-3:]})" if divisors else ""
+            fits = [d for d in (8, 16, 32, 64) if size % d == 0 and d < g]
+            hint = f" such as {fits[-1]}" if fits else ""
             raise ValueError(
                 f"{name}: {spec.scheme} group size {g} does not divide its {which} size {size} "
                 f"(shape {tuple(shape)}); set engine.quantization_group_size to a divisor{hint}"

@@ -638,7 +638,7 @@ def check_true_on_policy(config: RunConfig) -> None:
         raise ValueError(f"rollout.true_on_policy=true with {why}")
 
 
-def served_dtype(config: RunConfig) -> torch.dtype:
+def served_dtype(config: RunConfig) -> Any:
     """The dtype the engines compute in: the embedded engine's `engine.hf.dtype`, SGLang's
     `engine.sglang.dtype` (auto: the trainer's, whose export the servers start from)."""
     import torch

@@ -296,7 +296,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from ember_core.quant import SCHEMES, TARGETS
-
         from ember_rollout.engine import engine_registry
 
         engines = engine_registry()

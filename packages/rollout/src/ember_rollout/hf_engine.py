@@ -259,7 +259,7 @@ class HFEngine(Engine):
 
     def _adopt(self, model: nn.Module) -> None:
         if self.quantization is not None:
-            from ember_rollout.quantized import QuantLinear, QuantExperts, quantize_model
+            from ember_rollout.quantized import QuantExperts, QuantLinear, quantize_model
 
             if not any(isinstance(m, QuantLinear | QuantExperts) for m in model.modules()):
                 quantize_model(model, self.quantization)
@@ -377,6 +377,21 @@ class HFEngine(Engine):
         Raises:
             ValueError: Naming the unknown or missing names, or the shape that does not fit.
         """
+        spec = self.quantization
+        if spec is not None:
+            from ember_core.quant import is_target
+
+            for name, tensor in named:
+                if (
+                    is_target(name, spec.targets)
+                    and tensor.dtype.is_floating_point
+                    and (tensor.dtype != torch.float8_e4m3fn)
+                ):
+                    raise ValueError(
+                        f"weight {name!r} arrives unquantized ({tensor.dtype}): the engine serves "
+                        f"engine.quantization={spec.scheme}, so updates carry the quantized "
+                        "tensors (ember_core.quant.quantize_named)"
+                    )
         check_update_names(self.model, [name for name, _ in named], partial=partial)
         state, naming = self.model.state_dict(keep_vars=True), naming_of(self.model)
         for name, tensor in named:

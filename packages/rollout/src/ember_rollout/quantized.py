@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from ember_core import quant
-from ember_core.quant import QuantSpec
 from torch import nn
 
+from ember_core import quant
+from ember_core.quant import QuantSpec
 from ember_rollout.models import _checkpoint_name, naming_of
 
 __all__ = ["QuantExperts", "QuantLinear", "quantize_model", "quantized_bytes"]
@@ -128,8 +128,10 @@ class QuantExperts(nn.Module):
 def _fused_experts(module: nn.Module) -> bool:
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
-    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and (
-        gate_up.dim() == 3
+    return (
+        isinstance(gate_up, nn.Parameter)
+        and isinstance(down, nn.Parameter)
+        and (gate_up.dim() == 3)
     )
 
 
@@ -166,7 +168,11 @@ def quantize_model(model: nn.Module, spec: QuantSpec) -> int:
         raise ValueError(
             f"engine.quantization={spec.scheme} with engine.quantization_targets={spec.targets}: "
             f"the model ({type(model).__name__}) has no weight to quantize"
-            + ("; it has no routed experts (use targets linear)" if spec.targets == "experts" else "")
+            + (
+                "; it has no routed experts (use targets linear)"
+                if spec.targets == "experts"
+                else ""
+            )
         )
     return count
 
