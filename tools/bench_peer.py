@@ -759,7 +759,13 @@ def export_init(path: str, sets: list[str], config_path: str | None = None) -> N
 
     config, plugins = load_config(config_path, overrides=sets)
     init_distributed(config.train.parallel)
-    worker = MegatronWorker(config.train, config.algorithm, config.rollout, plugins)
+    worker = MegatronWorker(
+        config.train,
+        config.algorithm,
+        config.rollout,
+        plugins,
+        quantization=config.engine.quant_spec(),  # `train.qat` refuses a worker without it
+    )
     worker.export_hf(Path(path))
     save_tokenizer_for_model(run_tokenizer_path(config), path)
 

@@ -178,7 +178,12 @@ EXACT_BARS = MismatchBars(
 
 
 def mismatch_ceiling(
-    engine_dtype: str | None, trainer_dtype: str | None, *, exact: bool = False
+    engine_dtype: str | None,
+    trainer_dtype: str | None,
+    *,
+    exact: bool = False,
+    quantization: str | None = None,
+    qat: bool = False,
 ) -> MismatchBars:
     """The bars (`MismatchBars`) of a setup whose engine computes in `engine_dtype` (None:
     unknown, an attached server's) and trainer in `trainer_dtype` (None: float32); `exact`

@@ -232,11 +232,15 @@ class TrainRank:
             init_method=init_method,
         )
         mark(f"rank {self.rank}", "megatron-core imported, process group joined")
+        from ember.config import served_dtype
+
         self.worker = MegatronWorker(
             self.config.train,
             self.config.algorithm,
             self.config.rollout,
             self.plugins,
+            quantization=self.config.engine.quant_spec(),
+            qat_scale_dtype=served_dtype(self.config),
         )
         from megatron.core import parallel_state as ps
 
@@ -259,17 +263,24 @@ class TrainRank:
     def _sent_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights a push sends: every one (`ember certify --plant dropped-tensor` leaves
         out the first, to test the check that they arrive)."""
-        named = self.worker.hf_weights()
-        spec = self.config.engine.quant_spec()
-        if spec is not None:
-            # Quantized from the trainer's own weights (as `train.qat` fake-quantizes them),
-            # the rest cast to the dtype the engine serves (`_wire_dtype` then casts nothing).
-            from ember.config import served_dtype
-
-            named = quantize_named(named, spec, dtype=served_dtype(self.config))
+        named = self._engine_weights()
         if planted(Fault.DROPPED_TENSOR):
             next(named, None)
         return named
+
+    def _engine_weights(
+        self, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's weights as the engines hold them: under `engine.quantization` quantized
+        from the trainer's own weights (as `train.qat` fake-quantizes them), the rest cast to
+        the dtype the engine serves (`_wire_dtype` then casts nothing); otherwise cast to
+        `dtype` (None: as held)."""
+        spec = self.config.engine.quant_spec()
+        if spec is None:
+            return self.worker.hf_weights(dtype=dtype)
+        from ember.config import served_dtype
+
+        return quantize_named(self.worker.hf_weights(), spec, dtype=served_dtype(self.config))
 
     def log_probs_at(self, samples: list[Sample], ids: list[torch.Tensor]) -> list[torch.Tensor]:
         """The actor's log-probs of `ids[i]` ([R_i, k]) at sample i's response positions, then of
@@ -286,11 +297,11 @@ class TrainRank:
 
     def weights_digests(self, dtype: str | None = None) -> dict[str, tuple[list[int], str]]:
         """The shape and SHA-256 (`tensor_digest`) of each tensor of the actor's weights under
-        transformers names, cast to `dtype` (None: as held); collective, and empty on every
-        rank but the weight sender."""
+        transformers names, cast to `dtype` (None: as held; quantized weights as pushed);
+        collective, and empty on every rank but the weight sender."""
         from ember_megatron_backend.weight_sync import is_weight_sender
 
-        named = self.worker.hf_weights(dtype=None if dtype is None else getattr(torch, dtype))
+        named = self._engine_weights(None if dtype is None else getattr(torch, dtype))
         sender = is_weight_sender()
         digests = {}
         for name, tensor in named:  # every rank walks them: the gathers are collective

@@ -469,7 +469,11 @@ class Certifier:
         self.readable = config.engine.kind == "hf"
         """The engine's tensors can be read (the embedded engine; not an SGLang server)."""
         self.bars = mismatch_ceiling(
-            engine_dtype(config), config.train.dtype, exact=config.rollout.true_on_policy
+            engine_dtype(config),
+            config.train.dtype,
+            exact=config.rollout.true_on_policy,
+            quantization=config.engine.quantization,
+            qat=config.train.qat,
         )
         self.k = min(TOP_K, self.model.vocab_size)
 

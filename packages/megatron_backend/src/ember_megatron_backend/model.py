@@ -617,11 +617,18 @@ def _grouped_local_experts() -> type:
                 )
             x = permuted_local_hidden_states
             offsets = torch.as_tensor(tokens_per_expert).to(x.device).cumsum(0).to(torch.int32)
-            fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2F, H]
-            fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
+            dtype = x.dtype
+            x, fc1 = self.grouped_operands("linear_fc1", x)  # fc1 [E, 2F, H]
             gate, linear = F.grouped_mm(x, fc1.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-            hidden = (F.silu(gate) * linear * permuted_probs.unsqueeze(-1)).to(x.dtype)
+            hidden = (F.silu(gate) * linear * permuted_probs.unsqueeze(-1)).to(dtype)
+            hidden, fc2 = self.grouped_operands("linear_fc2", hidden)  # fc2 [E, H, F]
             return F.grouped_mm(hidden, fc2.transpose(1, 2), offs=offsets), None
+
+        def grouped_operands(self, linear: str, x: Tensor) -> tuple[Tensor, Tensor]:
+            """The input [T, K] of the local experts' `linear` layers ("linear_fc1" or
+            "linear_fc2") and their weights stacked [E, N, K], as the grouped product takes
+            them: `x` and the parameters (`qat` gives the fake-quantized ones)."""
+            return x, torch.stack([getattr(e, linear).weight for e in self.local_experts])
 
     _GROUPED_EXPERTS = GroupedLocalExperts
     return GroupedLocalExperts

@@ -20,6 +20,7 @@ from ember_core.config import AlgorithmConfig, SamplingConfig
 from ember_core.heap import release_free_memory
 from ember_core.hookspecs import Phase, Role
 from ember_core.plugins import EmberPlugins
+from ember_core.quant import QuantSpec
 from ember_core.types import Sample
 from ember_megatron_backend import checkpoint, comm, pipeline
 from ember_megatron_backend.advantages import whiten_across
@@ -102,6 +103,8 @@ class MegatronWorker:
         *,
         with_ref: bool | None = None,
         with_critic: bool | None = None,
+        quantization: QuantSpec | None = None,
+        qat_scale_dtype: torch.dtype | None = None,
     ) -> None:
         """Build the actor, and the reference and critic when needed.
 
@@ -113,10 +116,17 @@ class MegatronWorker:
             with_ref: Build a reference; default: when the KL loss or KL reward penalty needs
                 one or `ref_load` is set.
             with_critic: Build a critic; default: when the advantage estimator uses one.
+            quantization: The engine's quantization (`engine.quantization`): with `train.qat`
+                the actor and the reference multiply with the weights it serves
+                (`ember_megatron_backend.qat`); without, it changes nothing here.
+            qat_scale_dtype: The dtype the engine serves in, to which INT4 scales are rounded
+                under `train.qat`; default: the parameters' dtype.
 
         Raises:
             RuntimeError: if ``init_distributed()`` has not run.
-            ValueError: if the configuration asks for a model it disables.
+            ValueError: if the configuration asks for a model it disables, or `train.qat`
+                without `quantization` or with `rollout.true_on_policy` (and what
+                `qat.fake_quantize_model` refuses).
         """
         from megatron.core import parallel_state as ps
 
@@ -126,6 +136,19 @@ class MegatronWorker:
         self.pipelined = pipeline.is_pipelined()
         """Layers split into pipeline stages: every pass runs megatron-core's schedule."""
         self.config, self.algorithm, self.sampling = config, algorithm, sampling
+        if config.qat and quantization is None:
+            raise ValueError(
+                "train.qat=true needs engine.quantization (the scheme the engine serves, whose "
+                "weights the trainer multiplies with): set it, or train.qat=false"
+            )
+        if config.qat and sampling.true_on_policy:
+            raise ValueError(
+                "train.qat=true with rollout.true_on_policy=true: the mode's kernels multiply "
+                "full-precision weights; set one of them to false"
+            )
+        self.quantization = quantization if config.qat else None
+        """The engine's quantization the actor and reference fake-quantize to (`train.qat`)."""
+        self.qat_scale_dtype = qat_scale_dtype or config.torch_dtype
         self.plugins = plugins if plugins is not None else EmberPlugins()
         self.estimator = ADVANTAGE_ESTIMATORS.get(algorithm.advantage_estimator)
         needs_ref = algorithm.use_kl_loss or algorithm.kl_coef > 0
@@ -216,6 +239,10 @@ class MegatronWorker:
             exact_megatron(model)
             parameter = next(model.parameters())
             exact.check_linear(linear_shapes(model), parameter.dtype, parameter.device)
+        if self.quantization is not None and role != Role.CRITIC:
+            from ember_megatron_backend.qat import fake_quantize_model
+
+            fake_quantize_model(model, self.model_config, self.quantization, self.qat_scale_dtype)
         return model
 
     @staticmethod

@@ -300,7 +300,8 @@ def served_tensor(model: nn.Module, name: str, shape: Sequence[int]) -> torch.Te
     tensor for a per-expert name), or None where nothing of that shape goes by that name."""
     state = model.state_dict(keep_vars=True)
     try:
-        view, _ = _resolve(state, name, torch.empty(tuple(shape), device="meta"), naming_of(model))
+        empty = torch.empty(tuple(shape), device="meta")
+        view, _ = _resolve(state, name, empty, naming_of(model), dtypes=False)
     except ValueError:
         return None
     return view.detach()
@@ -311,10 +312,14 @@ def _resolve(
     name: str,
     tensor: torch.Tensor,
     naming: Family | None = None,
+    *,
+    dtypes: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The destination view for checkpoint tensor `name` and the value to copy into it.
 
     `naming` is the model's family (`naming_of(model)`); None: per-expert names under `mlp`.
+    `dtypes`: refuse a quantized weight's tensor of another dtype than the model holds (and a
+    `weight_shape` of other values); False checks names and shapes only.
     """
     where = _locate(state, name, naming or checkpoint_naming(None))
     if where is None:
@@ -335,13 +340,17 @@ def _resolve(
             or target.dtype in _QUANTIZED_DTYPES
             or tensor.dtype in _QUANTIZED_DTYPES
         )
-        if quantized and target.dtype != tensor.dtype:
+        if dtypes and quantized and target.dtype != tensor.dtype:
             raise ValueError(
                 f"weight {name!r}: dtype {tensor.dtype} where the engine's quantized model holds "
                 f"{target.dtype} (engine.quantization: the sender must quantize as the engine "
                 "serves, ember_core.quant)"
             )
-        if name.endswith(".weight_shape") and not torch.equal(tensor.cpu(), target.cpu()):
+        if (
+            dtypes
+            and name.endswith(".weight_shape")
+            and not torch.equal(tensor.cpu(), target.cpu())
+        ):
             raise ValueError(
                 f"weight {name!r}: {tensor.tolist()} is not the engine's {target.tolist()}"
             )
