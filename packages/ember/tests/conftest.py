@@ -19,3 +19,22 @@ def _visible_gpus_restored():
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     else:
         os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Fail the test if anything tries to start the run's actors: Ray, or the in-process
+    runtime that the default config gets."""
+    import ray
+
+    from ember.runtimes import LocalRuntime, RayRuntime
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the run's runtime was started")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(LocalRuntime, "start", refuse)
+    monkeypatch.setattr(RayRuntime, "start", refuse)
+    assert not ray.is_initialized()
+    yield
+    assert not ray.is_initialized()

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import ray
 from ember_runs import ember_command
 from ray.exceptions import ActorDiedError, RayTaskError
 
@@ -20,23 +19,6 @@ def _environment(monkeypatch):
     """`main` sets these for the processes it starts; keep them from leaking into other tests."""
     monkeypatch.setenv("EMBER_VERBOSE", "0")
     monkeypatch.setenv("RAY_IGNORE_UNHANDLED_ERRORS", "1")
-
-
-@pytest.fixture
-def nothing_starts(monkeypatch):
-    """Fail the test if anything tries to start the run's actors: Ray, or the in-process
-    runtime that the default config gets."""
-    from ember.runtimes import LocalRuntime, RayRuntime
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the run's runtime was started")
-
-    monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.setattr(LocalRuntime, "start", refuse)
-    monkeypatch.setattr(RayRuntime, "start", refuse)
-    assert not ray.is_initialized()
-    yield
-    assert not ray.is_initialized()
 
 
 def _one_error_line(capsys) -> str:

@@ -78,6 +78,37 @@ maxima 3x and 4x above their largest measurements, since a per-token maximum gro
 number of tokens. What these bars let through of the planted faults is in docs/certify.md."""
 
 
+FP8_BARS = MismatchBars(
+    mean=0.5,
+    max=8.0,
+    kl_mean=0.1,
+    kl_max=4.0,
+    why="engine.quantization=fp8_block: activations quantized to FP8 per token group, where a "
+    "last-bit difference between two forwards can round a value a whole FP8 step apart",
+)
+"""Where the engine serves FP8 block weights (W8A8), with or without `train.qat`. Measured with
+`ember certify examples/smollm2-arith.yaml --set engine.quantization=fp8_block --set
+engine.quantization_group_size=64` on a 2-core AMD EPYC (float32, 1407 and 1421 tokens of
+answers up to 64): log-prob mean 0.121 and 0.121, per-token max 2.32 and 1.62; KL mean 2.8e-2
+and 2.3e-2, max 1.06 and 0.26. With `train.qat` (1407 and 1002 tokens): 9.3e-2 and 8.3e-2, 1.99
+and 1.17; KL 3.0e-11 and 5.9e-4, 7.3e-10 and 3.9e-2: the weights agree, but the engine's own
+decode and prefill part (docs/low-precision.md). Each bar about 4x its largest measurement."""
+
+INT4_BARS = MismatchBars(
+    mean=4.0,
+    max=60.0,
+    kl_mean=2.0,
+    kl_max=50.0,
+    why="engine.quantization=int4_w4a16 without train.qat: the trainer computes with the "
+    "full-precision weights, the engine with their INT4 groups",
+)
+"""Where the engine serves INT4 weights and the trainer the full-precision ones. Measured as
+`FP8_BARS` with `engine.quantization=int4_w4a16` (673 and 1069 tokens): log-prob mean 1.26 and
+0.84, per-token max 17.5 and 11.4; KL mean 0.68 and 0.54, max 16.0 and 5.2. Each bar about 3x
+its largest measurement. With `train.qat` the dtype's bars apply: the trainer then computes with
+the INT4 weights the engine serves, and INT4 leaves the activations alone."""
+
+
 PLANT_ENV = "EMBER_CERTIFY_PLANT"
 """The environment variable that names a planted fault (`Fault`) in every process of a run."""
 
@@ -187,9 +218,15 @@ def mismatch_ceiling(
 ) -> MismatchBars:
     """The bars (`MismatchBars`) of a setup whose engine computes in `engine_dtype` (None:
     unknown, an attached server's) and trainer in `trainer_dtype` (None: float32); `exact`
-    (`rollout.true_on_policy`) bars every difference."""
+    (`rollout.true_on_policy`) bars every difference; an engine serving `quantization`
+    (`engine.quantization`) has its scheme's bars, except INT4 with `qat`, where the trainer
+    computes with the engine's weights and the dtype's bars hold."""
     if exact:
         return EXACT_BARS
+    if quantization == "fp8_block":
+        return FP8_BARS
+    if quantization == "int4_w4a16" and not qat:
+        return INT4_BARS
     if engine_dtype == "float32" and trainer_dtype in (None, "float32"):
         return FP32_BARS
     sides = f"engine dtype {engine_dtype or 'unknown'}, trainer dtype {trainer_dtype or 'float32'}"

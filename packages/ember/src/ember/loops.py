@@ -185,6 +185,8 @@ class TrainLoop(Loop):
         if self.actors.engines:
             driver.handoff.after_training(lambda: driver.pusher.push(rollout_id))
         timings["perf/weight_push_time"] = time.perf_counter() - t0
+        if driver.pusher.pushed_bytes is not None:
+            timings["perf/weight_push_bytes"] = driver.pusher.pushed_bytes
         timings["perf/iteration_time"] = time.perf_counter() - started
 
         # The trainer held version rollout_id - 1 (the initial weights are -1) when it trained.

@@ -38,6 +38,9 @@ class WeightPush:
 
     def __init__(self, driver: Any) -> None:
         self.driver = driver
+        self.pushed_bytes: float | None = None
+        """Bytes the last complete push carried to each engine (the tensors as sent: under
+        `engine.quantization` the quantized ones), None before the first."""
 
     @functools.cached_property
     def transport(self) -> str:
@@ -133,17 +136,19 @@ class WeightPush:
         """Every rank walks the weights; the sending rank broadcasts them to `engines` (with
         `one_off`, a replacement alone, over a group of their own)."""
         args = (engines, version, True) if one_off else (engines, version)
-        calls.get([t.send_weights.remote(*args) for t in self._actors.train])
+        self._count(calls.get([t.send_weights.remote(*args) for t in self._actors.train]))
 
     def _direct(self, version: str, engines: list[Any]) -> None:
         """The one training rank copies its tensors into the engines in this process."""
-        calls.get([t.send_weights_direct.remote(engines, version) for t in self._actors.train])
+        self._count(
+            calls.get([t.send_weights_direct.remote(engines, version) for t in self._actors.train])
+        )
 
     def _ipc(self, version: str, engines: list[Any]) -> None:
         """Training rank i hands its copy to engine i, on the same GPU (`ray.colocate`), where
         engine i is one of `engines`."""
         slots = self._actors.engines
-        calls.get(
+        sent = calls.get(
             [
                 t.send_weights_ipc.remote(
                     slots[i] if i < len(slots) and slots[i] in engines else None, version
@@ -151,6 +156,12 @@ class WeightPush:
                 for i, t in enumerate(self._actors.train)
             ]
         )
+        self._count(sent)
+
+    def _count(self, sent: list[dict[str, float]]) -> None:
+        """Record what the ranks report they sent to an engine (`pushed_bytes`): one rank
+        sends (broadcast, direct), or each rank that feeds an engine sends it the same."""
+        self.pushed_bytes = max((part.get("bytes", 0.0) for part in sent), default=0.0)
 
     def _disk(self, version: str, engines: list[Any] | None = None) -> None:
         # A fresh directory per version: a server never reads one that is being written, and
@@ -159,7 +170,8 @@ class WeightPush:
         root = self.driver.run_dir / PUSHED_WEIGHTS
         name = checkpoint_name(int(version))
         target = root / (name if engines is None else f"{name}-replacement")
-        calls.get([t.export_hf.remote(str(target)) for t in self._actors.train])
+        calls.get([t.export_hf.remote(str(target), pushed=True) for t in self._actors.train])
+        self.pushed_bytes = float(sum(f.stat().st_size for f in target.glob("*.safetensors")))
         into = self._actors.engines if engines is None else engines
         calls.get([e.update_weights_from_disk.remote(str(target), version) for e in into])
         for old in root.iterdir():
@@ -247,7 +259,9 @@ def early_launch_source(config: Any, init_dir: Path, *, reuse_init: bool) -> Pat
 
     None otherwise, and where an early launch would not fit: embedded engines or attached
     servers (nothing to launch), a rollout-only run (its engines start at once from
-    `train.hf_load`), training ranks and engines sharing GPUs (the trainer starts first).
+    `train.hf_load`), training ranks and engines sharing GPUs (the trainer starts first), and a
+    fresh run under `engine.quantization` (its servers load the quantized export, whose layout
+    a full-precision checkpoint's server cannot take).
     """
     sglang = config.engine.sglang
     if config.engine.kind != "sglang" or sglang.urls or config.run.rollout_only:
@@ -256,6 +270,8 @@ def early_launch_source(config: Any, init_dir: Path, *, reuse_init: bool) -> Pat
         return None
     if reuse_init:
         return init_dir if init_complete(init_dir) else None
+    if config.engine.quantization is not None:
+        return None  # servers of a quantized run start from its quantized export only
     train = config.train
     if train.hf_load is None or train.model is not None:
         return None
