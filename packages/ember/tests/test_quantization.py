@@ -36,7 +36,7 @@ GROUP = ["--set", "engine.quantization_group_size=32"]
         (
             ["engine.quantization=int4_w4a16", "engine.quantization_group_size=32",
              "rollout.true_on_policy=true"],
-            "engine.quantization=int4_w4a16 with rollout.true_on_policy=true",
+            "engine.quantization=int4_w4a16 with rollout.true_on_policy=true and train.qat=false",
         ),
         (
             ["engine.quantization=int4_w4a16", "engine.quantization_group_size=32",

@@ -10,7 +10,6 @@ import torch
 from megatron_samples import algorithm, backend, make_samples, sampling
 
 from ember_core import quant
-from ember_core.config import SamplingConfig
 from ember_core.quant import QuantSpec
 from ember_megatron_backend import qat
 from ember_megatron_backend.hf_layout import hf_rule
@@ -176,13 +175,9 @@ def test_refusals_name_the_key_and_leave_the_model_unchanged(dist_env, monkeypat
     assert type(model.decoder.layers[0].mlp.experts) is _grouped_local_experts()
 
 
-def test_worker_refuses_qat_without_quantization_or_with_true_on_policy(dist_env):
-    spec = QuantSpec("fp8_block", GROUP)
+def test_worker_refuses_qat_without_quantization(dist_env):
     with pytest.raises(ValueError, match="train.qat=true needs engine.quantization"):
         MegatronWorker(backend(qat=True), algorithm(), sampling())
-    exact = SamplingConfig(temperature=1.0, n_samples_per_prompt=2, true_on_policy=True)
-    with pytest.raises(ValueError, match="train.qat=true with rollout.true_on_policy"):
-        MegatronWorker(backend(qat=True), algorithm(), exact, quantization=spec)
 
 
 def test_worker_trains_with_qat_reference_quantized_critic_not(dist_env):

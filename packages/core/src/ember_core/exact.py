@@ -29,7 +29,7 @@ whichever batch it sits in:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -521,6 +521,7 @@ def experts(
     down: Sequence[torch.Tensor],
     *,
     cached: bool = True,
+    inputs: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts, summed per token in ascending expert order (differentiable).
 
@@ -531,11 +532,14 @@ def experts(
         gate_up: Per expert, the [2F, H] weight of its gate (first F rows) and up projections.
         down: Per expert, the [H, F] weight of its down projection.
         cached: As `linear`'s.
+        inputs: Applied to each product's input, row by row (`engine.quantization`'s FP8
+            activations, `ember_core.quant.fake_quantize_activation`); None: none.
     """
     out = torch.zeros_like(x)
+    feed = inputs or (lambda rows: rows)
     for expert in ids.unique().tolist():
         tokens, slots = (ids == expert).nonzero(as_tuple=True)
-        gate, up = linear(x[tokens], gate_up[expert], cached=cached).chunk(2, dim=-1)
-        y = linear(F.silu(gate) * up, down[expert], cached=cached)
+        gate, up = linear(feed(x[tokens]), gate_up[expert], cached=cached).chunk(2, dim=-1)
+        y = linear(feed(F.silu(gate) * up), down[expert], cached=cached)
         out = out.index_add(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
     return out

@@ -44,6 +44,10 @@ __all__ = ["ServedWeight", "fake_quantize_model", "served_weight"]
 
 _ATTR = "_ember_qat"
 """The attribute of a patched linear layer holding its `ServedWeight`."""
+_INNER = "_ember_qat_inner"
+"""The attribute of a patched linear layer holding the product it replaced on the instance
+(`rollout.true_on_policy`'s `_exact_forward_impl`, which takes `cached`), or None: the class's
+``_forward_impl``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +92,13 @@ def served_weight(module: Any) -> ServedWeight | None:
 
 def _forward_impl(self: Any, input: Tensor, weight: Tensor, bias: Any = None, **kwargs: Any):
     served: ServedWeight = getattr(self, _ATTR)
+    inner = getattr(self, _INNER)
+    input, weight = served.input(input), served.weight(weight)
+    if inner is not None:  # `rollout.true_on_policy`'s product, with a weight made for this call
+        return inner(input=input, weight=weight, bias=bias, cached=False)
     # megatron-core 0.16.1 tensor_parallel/layers.py: the class's `_forward_impl` picks the
     # frozen-weight path from `weight.requires_grad`, which the straight-through output keeps.
-    return type(self)._forward_impl(
-        self, input=served.input(input), weight=served.weight(weight), bias=bias, **kwargs
-    )
+    return type(self)._forward_impl(self, input=input, weight=weight, bias=bias, **kwargs)
 
 
 def _grouped_operands(self: Any, linear: str, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -183,6 +189,7 @@ def fake_quantize_model(
         changes.append((module, ServedWeight(rule, targets, spec, scale_dtype)))
     for module, served in changes:
         setattr(module, _ATTR, served)
+        setattr(module, _INNER, module.__dict__.get("_forward_impl"))
         module._forward_impl = types.MethodType(_forward_impl, module)
     grouped = _grouped_local_experts()
     for module in modules.values():

@@ -26,12 +26,16 @@ import torch
 from torch import nn
 
 from ember_core import exact
+from ember_megatron_backend.qat import served_weight
 
 
-def _exact_forward_impl(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, **_: Any):
+def _exact_forward_impl(
+    input: torch.Tensor, weight: torch.Tensor, bias: Any = None, cached: bool = True, **_: Any
+):
     # The packings are dropped after each optimizer step (`MegatronWorker._weights_changed`):
-    # its updates need not bump the weights' version counters.
-    return exact.linear(input, weight, bias)
+    # its updates need not bump the weights' version counters. `cached` False: a weight made
+    # anew for this product (`train.qat`'s served weight), not worth keeping a packing of.
+    return exact.linear(input, weight, bias, cached=cached)
 
 
 class ExactRMSNorm(nn.RMSNorm):
@@ -126,13 +130,27 @@ def _moe_forward(
     rows = hidden_states.reshape(-1, hidden_states.shape[-1])
     ids = routing_map.nonzero()[:, 1].view(rows.shape[0], -1)  # ascending per token
     local = self.experts.local_experts
-    out = exact.experts(
-        rows,
-        ids,
-        probs.gather(1, ids),
-        [e.linear_fc1.weight for e in local],
-        [e.linear_fc2.weight for e in local],
-    ).view_as(hidden_states)
+    served = [served_weight(e.linear_fc1) for e in local]
+    if served[0] is None:
+        out = exact.experts(
+            rows,
+            ids,
+            probs.gather(1, ids),
+            [e.linear_fc1.weight for e in local],
+            [e.linear_fc2.weight for e in local],
+        )
+    else:  # `train.qat`: the weights and inputs the engine's quantized experts multiply
+        fc2 = [served_weight(e.linear_fc2) for e in local]
+        out = exact.experts(
+            rows,
+            ids,
+            probs.gather(1, ids),
+            [s.weight(e.linear_fc1.weight) for s, e in zip(served, local, strict=True)],
+            [s.weight(e.linear_fc2.weight) for s, e in zip(fc2, local, strict=True)],
+            cached=False,
+            inputs=served[0].input,
+        )
+    out = out.view_as(hidden_states)
     return (out if shared is None else out + shared), None
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_core import quant
+from ember_core import exact, quant
 from ember_core.quant import QuantSpec
 from ember_rollout.models import _checkpoint_name, naming_of
 
@@ -52,6 +52,9 @@ class QuantLinear(nn.Module):
         for suffix, tensor in quant.quantize(weight, spec, dtype=self.dtype).items():
             self.register_buffer(suffix, tensor.to(weight.device))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.exact = False
+        """Multiply with `exact.linear` (`rollout.true_on_policy`; set by
+        `true_on_policy.exact_model`), else `F.linear`."""
         self._served: torch.Tensor | None = None
         self._served_from: tuple[int, ...] = ()
 
@@ -70,10 +73,16 @@ class QuantLinear(nn.Module):
             self._served_from = versions
         return self._served
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as the layer's product takes it: quantized per token group under fp8_block."""
         if self.spec.quantizes_activations:
-            x = quant.fake_quantize_activation(x, self.spec.group_size)
-        return F.linear(x, self.served(), self.bias)
+            return quant.fake_quantize_activation(x, self.spec.group_size)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return exact.linear(self.inputs(x), self.served(), self.bias)
+        return F.linear(self.inputs(x), self.served(), self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -94,6 +103,10 @@ class QuantExperts(nn.Module):
         name to gate, up or down; `prefix` is the module's checkpoint name, for errors."""
         super().__init__()
         self.act_fn = experts.act_fn
+        self.exact = False
+        """Compute with `exact.experts` (`rollout.true_on_policy`), else expert by expert."""
+        self._fused: list[torch.Tensor] | None = None
+        self._fused_from: tuple[torch.Tensor, ...] = ()
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
         hidden = down.shape[1]
         if gate_up.shape[1] == hidden and gate_up.shape[2] != hidden:  # fused as [E, H, 2I]
@@ -110,9 +123,37 @@ class QuantExperts(nn.Module):
                 expert.add_module(name, QuantLinear(spec, weights[role].contiguous()))
             self.add_module(str(e), expert)
 
+    def _experts(self) -> list[tuple[QuantLinear, QuantLinear, QuantLinear]]:
+        gate_name, up_name, down_name = self._roles
+        return [
+            (getattr(e, gate_name), getattr(e, up_name), getattr(e, down_name))
+            for e in (getattr(self, str(i)) for i in range(self.num_experts))
+        ]
+
+    def fused_gate_up(self) -> list[torch.Tensor]:
+        """Per expert, its served gate and up weights as one [2F, H] weight (gate first), made
+        again after any of them was dequantized anew."""
+        served = tuple(t for gate, up, _ in self._experts() for t in (gate.served(), up.served()))
+        if self._fused is None or any(
+            a is not b for a, b in zip(served, self._fused_from, strict=True)
+        ):
+            self._fused = [torch.cat(served[i : i + 2]) for i in range(0, len(served), 2)]
+            self._fused_from = served
+        return self._fused
+
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.exact:
+            experts = self._experts()
+            return exact.experts(
+                hidden,
+                top_k_index,
+                top_k_weights,
+                self.fused_gate_up(),
+                [down.served() for _, _, down in experts],
+                inputs=experts[0][0].inputs,
+            )
         out = torch.zeros_like(hidden)
         gate_name, up_name, down_name = self._roles
         for e in top_k_index.unique().tolist():

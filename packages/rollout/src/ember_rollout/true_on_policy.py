@@ -244,9 +244,14 @@ def _exact_moe(model: nn.Module) -> None:
         raise ValueError(
             f"rollout.true_on_policy: experts with hidden_act={config.hidden_act!r}; SwiGLU only"
         )
+    from ember_rollout.quantized import QuantExperts
+
     for site in sites:
         router, experts = site.router, site.experts
-        if not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj"):
+        quantized = isinstance(experts, QuantExperts)  # `engine.quantization`: its own kernel
+        if not quantized and not (
+            hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")
+        ):
             raise ValueError(
                 f"rollout.true_on_policy: layer {site.layer}'s experts hold no fused "
                 "gate_up_proj/down_proj weights"
@@ -255,7 +260,10 @@ def _exact_moe(model: nn.Module) -> None:
             type(router),
             {"forward": _router_forward, "ember_router_scores": family.router_scores},
         )
-        experts.__class__ = _exact_class(type(experts), {"forward": _experts_forward})
+        if quantized:
+            experts.exact = True
+        else:
+            experts.__class__ = _exact_class(type(experts), {"forward": _experts_forward})
 
 
 def exact_model(model: nn.Module) -> nn.Module:
@@ -267,10 +275,14 @@ def exact_model(model: nn.Module) -> nn.Module:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, exact_attention)
+    from ember_rollout.quantized import QuantLinear
+
     _exact_moe(model)
     for name, module in model.named_modules():
         cls = type(module)
-        if isinstance(module, nn.Linear):
+        if isinstance(module, QuantLinear):  # `engine.quantization`
+            module.exact = True
+        elif isinstance(module, nn.Linear):
             if cls is not nn.Linear and cls is not ExactLinear:
                 raise ValueError(f"rollout.true_on_policy: {name} is a {cls.__name__}")
             module.__class__ = ExactLinear
@@ -304,5 +316,12 @@ def _check_keywords_reach_attention(model: nn.Module) -> None:
 
 
 def linear_shapes(model: nn.Module) -> set[tuple[int, int]]:
-    """The [in, out] shapes of `model`'s linear layers (for `exact.check_linear`)."""
-    return {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
+    """The [in, out] shapes of `model`'s linear layers, quantized ones included (for
+    `exact.check_linear`)."""
+    from ember_rollout.quantized import QuantLinear
+
+    return {
+        (m.in_features, m.out_features)
+        for m in model.modules()
+        if isinstance(m, nn.Linear | QuantLinear)
+    }
