@@ -159,6 +159,62 @@ def test_the_engines_log_probs_are_the_trainers_bit_for_bit(trainers, preset, dt
     assert differ == 0, f"{differ} of {total} log-probs differ, by up to {largest}"
 
 
+@pytest.mark.slow  # as above
+@pytest.mark.parametrize(
+    ("preset", "dtype", "scheme", "targets"),
+    [
+        ("tiny-moe", "float32", "fp8_block", "linear"),
+        ("tiny-moe", "bfloat16", "int4_w4a16", "linear"),
+        ("tiny-moe@wide", "float32", "fp8_block", "linear"),
+        ("tiny-mixtral", "float32", "int4_w4a16", "experts"),
+        ("tiny-deepseek-v3", "bfloat16", "fp8_block", "experts"),
+    ],
+)
+def test_quantized_rollout_with_qat_is_the_trainers_bit_for_bit(
+    distributed, tmp_path, preset, dtype, scheme, targets
+):
+    """`engine.quantization` with `train.qat` in the mode: the engine serves the weights (and
+    under fp8_block quantizes the inputs) the trainer fake-quantizes, both through the mode's
+    kernels; without the mode the engine's FP8 decode parts from its own prefill
+    (docs/low-precision.md)."""
+    from transformers import AutoModelForCausalLM
+
+    from ember_core.config import AlgorithmConfig, SamplingConfig
+    from ember_core.quant import QuantSpec
+    from ember_megatron_backend.config import BackendConfig
+    from ember_megatron_backend.weights import export_hf_checkpoint
+    from ember_megatron_backend.worker import MegatronWorker
+    from ember_rollout.hf_engine import HFEngine
+    from ember_rollout.quantized import QuantLinear
+
+    spec = QuantSpec(scheme, 32, targets)
+    name, _, wide = preset.partition("@")
+    config = BackendConfig(
+        model=name,
+        dtype=dtype,
+        qat=True,
+        model_overrides={"init_method_std": 0.1, **(WIDE if wide else {})},
+        micro_batch_size=3,
+    )
+    sampling = SamplingConfig(temperature=TEMPERATURE, n_samples_per_prompt=2, true_on_policy=True)
+    worker = MegatronWorker(
+        config,
+        AlgorithmConfig(),
+        sampling,
+        quantization=spec,
+        qat_scale_dtype=getattr(torch, dtype),
+    )
+    export_hf_checkpoint(worker.actor, config.model_config(), tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=getattr(torch, dtype))
+    engine = HFEngine(model=model.eval(), true_on_policy=True, quantization=spec)
+    assert sum(isinstance(m, QuantLinear) for m in engine.model.modules()) > 0
+    samples = _rollouts(engine)
+    assert sum(s.response_length for s in samples) >= 5 * NEW_TOKENS
+    assert len({lp for s in samples for lp in s.rollout_log_probs}) > 20
+    differ, total, largest = _differences(worker, samples)
+    assert differ == 0, f"{differ} of {total} log-probs differ, by up to {largest}"
+
+
 MOE_PRESETS = ["tiny-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-glm4-moe"]
 
 
