@@ -9,10 +9,15 @@ joins the trainer's group over gloo the way sglang does (`weight_sender.join_gro
 that fake), and `/update_weights_from_distributed` allocates the bucket from its names, dtypes
 and shapes, receives it with `broadcast(src=0)` and loads the tensors.
 
+A checkpoint with a `quantization_config` is held to sglang's loader rules for its scheme at
+launch (the server exits with the rule, as sglang fails to start) and on every update (tensor,
+distributed, disk), refused in sglang's answer format (`sglang_fake_model.ServedModel`); GET
+/server_info reports `--quantization` (null unless given) and GET /model_info `model_path`.
+
 Run it as `python fake_sglang_server.py --model-path DIR --port N --record FILE
-[--weight-version V]`; leading arguments it does not know (`-m sglang.launch_server`,
-`--tp-size`, ...) are ignored, so a one-line shell wrapper can stand in for the `python` that
-`engine.sglang.python` names.
+[--weight-version V] [--tp-size N] [--dtype D] [--quantization Q]`; leading arguments it does
+not know (`-m sglang.launch_server`, ...) are ignored, so a one-line shell wrapper can stand in
+for the `python` that `engine.sglang.python` names.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from sglang_fake import (  # noqa: E402
     success,
     unflatten_payload,
 )
+from sglang_fake_model import ServedModel  # noqa: E402
 from weight_sender import join_group  # noqa: E402
 
 TOKENS = list(range(3, 13))
@@ -87,15 +93,20 @@ def receive_bucket(pg, names, dtypes, shapes) -> list:
 
 
 class Server:
-    def __init__(self, model_path: str, record: Path, weight_version: str) -> None:
+    def __init__(
+        self, model_path: str, record: Path, weight_version: str, model: ServedModel
+    ) -> None:
         self.record_path = record
         self.state = ServerState(weight_version=weight_version)
         self.weights = load_weights(model_path)
+        self.model = model
+        self.disable_radix_cache = False
         self.record(
             {
                 "route": "launch",
                 "model_path": model_path,
                 "weight_version": weight_version,
+                "quantization": model.quantization,
                 "sums": weight_sums(self.weights),
             }
         )
@@ -115,6 +126,13 @@ class Server:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = {**self.model.server_info(), "disable_radix_cache": self.disable_radix_cache}
+        return web.json_response(info)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.model.model_info(self.state.weight_version))
 
     async def generate(self, request: web.Request) -> web.Response:
         body, invalid = await read_body(request)
@@ -157,7 +175,17 @@ class Server:
         if problem is not None:
             message = f"Failed to get weights iterator: {problem}."
             return failure(message, num_paused_requests=0)
-        self.weights = load_weights(body["model_path"])
+        loaded = load_weights(body["model_path"])
+        # sglang 0.5.23 weight_updater.py:216-238: restore, load, post-process; on an error
+        # it loads the previous checkpoint again.
+        self.model.begin()
+        problem = self.model.load((n, (t.dtype, tuple(t.shape))) for n, t in loaded.items())
+        problem = problem or self.model.end()
+        if problem is not None:
+            self.record({"route": "/update_weights_from_disk", "refused": problem})
+            message = f"Failed to update weights: {problem}.\nRolling back to original weights."
+            return failure(message, num_paused_requests=0)
+        self.weights = loaded
         entry = {"route": "/update_weights_from_disk", **body, "sums": weight_sums(self.weights)}
         self.record(entry)
         return self.state.loaded(
@@ -189,6 +217,10 @@ class Server:
         except Exception as exc:  # the scheduler's error, in the answer
             self.record({**entry, "refused": f"{type(exc).__name__}: {exc}"})
             return failure(f"{type(exc).__name__}: {exc}")
+        problem = self.model.load((n, (t.dtype, tuple(t.shape))) for n, t in tensors)
+        if problem is not None:
+            self.record({**entry, "refused": problem})
+            return failure(f"Failed to update weights: {problem}")
         for tensor_name, tensor in tensors:
             have = self.weights.get(tensor_name)
             if have is not None and have.shape != tensor.shape:
@@ -208,15 +240,22 @@ class Server:
         if invalid is not None:
             return invalid
         self.record({"route": "/begin_weight_update", **body})
-        return self.state.begin()
+        answer = self.state.begin()
+        if answer.status == 200:
+            self.model.begin()
+        return answer
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         _, invalid = await self.body(request)
         if invalid is not None:
             return invalid
         answer = self.state.end()
+        problem = self.model.end() if answer.status == 200 else None
         if answer.status != 200:
             self.record({"route": "/end_weight_update", "refused": True})
+        elif problem is not None:
+            self.record({"route": "/end_weight_update", "refused": problem})
+            return failure(f"end_weight_update: {problem}")
         else:
             self.record({"route": "/end_weight_update", "sums": weight_sums(self.weights)})
         return answer
@@ -289,6 +328,13 @@ class Server:
         except Exception as exc:
             self.record({**entry, "refused": str(exc)})
             return failure(f"Failed to receive weights: {exc}")
+        problem = self.model.load((n, (t.dtype, tuple(t.shape))) for n, t in tensors)
+        if problem is not None:  # received first: the trainer's broadcast has to complete
+            self.record({**entry, "refused": problem})
+            return failure(
+                f"Failed to update parameter online: {problem}. The full weights of the "
+                "ModelRunner are partially updated. Please discard the whole weights."
+            )
         ignored = [n for n, _ in tensors if n not in self.weights]  # sglang skips these
         for tensor_name, tensor in tensors:
             have = self.weights.get(tensor_name)
@@ -334,15 +380,34 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--record", type=Path, required=True)
     # sglang 0.5.23 arg_groups/fields/serving.py: reported until the first versioned update
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--disable-radix-cache", action="store_true")
     args, _ = parser.parse_known_args(argv)
     problem = checkpoint_problem(args.model_path)
     if problem is not None:  # sglang exits before it serves when it cannot load the model
         sys.exit(f"cannot load the model: {problem}")
-    server = Server(args.model_path, args.record, args.weight_version)
+    try:
+        model = ServedModel.launch(
+            args.model_path,
+            tp_size=args.tp_size,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            tensors=load_weights(args.model_path),
+        )
+    except ValueError as exc:  # sglang fails to start: the error is the log's last line
+        sys.exit(f"ValueError: {exc}")
+    server = Server(args.model_path, args.record, args.weight_version, model)
+    server.disable_radix_cache = args.disable_radix_cache
     app = web.Application(middlewares=[server.memory_guard])
     app.router.add_post("/release_memory_occupation", server.memory_occupation)
     app.router.add_post("/resume_memory_occupation", server.memory_occupation)
     app.router.add_get("/health", server.health)
+    for route in ("server_info", "get_server_info"):  # the second deprecated, same answer
+        app.router.add_get(f"/{route}", server.server_info)
+    for route in ("model_info", "get_model_info"):
+        app.router.add_get(f"/{route}", server.model_info)
     app.router.add_post("/generate", server.generate)
     for route in (
         "update_weights_from_disk",

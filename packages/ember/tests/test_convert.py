@@ -61,3 +61,42 @@ def test_megatron_to_hf_from_a_run_directory(tmp_path):
         assert sorted(back) == sorted(original)
         assert all(back[name].equal(tensor) for name, tensor in original.items())
         assert load_tokenizer(out).decode([3, 4]) == "12"  # the run's tokenizer came along
+
+
+@pytest.mark.slow
+def test_a_quantized_hf_init_gives_the_shape_and_the_output_stays_full_precision(tmp_path):
+    """A run under engine.quantization with SGLang exports a quantized hf_init (what the servers
+    load); converting its checkpoints reads only the shape from it and writes full precision."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ember_core.quant import QuantSpec, quantize_named
+    from ember_rollout.sglang_quant import quantization_config
+
+    run = tmp_path / "run"
+    hf = write_tiny_checkpoint(tmp_path / "hf", TinyModelConfig(vocab_size=17, num_layers=2))
+    save_toy_tokenizer(hf)
+    newest = run / "checkpoints" / "rollout_000000"
+    assert convert("hf-to-megatron", str(hf), str(newest / "train")).returncode == 0
+    (newest / "driver.json").write_text("{}")
+    init = run / "hf_init"  # the quantized export, as the trainer writes it for SGLang
+    init.mkdir()
+    original = load_file(hf / "model.safetensors")
+    spec = QuantSpec("fp8_block", 32, "linear")
+    save_file(
+        dict(quantize_named(original.items(), spec, dtype=torch.bfloat16)),
+        init / "model.safetensors",
+    )
+    config = json.loads((hf / "config.json").read_text())
+    config["quantization_config"] = quantization_config(spec, original)
+    (init / "config.json").write_text(json.dumps(config))
+    save_toy_tokenizer(init)
+    out = tmp_path / "out"
+    second = convert("megatron-to-hf", str(run), str(out))
+    assert second.returncode == 0, second.stderr[-2000:]
+    back = load_file(out / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    assert all(back[name].equal(tensor) for name, tensor in original.items())
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())

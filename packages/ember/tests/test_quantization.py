@@ -45,7 +45,8 @@ GROUP = ["--set", "engine.quantization_group_size=32"]
         ),
         (
             ["engine.quantization=fp8_block", "engine.quantization_group_size=32",
-             "train.qat=true", "train.parallel.tensor_parallel=2", "ray.num_train_ranks=2"],
+             "train.qat=true", "train.parallel.tensor_parallel=2",
+             "train.model_overrides.vocab_size=18"],
             "train.qat=true with train.parallel.tensor_parallel=2",
         ),
     ],
@@ -64,6 +65,7 @@ MODES = {
     "fp8+qat": ["engine.quantization=fp8_block", "train.qat=true"],
     "int4": ["engine.quantization=int4_w4a16"],
     "int4+qat": ["engine.quantization=int4_w4a16", "train.qat=true"],
+    "int4 by disk": ["engine.quantization=int4_w4a16", "weights.transport=disk"],
 }
 
 
@@ -98,3 +100,6 @@ def test_the_default_run_with_each_scheme_with_and_without_qat(tmp_path):
     # (embeddings, norms, routers, the output layer).
     assert pushed["fp8"] == pushed["fp8+qat"] < 0.4 * pushed["full"]
     assert pushed["int4"] == pushed["int4+qat"] < 0.7 * pushed["fp8"]
+    # A disk push exports the same quantized tensors (in a safetensors file): the same numbers.
+    assert mismatch["int4 by disk"] == mismatch["int4"]
+    assert pushed["int4"] < pushed["int4 by disk"] < 1.5 * pushed["int4"]

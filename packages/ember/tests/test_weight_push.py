@@ -852,3 +852,54 @@ def test_colocated_hand_off_through_build_the_loop_and_restore_with_real_offload
     assert [m for m, _ in moved][:2] == ["offload training_state", "offload weights"]
     assert [r["rollout_id"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "rollout"]\
         == [0, 1, 2]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scheme", "method"),
+    [
+        (["engine.quantization=fp8_block"], "fp8"),
+        (
+            ["engine.quantization=int4_w4a16", "engine.quantization_targets=experts"],
+            "compressed-tensors",
+        ),
+    ],
+)
+def test_quantized_sglang_servers_launch_from_the_quantized_export_and_load_its_pushes(
+    in_process, tmp_path, scheme, method
+):
+    """Under `engine.quantization` the trainer's export is the quantized checkpoint SGLang
+    loads (`quantization_config` in config.json, the tensors every push sends), the server
+    launches from it naming the scheme, and disk pushes pass the loader rules the fake server
+    holds a quantized model to (`sglang_fake_model.ServedModel`). The servers are taken to be
+    on GPUs: on CPU the run is refused (neither scheme has a CPU kernel there)."""
+    from ember_core.quant import quantize_named
+
+    record = tmp_path / "launched.jsonl"
+    driver = make_driver(
+        in_process,
+        tmp_path / "run",
+        *sglang_overrides(record),
+        f"engine.sglang.python={launcher(tmp_path)}",
+        "engine.sglang.device=cuda",
+        "engine.sglang.dtype=bfloat16",
+        "engine.quantization_group_size=32",
+        "weights.transport=disk",
+        *scheme,
+    )
+    driver.build()
+    config = json.loads((driver.init_dir / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == method
+    spec = driver.config.engine.quant_spec()
+
+    def served() -> dict[str, float]:
+        named = quantize_named(trainer_weights(driver).items(), spec, dtype=torch.bfloat16)
+        return sums(dict(named))
+
+    (launch,) = records(record)
+    assert launch["model_path"] == str(driver.init_dir) and launch["quantization"] == method
+    assert launch["sums"] == served()
+    perturb(driver)
+    driver.push_weights(0)
+    update = records(record)[-1]
+    assert update["route"] == "/update_weights_from_disk" and "refused" not in update
+    assert update["sums"] == served()

@@ -31,6 +31,11 @@ What the real server checks, the fakes check, in its answer format:
   {"version", "start": 0, "end": completion_tokens} for a request that no update overlapped,
   else one span per version it ran under (srt/utils/weight_versions.py; the fake shares the
   tokens out equally).
+- a model launched from a quantized checkpoint (`FakeSGLang(model=ServedModel.launch(...))`,
+  `sglang_fake_model.py`): its config.json and tensors at launch, and every tensor update,
+  distributed update and session held to sglang's loader rules for the scheme; GET /server_info
+  reports `quantization` (--quantization, null unless given) and GET /model_info the
+  checkpoint's `model_path`, as sglang 0.5.23's do.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from sglang_fake_model import ServedModel
 
 from ember_rollout.config import SGLangEngineConfig
 from ember_rollout.engine import GenerateRequest, ModelInfo, SamplingParams
@@ -630,6 +636,7 @@ class FakeSGLang:
         radix_cache: bool = True,
         fail_pause_on: tuple[int, ...] = (),
         health_s: float = 0.0,
+        model: ServedModel | None = None,
     ):
         self.bodies: list[dict] = []
         self.radix_cache = radix_cache
@@ -661,6 +668,9 @@ class FakeSGLang:
         """Request ids of every /abort_request, in arrival order."""
         self.ignored_names: set[str] = set()
         """Weight names sglang's loaders skip without a word (no such parameter)."""
+        self.model = model
+        """The checkpoint the servers launched from (`ServedModel.launch`), when a test gives
+        one: a quantized one holds every update to sglang's loader rules."""
 
     @property
     def open_sessions(self) -> set[int]:
@@ -729,9 +739,21 @@ class FakeSGLang:
         return invalid or state.resume()
 
     async def _server_info(self, request):
-        """GET /server_info: the launch arguments, resolved (here only the radix cache's)."""
+        """GET /server_info: the launch arguments, resolved (the radix cache's, and with a
+        model its --quantization, null unless given: sglang 0.5.23 reads the scheme from the
+        checkpoint then)."""
         _, state = self._server(request)
-        return web.json_response({"disable_radix_cache": not state.radix_cache, "tp_size": 1})
+        info = {"disable_radix_cache": not state.radix_cache, "tp_size": 1, "quantization": None}
+        if self.model is not None:
+            info.update(self.model.server_info())
+        return web.json_response(info)
+
+    async def _model_info(self, request):
+        """GET /model_info: the checkpoint served and the weight version (with a model)."""
+        _, state = self._server(request)
+        if self.model is None:
+            return web.json_response({"model_path": None, "weight_version": state.weight_version})
+        return web.json_response(self.model.model_info(state.weight_version))
 
     async def _checked(
         self, request, *, record: bool = True
@@ -753,9 +775,14 @@ class FakeSGLang:
         if invalid is not None:
             return invalid
         if path == "/begin_weight_update":
-            return state.begin()
+            answer = state.begin()
+            if answer.status == 200 and self.model is not None:
+                self.model.begin()
+            return answer
         if path == "/end_weight_update":
-            return state.end()
+            answer = state.end()
+            problem = self.model.end() if answer.status == 200 and self.model else None
+            return answer if problem is None else failure(f"end_weight_update: {problem}")
         refused = state.flush_refused(body) if path.startswith("/update_weights") else None
         if refused is not None:
             return refused
@@ -815,6 +842,18 @@ class FakeSGLang:
             layout = bucket_layout(body["names"], body["dtypes"], body["shapes"])
         except (ValueError, AttributeError) as exc:
             return failure(f"Failed to receive weights: {exc}")
+        problem = (
+            None
+            if self.model is None
+            else self.model.load(
+                (name, (dtype, tuple(shape))) for name, dtype, shape, _, _ in layout
+            )
+        )
+        if problem is not None:
+            return failure(
+                f"Failed to update parameter online: {problem}. The full weights of the "
+                "ModelRunner are partially updated. Please discard the whole weights."
+            )
         for tensor_name, _, shape, _, _ in layout:
             want = (self.model_shapes or {}).get(tensor_name)
             if self.model_shapes is not None and want is None:
@@ -852,6 +891,11 @@ class FakeSGLang:
                 return failure(f"{type(exc).__name__}: {exc}")
         if server in self.fail_tensor_updates_on:
             return failure("Failed to update weights: unknown parameter 'bogus.weight'")
+        if self.model is not None:
+            named = body["tensors"][0] if load_format == "flattened_bucket" else decoded[0]
+            problem = self.model.load((n, (t.dtype, tuple(t.shape))) for n, t in named)
+            if problem is not None:
+                return failure(f"Failed to update weights: {problem}")
         return state.loaded("Success", body.get("weight_version"))
 
     # -- memory occupation (colocated hand-off) ---------------------------------------------------
@@ -880,7 +924,10 @@ class FakeSGLang:
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/abort_request", self._abort)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/server_info", self._server_info)
+        for route in ("/server_info", "/get_server_info"):  # the second deprecated, same answer
+            app.router.add_get(route, self._server_info)
+        for route in ("/model_info", "/get_model_info"):
+            app.router.add_get(route, self._model_info)
         app.router.add_post("/pause_generation", self._pause)
         app.router.add_post("/continue_generation", self._continue)
         for path in (*SESSION_PATHS, "/begin_weight_update", "/end_weight_update"):

@@ -518,9 +518,30 @@ class TrainRank:
         """Bring back whatever `offload` freed; returns the bytes restored."""
         return 0 if self._offload is None else self._offload.reload()
 
-    def export_hf(self, path: str) -> None:
-        """Write the actor as an HF checkpoint at `path` (collective; rank 0 writes)."""
-        self.worker.export_hf(Path(path))
+    def export_hf(self, path: str, pushed: bool = False) -> None:
+        """Write the actor as an HF checkpoint at `path` (collective; rank 0 writes).
+
+        Under `engine.quantization` an export SGLang servers launch from, and any export a disk
+        push loads (`pushed`), holds the tensors every push sends (quantized from the trainer's
+        own weights, the rest in the served dtype) and SGLang's `quantization_config` in
+        config.json. The embedded engine starts from a full-precision export and quantizes it
+        itself (`ember_rollout.quantized`).
+        """
+        spec = self.config.engine.quant_spec()
+        if spec is None or not (pushed or self.config.engine.kind == "sglang"):
+            self.worker.export_hf(Path(path))
+            return
+        from ember.config import served_dtype
+        from ember_megatron_backend.hf_layout import hf_names
+        from ember_rollout.sglang_quant import quantization_config
+
+        names = hf_names(self.worker.model_config)
+        self.worker.export_hf(
+            Path(path),
+            dtype=served_dtype(self.config),
+            quantization=spec,
+            quantization_config=quantization_config(spec, names),
+        )
 
     def save_tokenizer(self, path: str) -> None:
         """Complete the export at `path` with the run's tokenizer and the token ids the model

@@ -653,9 +653,10 @@ def served_dtype(config: RunConfig) -> Any:
 
 def check_quantization(config: RunConfig) -> None:
     """Refuse `engine.quantization` and `train.qat` settings that cannot run, before anything
-    starts: QAT without a scheme, QAT with `rollout.true_on_policy` or a tensor-parallel split
-    of the weights, a quantized engine under true on-policy, and a group size that does not
-    divide one of the model's quantized weights (read from its shape, on the meta device).
+    starts: QAT without a scheme or with a tensor-parallel split of the weights, a quantized
+    engine under `rollout.true_on_policy` without QAT (the two sides would serve different
+    weights), and a group size that does not divide one of the model's quantized weights (read
+    from its shape, on the meta device).
 
     Raises:
         ValueError: One line naming the keys and, for a shape, the weight.
@@ -669,10 +670,11 @@ def check_quantization(config: RunConfig) -> None:
                 "engine serves; set engine.quantization (fp8_block or int4_w4a16)"
             )
         return
-    if config.rollout.true_on_policy:
+    if config.rollout.true_on_policy and not train.qat:
         raise ValueError(
-            f"engine.quantization={spec.scheme} with rollout.true_on_policy=true: the mode's "
-            "batch-invariant kernels run full-precision weights only; set one of them off"
+            f"engine.quantization={spec.scheme} with rollout.true_on_policy=true and "
+            "train.qat=false: the trainer would compute with weights the engine does not serve; "
+            "set train.qat=true (both sides then run the mode's kernels on the served weights)"
         )
     if train.qat:
         parallel = train.parallel
@@ -699,6 +701,72 @@ def check_quantization(config: RunConfig) -> None:
             quant.check_shape(name, shape, spec)
         except ValueError as exc:
             raise ValueError(f"engine.quantization={spec.scheme}: {exc}") from None
+    if engine.kind == "sglang":
+        check_sglang_quantization(config, spec, shapes)
+
+
+def sglang_device(config: RunConfig) -> tuple[str, str]:
+    """Where the SGLang servers compute (cuda or cpu) and why: `engine.sglang.device`, auto
+    resolved as launched servers resolve it (`sglang_servers_on_gpu`, and cpu on a machine
+    without CUDA when Ray starts here), attached ones taken to be on GPUs."""
+    sglang = config.engine.sglang
+    if sglang.device != "auto":
+        return sglang.device, f"engine.sglang.device={sglang.device}"
+    if sglang.urls:
+        return "cuda", "attached servers, engine.sglang.device=auto"
+    if not sglang_servers_on_gpu(config):
+        return "cpu", "engine.sglang.device=auto with ray.gpus_per_engine=0"
+    import torch
+
+    if config.ray.address is None and not torch.cuda.is_available():
+        return "cpu", "engine.sglang.device=auto on a machine without CUDA"
+    return "cuda", "engine.sglang.device=auto with GPUs"
+
+
+def check_sglang_quantization(config: RunConfig, spec: Any, shapes: Mapping[str, Any]) -> None:
+    """Refuse an `engine.quantization` SGLang servers cannot serve and update, before anything
+    starts: servers on CPU (neither scheme has a CPU kernel there), INT4 on dense layers
+    (sglang cannot update them in place), a served dtype other than the export's, and any
+    loader rule the export of this model would break on `engine.sglang.tp_size` ranks
+    (`ember_rollout.sglang_loader_rules`, run on the export's layout).
+
+    Raises:
+        ValueError: One line naming the keys and the sglang rule (file:line).
+    """
+    from ember_megatron_backend.hf_layout import hf_config
+    from ember_rollout import sglang_quant
+    from ember_rollout.sglang_loader_rules import check_sglang_quantized
+
+    sglang = config.engine.sglang
+    sglang_quant.check_device(spec, *sglang_device(config))
+    if spec.scheme == "int4_w4a16" and spec.targets == "linear":
+        raise ValueError(
+            "engine.quantization=int4_w4a16 with engine.quantization_targets=linear on SGLang: "
+            "sglang 0.5.23 repacks dense compressed-tensors INT4 layers into Marlin parameters "
+            "that lose their weight loaders and have no restore, so no weight update can reach "
+            "them (srt/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16."
+            "py:234-249); set engine.quantization_targets=experts"
+        )
+    import torch
+
+    dtype = served_dtype(config)
+    if sglang.dtype == "auto" and dtype == torch.float32:
+        raise ValueError(
+            f"engine.quantization={spec.scheme} with engine.sglang.dtype=auto and train.dtype="
+            "float32: the quantized export is written in float32, which SGLang serves in "
+            "float16 (sglang 0.5.23 srt/configs/model_config.py:2300-2319), casting what Ember "
+            "pushes; set engine.sglang.dtype=bfloat16"
+        )
+    hf = hf_config(config.train.model_config(), dtype=dtype).to_dict()
+    hf["quantization_config"] = sglang_quant.quantization_config(spec, shapes)
+    try:
+        layout = sglang_quant.export_layout(shapes, spec, dtype)
+        check_sglang_quantized(layout, hf, tp_size=sglang.tp_size, dtype=dtype)
+    except ValueError as exc:
+        raise ValueError(
+            f"engine.quantization={spec.scheme} on SGLang (engine.sglang.tp_size="
+            f"{sglang.tp_size}): {exc}"
+        ) from None
 
 
 def check_debug_halves(config: RunConfig, plugins: EmberPlugins | None = None) -> None:
@@ -975,9 +1043,59 @@ def check_inputs(config: RunConfig, plugins: EmberPlugins | None = None) -> None
                 f"{key}={value!r}: not a transformers checkpoint (expected config.json and "
                 "model.safetensors or its index)"
             )
+    check_quantized_sources(config)
     # A tensor-parallel size the heads do not divide would fail in every rank, after Ray started.
     config.train.check_parallel()
     check_prompt_lengths(config, records)
+
+
+def check_quantized_sources(config: RunConfig) -> None:
+    """Refuse quantized weights where they cannot serve, before anything starts: a quantized
+    export (config.json `quantization_config`, as Ember writes for SGLang) as a checkpoint the
+    trainer or the embedded engine loads, a rollout-only run's SGLang checkpoint of another
+    scheme than `engine.quantization`, and attached SGLang servers that serve another
+    quantization (asked over HTTP: `ember_rollout.sglang_quant.check_attached`).
+
+    Raises:
+        ValueError: One line naming the key or the server, and both quantizations.
+    """
+    from ember_rollout import sglang_quant
+
+    engine, train = config.engine, config.train
+    spec = engine.quant_spec()
+    served_as_is = config.run.rollout_only and engine.kind == "sglang"
+    for key, path in (
+        ("train.hf_load", train.hf_load),
+        ("train.critic.hf_load", train.critic.hf_load),
+    ):
+        qc = None if path is None else sglang_quant.checkpoint_quantization(path)
+        if qc is None or (key == "train.hf_load" and served_as_is):
+            continue
+        reader = "the embedded engine" if config.run.rollout_only else "the trainer"
+        raise ValueError(
+            f"{key}={path!r}: a quantized checkpoint (quantization_config quant_method="
+            f"{qc.get('quant_method')!r}, as Ember exports for SGLang), which {reader} cannot "
+            "load; start from a full-precision checkpoint (a run's checkpoint through `ember "
+            "convert`)"
+        )
+    if served_as_is and train.hf_load is not None:
+        qc = sglang_quant.checkpoint_quantization(train.hf_load)
+        ours = "null" if spec is None else spec.scheme
+        theirs = None
+        if qc is not None:
+            try:
+                theirs = sglang_quant.check_config(qc)
+            except ValueError as exc:
+                raise ValueError(f"train.hf_load={train.hf_load!r}: {exc}") from None
+        if theirs != spec:
+            raise ValueError(
+                f"run.rollout_only=true serves train.hf_load={train.hf_load!r} as it is "
+                f"({sglang_quant.describe(theirs)}), and engine.quantization={ours} asks for "
+                f"{sglang_quant.describe(spec)}; set engine.quantization to what it holds, or "
+                "point train.hf_load at a run's export of that scheme"
+            )
+    if engine.kind == "sglang" and engine.sglang.urls:
+        sglang_quant.check_attached(engine.sglang.urls, spec)
 
 
 def run_tokenizer_path(config: RunConfig) -> str | None:

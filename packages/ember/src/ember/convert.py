@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 
@@ -14,7 +15,8 @@ def convert(direction: str, src: Path, dst: Path, *, preset: str | None = None) 
     source may also be a run directory (its newest complete checkpoint) or one of a run's
     checkpoints (`checkpoints/rollout_NNNNNN`); its model shape is `preset` (a preset name, or
     a transformers directory whose config.json has the shape), by default the run's initial
-    model (`hf_init`) when the source belongs to a run, else tiny-moe. The tokenizer of a shape
+    model (`hf_init`; a quantized one gives its shape only) when the source belongs to a run,
+    else tiny-moe. It always writes full precision. The tokenizer of a shape
     directory is saved along, with its special token ids in config.json and a
     generation_config.json (`save_tokenizer_for_model`), so the output loads with
     `AutoTokenizer` too and `generate()` stops at EOS.
@@ -23,6 +25,7 @@ def convert(direction: str, src: Path, dst: Path, *, preset: str | None = None) 
     from ember_megatron_backend.config import BackendConfig
     from ember_megatron_backend.parallel import destroy_distributed, init_distributed
     from ember_megatron_backend.worker import MegatronWorker
+    from ember_rollout.sglang_quant import checkpoint_quantization
 
     src, dst = Path(src), Path(dst)
     if not src.exists():
@@ -41,6 +44,12 @@ def convert(direction: str, src: Path, dst: Path, *, preset: str | None = None) 
             preset = str(run_dir / "hf_init")
         if preset and Path(preset).is_dir():
             config = BackendConfig(hf_load=preset)  # the shape comes from its config.json
+            if checkpoint_quantization(preset) is not None:
+                # A quantized export (a run under engine.quantization on SGLang): its shape
+                # only, its tensors are the engine's and the trainer's are loaded next anyway.
+                shape = config.model_config()
+                names = (f.name for f in dataclasses.fields(shape))
+                config = BackendConfig(model_overrides={n: getattr(shape, n) for n in names})
         else:
             config = BackendConfig(model=preset) if preset else BackendConfig()
     else:

@@ -158,10 +158,11 @@ class WeightPush:
         )
         self._count(sent)
 
-    def _count(self, sent: list[dict[str, float]]) -> None:
+    def _count(self, sent: list[dict[str, float] | None]) -> None:
         """Record what the ranks report they sent to an engine (`pushed_bytes`): one rank
-        sends (broadcast, direct), or each rank that feeds an engine sends it the same."""
-        self.pushed_bytes = max((part.get("bytes", 0.0) for part in sent), default=0.0)
+        sends (broadcast, direct), or each rank that feeds an engine sends it the same; the
+        others report nothing."""
+        self.pushed_bytes = max(((part or {}).get("bytes", 0.0) for part in sent), default=0.0)
 
     def _disk(self, version: str, engines: list[Any] | None = None) -> None:
         # A fresh directory per version: a server never reads one that is being written, and
@@ -170,7 +171,7 @@ class WeightPush:
         root = self.driver.run_dir / PUSHED_WEIGHTS
         name = checkpoint_name(int(version))
         target = root / (name if engines is None else f"{name}-replacement")
-        calls.get([t.export_hf.remote(str(target), pushed=True) for t in self._actors.train])
+        calls.get([t.export_hf.remote(str(target), True) for t in self._actors.train])
         self.pushed_bytes = float(sum(f.stat().st_size for f in target.glob("*.safetensors")))
         into = self._actors.engines if engines is None else engines
         calls.get([e.update_weights_from_disk.remote(str(target), version) for e in into])

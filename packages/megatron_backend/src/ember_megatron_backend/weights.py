@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ember_core import quant
+from ember_core.quant import QuantSpec
 from ember_megatron_backend import comm
 from ember_megatron_backend.hf_layout import hf_config, hf_names, hf_rule, hf_shapes
 from ember_megatron_backend.model import ModelConfig, ValueOutputLayer
@@ -388,8 +390,11 @@ def export_hf_checkpoint(
     path: str | os.PathLike[str],
     *,
     dtype: torch.dtype | None = None,
+    quantization: QuantSpec | None = None,
+    quantization_config: Mapping[str, Any] | None = None,
 ) -> Path | None:
-    """Write config.json + model.safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
+    """Write config.json + model.safetensors that ``AutoModelForCausalLM.from_pretrained`` loads
+    (full precision), or that a quantized engine loads (`quantization`).
 
     Collective over all ranks (TP/ETP/EP gathers, then pipeline stages to global rank 0). Only
     global rank 0 writes; the directory appears atomically (written aside, then renamed).
@@ -399,13 +404,25 @@ def export_hf_checkpoint(
         cfg: Its shape.
         path: Target directory; replaced if it exists.
         dtype: Tensor and config dtype (default: the parameters' dtype).
+        quantization: Write the weights as a quantized engine serves them: the tensors of
+            `ember_core.quant.quantize_named`, quantized from the parameters as held (as every
+            push quantizes them), the others and INT4 scales in `dtype`.
+        quantization_config: config.json's `quantization_config` for `quantization` (the
+            engine's own format, `ember_rollout.sglang_quant.quantization_config`); required
+            with it.
 
     Returns:
         The directory on global rank 0, None elsewhere.
+
+    Raises:
+        ValueError: One of `quantization` and `quantization_config` without the other, or a
+            weight the scheme cannot quantize (`quant.check_shape`).
     """
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
 
+    if (quantization is None) != (quantization_config is None):
+        raise ValueError("export_hf_checkpoint: quantization and quantization_config go together")
     unwrapped = _unwrap(model)
     if dtype is None:
         dtype = next(unwrapped.parameters()).dtype
@@ -415,9 +432,15 @@ def export_hf_checkpoint(
     # pipeline stage when stages must be sent to it, keeps CPU copies.
     keep = writer or pp_size > 1
     tensors = {}
-    for name, t in iter_hf_weights(unwrapped, cfg, dtype=dtype):
-        if keep:
-            tensors[name] = t.detach().to("cpu").clone()
+    # Quantized from the weights as held, as `quantize_named` quantizes every push.
+    for name, t in iter_hf_weights(unwrapped, cfg, dtype=dtype if quantization is None else None):
+        if not keep:
+            continue
+        named = [(name, t)]
+        if quantization is not None:
+            named = quant.quantize_named(named, quantization, dtype=dtype)
+        for kept, tensor in named:
+            tensors[kept] = tensor.detach().to("cpu").clone()
     if pp_size > 1:
         stages: list[dict[str, Tensor] | None] = [None] * pp_size
         comm.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
@@ -427,13 +450,30 @@ def export_hf_checkpoint(
     # Against the family's description, not `hf_shapes`: that builds transformers' model, whose
     # imports were 2.7 s of a 6.4 s export on a 2-core AMD EPYC (py-spy); the family tests hold
     # the description to transformers' model.
-    missing = sorted(set(hf_names(cfg)) - set(tensors))
+    names = hf_names(cfg)
+    if quantization is not None:
+        names = [
+            q
+            for n in names
+            for q in (
+                quant.quantized_names(n, quantization)
+                if quant.is_target(n, quantization.targets)
+                else [n]
+            )
+        ]
+    missing = sorted(set(names) - set(tensors))
     assert not missing, f"export lacks {missing[:3]}"
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         hf_config(cfg, dtype=dtype).save_pretrained(staging)
+        if quantization_config is not None:
+            # Written into the JSON: transformers' config would interpret the dict.
+            file = staging / "config.json"
+            data = json.loads(file.read_text())
+            data["quantization_config"] = dict(quantization_config)
+            file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         if target.exists():
             shutil.rmtree(target)

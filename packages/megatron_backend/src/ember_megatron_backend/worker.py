@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +125,7 @@ class MegatronWorker:
         Raises:
             RuntimeError: if ``init_distributed()`` has not run.
             ValueError: if the configuration asks for a model it disables, or `train.qat`
-                without `quantization` or with `rollout.true_on_policy` (and what
-                `qat.fake_quantize_model` refuses).
+                without `quantization` (and what `qat.fake_quantize_model` refuses).
         """
         from megatron.core import parallel_state as ps
 
@@ -140,11 +139,6 @@ class MegatronWorker:
             raise ValueError(
                 "train.qat=true needs engine.quantization (the scheme the engine serves, whose "
                 "weights the trainer multiplies with): set it, or train.qat=false"
-            )
-        if config.qat and sampling.true_on_policy:
-            raise ValueError(
-                "train.qat=true with rollout.true_on_policy=true: the mode's kernels multiply "
-                "full-precision weights; set one of them to false"
             )
         self.quantization = quantization if config.qat else None
         """The engine's quantization the actor and reference fake-quantize to (`train.qat`)."""
@@ -732,9 +726,24 @@ class MegatronWorker:
         named = iter_hf_weights(self.actor, self.model_config, dtype=dtype)
         return pipeline.iter_all_stages(named) if self.pipelined else named
 
-    def export_hf(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path | None:
-        """Write the actor as a transformers checkpoint (collective; rank 0 writes)."""
-        return export_hf_checkpoint(self.actor, self.model_config, path, dtype=dtype)
+    def export_hf(
+        self,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        quantization: QuantSpec | None = None,
+        quantization_config: Mapping[str, Any] | None = None,
+    ) -> Path | None:
+        """Write the actor as a transformers checkpoint (collective; rank 0 writes), quantized
+        as an engine serves it under `quantization` (see ``weights.export_hf_checkpoint``)."""
+        return export_hf_checkpoint(
+            self.actor,
+            self.model_config,
+            path,
+            dtype=dtype,
+            quantization=quantization,
+            quantization_config=quantization_config,
+        )
 
     def _roles(self) -> tuple[dict[str, Any], dict[str, Any]]:
         models: dict[str, Any] = {Role.ACTOR.value: self.actor}

@@ -87,10 +87,35 @@ def load_model(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model_path={str(path)!r}: no config.json there (a local HF model dir)")
+    refuse_quantized_export(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     )
     return model.eval()
+
+
+def refuse_quantized_export(path: Path) -> None:
+    """Refuse a checkpoint in the quantized formats Ember exports for SGLang (config.json
+    `quantization_config`, `ember_rollout.sglang_quant`): the embedded engine loads full
+    precision and quantizes itself (`engine.quantization`). transformers 5.19 would load one
+    wrong or differently: a compressed-tensors INT4 export of a Qwen3-MoE leaves its experts
+    randomly initialised ("MISSING" in its load report), and block FP8 is dequantised to the
+    model dtype only without a GPU (with one it keeps FP8 layers the engine does not know).
+
+    Raises:
+        ValueError: One line naming the directory and its quant_method.
+    """
+    from ember_rollout.sglang_quant import METHODS, checkpoint_quantization
+
+    qc = checkpoint_quantization(path)
+    method = None if qc is None else qc.get("quant_method")
+    if method in METHODS.values():
+        raise ValueError(
+            f"model_path={str(path)!r}: a quantized checkpoint (quantization_config quant_method="
+            f"{method!r}, as Ember exports for SGLang servers); the embedded engine loads full "
+            "precision and quantizes it itself (engine.quantization): point it at a "
+            "full-precision checkpoint (`ember convert` of the run's checkpoint)"
+        )
 
 
 def write_tiny_checkpoint(

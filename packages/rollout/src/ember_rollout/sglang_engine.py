@@ -37,6 +37,7 @@ from ember_rollout.sglang_weights import WeightUpdates
 
 if TYPE_CHECKING:
     from ember_core.plugins import EmberPlugins
+    from ember_core.quant import QuantSpec
     from ember_rollout.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
         *,
         extra_server_args: Sequence[str] = (),
         model_info: ModelInfo | None = None,
+        quantization: QuantSpec | None = None,
     ) -> None:
         """Create the engine; `start()` launches or attaches.
 
@@ -71,9 +73,12 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
             config: Engine settings.
             extra_server_args: Added to launched servers' command lines (plugins' arguments).
             model_info: The served model's shape; by default read from model_path/config.json.
+            quantization: The scheme the servers serve (`engine.quantization`): launched ones
+                start from a checkpoint of it (`ServerLauncher.server_command`).
         """
         self.config = config or SGLangEngineConfig()
         self.extra_server_args = list(extra_server_args)
+        self.quantization = quantization
         self._info = model_info or model_info_from_dir(self.config.model_path)
         self.urls: list[str] = [u.rstrip("/") for u in self.config.urls]
         self._servers: list[LaunchedServer] = []
@@ -86,7 +91,7 @@ class SGLangEngine(ServerLauncher, WeightUpdates, Engine):
         cls, config: EngineConfig, *, plugins: EmberPlugins | None = None
     ) -> SGLangEngine:
         extra = plugins.rollout_server_args(cls.kind) if plugins is not None else []
-        return cls(config.sglang, extra_server_args=extra)
+        return cls(config.sglang, extra_server_args=extra, quantization=config.quant_spec())
 
     @property
     def model_info(self) -> ModelInfo | None:

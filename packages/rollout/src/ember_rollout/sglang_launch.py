@@ -26,6 +26,7 @@ from ember_rollout.engine import EngineError, ModelInfo
 from ember_rollout.families import EXPERT_COUNT_KEYS, config_moe_layers
 
 if TYPE_CHECKING:
+    from ember_core.quant import QuantSpec
     from ember_rollout.config import SGLangEngineConfig
 
 logger = logging.getLogger(__name__)
@@ -360,16 +361,21 @@ class ServerLauncher:
     partial_rollouts: bool
     """Whether weights arrive while requests run (`WeightUpdates`): servers then run without
     the radix cache."""
+    quantization: QuantSpec | None = None
+    """The scheme the servers serve (`engine.quantization`): they launch from a checkpoint of
+    it, named by `--quantization` (`sglang_quant.launch_quantization`)."""
 
     def server_command(self, port: int, index: int = 0) -> list[str]:
         """The command line of launched server `index` (0-based).
 
         On GPUs server i runs on GPUs `base_gpu_id + i * tp_size` and the `tp_size - 1` after
         it; on CPU it gets the flags of `sglang_cpu.SERVER_ARGS` that the arguments lack. Under
-        partial rollouts it runs without the radix cache (`WeightUpdates`).
+        partial rollouts it runs without the radix cache (`WeightUpdates`). Under
+        `quantization` it names the scheme of its checkpoint (`_quantization_args`).
 
         Raises:
-            ValueError: No model_path, or the plugins' arguments set the GPU placement.
+            ValueError: No model_path, the plugins' arguments set the GPU placement, or a
+                quantized run's checkpoint, device or arguments do not fit its scheme.
         """
         cfg = self.config
         if cfg.model_path is None:
@@ -396,11 +402,13 @@ class ServerLauncher:
         ]
         if cfg.dtype != "auto":
             command += ["--dtype", cfg.dtype]
+        args = list(cfg.server_args) + self.extra_server_args
+        if self.quantization is not None:
+            command += self._quantization_args(args)
         # On CPU sglang takes the fraction of the machine's memory (its KV cache, unless
         # --max-total-tokens caps it, as the CPU flags do).
         if cfg.mem_fraction_static is not None:
             command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
-        args = list(cfg.server_args) + self.extra_server_args
         if self.partial_rollouts and NO_RADIX_CACHE not in args:
             args.append(NO_RADIX_CACHE)
         if resolve_device(cfg.device) == "cpu":  # no GPUs to place servers on
@@ -410,6 +418,28 @@ class ServerLauncher:
         # sglang 0.5.23 entrypoints/engine.py: TP rank r runs on GPU base_gpu_id + r (step 1)
         command += ["--base-gpu-id", str(cfg.base_gpu_id + index * cfg.tp_size)]
         return command + args
+
+    def _quantization_args(self, args: list[str]) -> list[str]:
+        """`--quantization` for servers of `self.quantization`, unless `args` name it.
+
+        Raises:
+            ValueError: Servers on CPU, a checkpoint of another scheme, or `args` naming
+                another method; one line.
+        """
+        from ember_rollout import sglang_quant
+
+        spec, cfg = self.quantization, self.config
+        assert spec is not None and cfg.model_path is not None
+        device = resolve_device(cfg.device)
+        sglang_quant.check_device(spec, device, f"engine.sglang.device={cfg.device}")
+        method = sglang_quant.launch_quantization(cfg.model_path, spec)
+        given = _flag_values(args, "--quantization")
+        if any(value != method for value in given):
+            raise ValueError(
+                f"engine.sglang.server_args --quantization {given[0]}: the run serves "
+                f"engine.quantization={spec.scheme}, which SGLang loads as {method}"
+            )
+        return [] if given else ["--quantization", method]
 
     def _port(self, index: int) -> int:
         """Server `index`'s port: `base_port + index` if set and free, else any free one."""
