@@ -133,7 +133,30 @@ def test_quantize_named_shrinks_the_push(weight):
         assert out["model.embed_tokens.weight"].dtype == torch.bfloat16
         assert out["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
         sent = sum(t.numel() * t.element_size() for t in out.values())
-        quantized = weight.numel() * 2 - sum(
-            out[stem + s].numel() * out[stem + s].element_size() for s in names
-        )
-        assert sent == full - quantized and sent < full
+        # The 64 x 96 weight: FP8 bytes plus a 2 x 3 fp32 scale grid, or INT4 nibbles plus a
+        # bf16 scale per 32 inputs of a row and the int64 shape.
+        held = 64 * 96 + 2 * 3 * 4 if scheme == "fp8_block" else 64 * 96 // 2 + 64 * 3 * 2 + 16
+        assert sent == full - 64 * 96 * 2 + held
+
+
+def test_certify_bars_by_scheme():
+    from ember_core.certify import (
+        EXACT_BARS,
+        FP8_BARS,
+        FP32_BARS,
+        INT4_BARS,
+        LOW_PRECISION_BARS,
+        mismatch_ceiling,
+    )
+
+    def bars(**kw):
+        return mismatch_ceiling("float32", "float32", **kw)
+
+    assert bars(quantization="fp8_block") is FP8_BARS
+    assert bars(quantization="fp8_block", qat=True) is FP8_BARS  # activations still round
+    assert bars(quantization="int4_w4a16") is INT4_BARS
+    assert bars(quantization="int4_w4a16", qat=True) is FP32_BARS
+    assert bars(quantization="int4_w4a16", qat=True, exact=True) is EXACT_BARS
+    low = mismatch_ceiling("bfloat16", "float32", quantization="int4_w4a16", qat=True)
+    assert (low.mean, low.max) == (LOW_PRECISION_BARS.mean, LOW_PRECISION_BARS.max)
+    assert FP8_BARS.mean < INT4_BARS.mean

@@ -93,9 +93,12 @@ def test_the_default_run_with_each_scheme_with_and_without_qat(tmp_path):
     # Without QAT the trainer computes with the full-precision weights the engine does not
     # serve; with it, with the served ones: back to the full-precision engine's agreement.
     assert mismatch["full"] < 1e-5
-    for scheme in ("fp8", "int4"):
-        assert mismatch[scheme] > 1e-3, mismatch
-        assert mismatch[f"{scheme}+qat"] < max(2 * mismatch["full"], 1e-5), mismatch
+    assert mismatch["fp8"] > 1e-3 and mismatch["int4"] > 1e-3, mismatch
+    assert mismatch["int4+qat"] < max(2 * mismatch["full"], 1e-5), mismatch
+    # FP8 quantizes activations too: a last-bit difference between the engine's decode and
+    # the trainer's forward can round one a whole FP8 step apart (docs/low-precision.md), so
+    # QAT brings the mismatch down, not always to the full-precision engine's.
+    assert mismatch["fp8+qat"] < mismatch["fp8"] / 10, mismatch
     # FP8 is a quarter of fp32's bytes, INT4 an eighth, plus scales and what stays in fp32
     # (embeddings, norms, routers, the output layer).
     assert pushed["fp8"] == pushed["fp8+qat"] < 0.4 * pushed["full"]

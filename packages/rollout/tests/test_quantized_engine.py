@@ -264,3 +264,24 @@ def test_nothing_to_quantize_is_one_line():
         quantize_model(llama, QuantSpec("fp8_block", 32, "experts"))
     with pytest.raises(ValueError, match="k_proj.weight: fp8_block group size 64 does not divide"):
         quantize_model(model, QuantSpec("fp8_block", 64))
+
+
+def test_the_served_weight_is_one_tensor_written_in_place_even_in_inference_mode():
+    """The engine decodes in inference mode; its served weights must stay ordinary tensors
+    written in place, whose version counters tell `exact.packed_weight` to pack again (an
+    inference tensor would be packed at every product, a new tensor per load would leave the
+    old packings behind)."""
+    spec = QuantSpec("fp8_block", 32)
+    layer = QuantLinear(spec, torch.randn(64, 64))
+    with torch.inference_mode():
+        served = layer.served()
+    assert not served.is_inference()
+    version = served._version
+    new = quant.quantize(torch.randn(64, 64), spec)
+    with torch.no_grad():
+        layer.weight.copy_(new["weight"])
+        layer.weight_scale_inv.copy_(new["weight_scale_inv"])
+    with torch.inference_mode():
+        again = layer.served()
+    assert again is served and served._version > version
+    assert torch.equal(served, quant.dequantize(new, torch.float32))

@@ -676,6 +676,16 @@ def check_quantization(config: RunConfig) -> None:
             "train.qat=false: the trainer would compute with weights the engine does not serve; "
             "set train.qat=true (both sides then run the mode's kernels on the served weights)"
         )
+    if train.qat and config.ray.gpus_per_rank > 0:
+        from ember_megatron_backend.model import _have_te
+
+        if _have_te():  # the ranks would build Transformer Engine's layers (`uses_te_spec`)
+            raise ValueError(
+                "train.qat=true with ray.gpus_per_rank > 0 where Transformer Engine is "
+                "installed: the trainer's GPU layers are then Transformer Engine's, whose "
+                "kernels take no fake-quantized weight (ember_megatron_backend.qat needs "
+                "megatron-core's local layers); uninstall transformer-engine or set train.qat=false"
+            )
     if train.qat:
         parallel = train.parallel
         for key in ("tensor_parallel", "expert_tensor_parallel"):

@@ -182,10 +182,19 @@ class WeightPush:
     def load_initial(self) -> None:
         """Bring every engine that did not load `hf_init` itself (attached SGLang servers) to
         the trainer's initial weights, so rollout 0 comes from them: by the run's transport
-        (disk: `hf_init` itself, which such a server must be able to read)."""
+        (disk: `hf_init` itself, which such a server must be able to read). Under
+        `engine.quantization` every embedded engine gets them too, quantized as every push
+        quantizes them."""
         driver = self.driver
         engines = self._actors.engines
         loaded = calls.get([e.loaded_model_path.remote() for e in engines])
+        config = driver.config
+        if config.engine.kind == "hf" and config.engine.quantization and not driver.rollout_only:
+            # An embedded engine quantized `hf_init` as it loaded it, in its own dtype; the
+            # pushes quantize the trainer's weights as it holds them. Rollout 0 samples from
+            # what they push.
+            self.send(INITIAL_WEIGHT_VERSION)
+            return
         if all(loaded):
             return
         transport = "disk" if driver.rollout_only else self.transport

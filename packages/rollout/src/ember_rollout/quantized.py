@@ -29,7 +29,7 @@ from ember_core import exact, quant
 from ember_core.quant import QuantSpec
 from ember_rollout.models import _checkpoint_name, naming_of
 
-__all__ = ["QuantExperts", "QuantLinear", "quantize_model", "quantized_bytes"]
+__all__ = ["QuantExperts", "QuantLinear", "quantize_model"]
 
 
 class QuantLinear(nn.Module):
@@ -55,21 +55,25 @@ class QuantLinear(nn.Module):
         self.exact = False
         """Multiply with `exact.linear` (`rollout.true_on_policy`; set by
         `true_on_policy.exact_model`), else `F.linear`."""
-        self._served: torch.Tensor | None = None
+        self.register_buffer(
+            "_served", torch.empty(weight.shape, dtype=self.dtype, device=weight.device),
+            persistent=False,
+        )  # fmt: skip
         self._served_from: tuple[int, ...] = ()
 
     def quantized(self) -> dict[str, torch.Tensor]:
         """The tensors that hold the weight, by checkpoint suffix."""
-        return dict(self.named_buffers(recurse=False))
+        return {n: t for n, t in self.named_buffers(recurse=False) if n != "_served"}
 
     def served(self) -> torch.Tensor:
         """The weight [out, in] the layer multiplies with: its tensors dequantized, again after
-        any of them was written."""
+        any of them was written. Always the same tensor, written in place (outside inference
+        mode, so that its version counter tells `exact.packed_weight` it changed)."""
         tensors = self.quantized()
         versions = tuple(t._version for t in tensors.values())
-        if self._served is None or versions != self._served_from:
-            with torch.no_grad():
-                self._served = quant.dequantize(tensors, self.dtype)
+        if versions != self._served_from:
+            with torch.inference_mode(False), torch.no_grad():
+                self._served.copy_(quant.dequantize(tensors, self.dtype))
             self._served_from = versions
         return self._served
 
@@ -106,11 +110,13 @@ class QuantExperts(nn.Module):
         self.exact = False
         """Compute with `exact.experts` (`rollout.true_on_policy`), else expert by expert."""
         self._fused: list[torch.Tensor] | None = None
-        self._fused_from: tuple[torch.Tensor, ...] = ()
+        self._fused_from: tuple[int, ...] = ()
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-        hidden = down.shape[1]
-        if gate_up.shape[1] == hidden and gate_up.shape[2] != hidden:  # fused as [E, H, 2I]
-            gate_up = gate_up.transpose(1, 2)
+        if gate_up.shape[2] != down.shape[1] or gate_up.shape[1] != 2 * down.shape[2]:
+            raise ValueError(
+                f"engine.quantization: {prefix} holds gate_up_proj {tuple(gate_up.shape)} and "
+                f"down_proj {tuple(down.shape)}; expected [E, 2I, H] and [E, H, I]"
+            )
         self.num_experts = gate_up.shape[0]
         names = {role: name for name, role in projections.items()}
         self._roles = (names["gate"], names["up"], names["down"])
@@ -131,14 +137,17 @@ class QuantExperts(nn.Module):
         ]
 
     def fused_gate_up(self) -> list[torch.Tensor]:
-        """Per expert, its served gate and up weights as one [2F, H] weight (gate first), made
-        again after any of them was dequantized anew."""
-        served = tuple(t for gate, up, _ in self._experts() for t in (gate.served(), up.served()))
-        if self._fused is None or any(
-            a is not b for a, b in zip(served, self._fused_from, strict=True)
-        ):
-            self._fused = [torch.cat(served[i : i + 2]) for i in range(0, len(served), 2)]
-            self._fused_from = served
+        """Per expert, its served gate and up weights as one [2F, H] weight (gate first),
+        written in place again after either was dequantized anew (as `QuantLinear.served`)."""
+        pairs = [(gate.served(), up.served()) for gate, up, _ in self._experts()]
+        versions = tuple(t._version for pair in pairs for t in pair)
+        with torch.inference_mode(False), torch.no_grad():
+            if self._fused is None:
+                self._fused = [torch.cat(pair) for pair in pairs]
+            elif versions != self._fused_from:
+                for fused, pair in zip(self._fused, pairs, strict=True):
+                    fused.copy_(torch.cat(pair))
+        self._fused_from = versions
         return self._fused
 
     def forward(
@@ -216,14 +225,3 @@ def quantize_model(model: nn.Module, spec: QuantSpec) -> int:
             )
         )
     return count
-
-
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights as the engine holds them (quantized tensors as stored)."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-    return total
