@@ -5,18 +5,14 @@ the in-process fake of `packages/rollout/tests/sglang_fake.py`)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "rollout" / "tests"))
 
-from sglang_fake import FakeSGLang  # noqa: E402
+from sglang_fake import FakeSGLang, serving  # noqa: E402
 from sglang_fake_model import ServedModel, write_checkpoint  # noqa: E402
 
 from ember.cli import USAGE_ERROR, main  # noqa: E402
@@ -108,23 +104,6 @@ def test_quantized_sglang_servers_on_cpu_are_one_line_before_ray(
 )
 def test_what_sglang_cannot_update_is_refused_in_one_line(overrides, expected):
     assert expected in refused(*overrides)
-
-
-@contextlib.contextmanager
-def serving(fake: FakeSGLang) -> Iterator[str]:
-    """One server of `fake` on an event loop of its own thread; yields its URL."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="fake-sglang", daemon=True)
-    thread.start()
-    stack = contextlib.AsyncExitStack()
-    try:
-        enter = stack.enter_async_context(fake.running())
-        yield asyncio.run_coroutine_threadsafe(enter, loop).result(timeout=30)
-    finally:
-        asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,8 @@ a test asks.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import shutil
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "rollout" / "tests"))
 
 from engine_standins import AsRayActor, ManagerStandIn  # noqa: E402
-from sglang_fake import FakeSGLang  # noqa: E402
+from sglang_fake import FakeSGLang, serving  # noqa: E402
 
 from ember import calls  # noqa: E402
 from ember.actors import RolloutEngine  # noqa: E402
@@ -30,23 +26,6 @@ from ember.config import load_config  # noqa: E402
 from ember.driver import Actors, Driver  # noqa: E402
 from ember.failures import probe  # noqa: E402
 from ember.placement import MemoryHandoff  # noqa: E402
-
-
-@contextlib.contextmanager
-def serving(fake: FakeSGLang) -> Iterator[str]:
-    """One server of `fake` on an event loop of its own thread; yields its URL."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="fake-sglang", daemon=True)
-    thread.start()
-    stack = contextlib.AsyncExitStack()
-    try:
-        enter = stack.enter_async_context(fake.running())
-        yield asyncio.run_coroutine_threadsafe(enter, loop).result(timeout=30)
-    finally:
-        asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
 
 
 @pytest.fixture
@@ -111,7 +90,7 @@ class TrainerStandIn:
     def reload(self) -> int:
         return 0
 
-    def export_hf(self, path: str) -> None:
+    def export_hf(self, path: str, pushed: bool = False) -> None:
         shutil.copytree(self.model, path)
 
 

@@ -47,7 +47,8 @@ import contextlib
 import io
 import math
 import pickle
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -988,3 +989,20 @@ def run(fake, body, *, n_servers=1, **kw):
                 await engine.shutdown()
 
     return asyncio.run(main())
+
+
+@contextlib.contextmanager
+def serving(fake: FakeSGLang) -> Iterator[str]:
+    """One server of `fake` on an event loop of its own thread; yields its URL."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake-sglang", daemon=True)
+    thread.start()
+    stack = contextlib.AsyncExitStack()
+    try:
+        enter = stack.enter_async_context(fake.running())
+        yield asyncio.run_coroutine_threadsafe(enter, loop).result(timeout=30)
+    finally:
+        asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
