@@ -950,3 +950,23 @@ def test_every_audit_under_replay_needs_the_shifted_experts_replayed_exactly(hos
         f"{SHIFTED} = 1.0, expected exactly 1.0"
     ) in reports(caplog)
     host.after_log_rollout_data(3, without(ON_POLICY_ROLLOUT, "rollout/audit"))  # no audit
+
+
+@pytest.mark.parametrize(
+    ("quantization", "qat", "ceiling"),
+    [("fp8_block", False, 8.0), ("fp8_block", True, 8.0), ("int4_w4a16", False, 60.0),
+     ("int4_w4a16", True, 5e-4)],
+)  # fmt: skip
+def test_a_quantized_engine_takes_the_certificates_ceiling_of_its_scheme(
+    quantization, qat, ceiling
+):
+    """The checker's per-token ceiling follows `ember certify`'s bars: a quantized engine
+    without QAT is measured against its scheme's, not the float32 one its weights cannot meet."""
+    config = {
+        "train": {"dtype": "float32", "qat": qat},
+        "engine": {"kind": "hf", "hf": {"dtype": "float32"}, "quantization": quantization},
+        "rollout": {"true_on_policy": False},
+    }
+    found, why = checker_plugin.max_ceiling(config, KLCheckerConfig())
+    assert found == ceiling
+    assert (quantization in why) == (found != 5e-4), why

@@ -567,13 +567,20 @@ def engine_dtype(config: Any) -> str | None:
 
 
 def max_ceiling(config: Any, section: KLCheckerConfig) -> tuple[float, str]:
-    """The per-token mismatch ceiling of a run and why: the section's, or by the dtypes of
-    the engine and the trainer when it is null."""
+    """The per-token mismatch ceiling of a run and why: the section's, or, when it is null,
+    `ember certify`'s by the dtypes of the engine and the trainer and the engine's quantization."""
     if section.train_rollout_logprob_max_abs_diff_threshold is not None:
         value = section.train_rollout_logprob_max_abs_diff_threshold
         return value, f"{SECTION}.train_rollout_logprob_max_abs_diff_threshold={value:g}"
     exact = bool(_get(_get(config, "rollout"), "true_on_policy"))
-    bars = mismatch_ceiling(engine_dtype(config), _get(_get(config, "train"), "dtype"), exact=exact)
+    train = _get(config, "train")
+    bars = mismatch_ceiling(
+        engine_dtype(config),
+        _get(train, "dtype"),
+        exact=exact,
+        quantization=_get(_get(config, "engine"), "quantization"),  # the certificate's bars
+        qat=bool(_get(train, "qat")),
+    )
     return bars.max, bars.why
 
 
